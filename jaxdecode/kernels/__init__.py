@@ -1,0 +1,1 @@
+"""Hand-written kernels, each beside a pure-JAX reference with the same signature."""
