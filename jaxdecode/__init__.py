@@ -1,0 +1,22 @@
+"""jaxdecode: fast, pure-JAX decoding of Qwen3.5 hybrid (Gated DeltaNet + gated attention) models.
+
+    import jaxdecode as jd
+    params = jd.load_checkpoint("path/to/checkpoint_dir", dtype="bfloat16")
+    state = jd.init_state(params.config, batch_size=B, max_len=L)
+    logits, state = jd.prefill(params, state, tokens, lengths)
+    logits, state = jd.decode_step(params, state, next_tokens)
+"""
+
+from jaxdecode import model
+from jaxdecode.checkpoint import load_checkpoint
+from jaxdecode.config import PRESETS, Config
+from jaxdecode.kernels.decode_attention import decode_attention, decode_attention_reference
+from jaxdecode.model import decode_step, prefill
+from jaxdecode.params import Params, init_params, num_params, param_specs
+from jaxdecode.state import DecodeState, KVCache, fork, init_state
+
+__all__ = [
+    "Config", "DecodeState", "KVCache", "PRESETS", "Params", "decode_attention",
+    "decode_attention_reference", "decode_step", "fork", "init_params", "init_state",
+    "load_checkpoint", "model", "num_params", "param_specs", "prefill",
+]

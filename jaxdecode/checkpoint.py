@@ -1,0 +1,142 @@
+"""Hugging Face checkpoint directory -> :class:`~jaxdecode.params.Params`.
+
+Reads ``config.json`` and ``model.safetensors`` (or the shards listed in
+``model.safetensors.index.json``) with the ``safetensors`` library, tensor by tensor, so peak host
+memory is about one tensor above the parameters. Two layouts:
+
+* text-only ``Qwen3_5ForCausalLM``: ``model.layers.*``, ``model.embed_tokens.weight``, ...
+* multimodal ``Qwen3_5ForConditionalGeneration`` (the published ``Qwen/Qwen3.5-*`` checkpoints):
+  text weights under ``model.language_model.*`` (mapped to ``model.*`` as HF's conversion mapping
+  does); ``model.visual.*`` and ``mtp.*`` are skipped.
+
+Every header is checked before any data is read: missing, unexpected and misshapen tensors are
+collected and raised together in one ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import safe_open
+
+from jaxdecode.config import Config
+from jaxdecode.params import Params, leaf_dtype, param_specs, params_from_flat
+
+TEXT_PREFIX = "model.language_model."
+SKIPPED_PREFIXES = ("mtp.", "model.visual.", "visual.")
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def checkpoint_files(directory: str | os.PathLike) -> list[str]:
+    """The safetensors files of a checkpoint directory (shards in index order).
+
+    Raises:
+      FileNotFoundError: when neither ``model.safetensors`` nor an index file exists, or a shard
+        named by the index is missing.
+    """
+    directory = os.fspath(directory)
+    index = os.path.join(directory, INDEX_FILE)
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = [os.path.join(directory, name) for name in dict.fromkeys(weight_map.values())]
+        missing = [f for f in files if not os.path.exists(f)]
+        if missing:
+            raise FileNotFoundError(f"{INDEX_FILE} names shards that do not exist: {missing}")
+        return files
+    single = os.path.join(directory, SINGLE_FILE)
+    if os.path.exists(single):
+        return [single]
+    raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {directory!r}")
+
+
+def canonical_name(name: str) -> str | None:
+    """Maps a checkpoint tensor name to its ``Qwen3_5ForCausalLM`` name; None if skipped."""
+    if name.startswith(SKIPPED_PREFIXES):
+        return None
+    if name.startswith(TEXT_PREFIX):
+        return "model." + name[len(TEXT_PREFIX):]
+    return name
+
+
+def _index_tensors(files: list[str]) -> dict[str, tuple[str, str, tuple[int, ...]]]:
+    """{canonical name: (file, stored name, shape)} from the headers alone."""
+    found = {}
+    for path in files:
+        with safe_open(path, framework="np") as f:
+            for stored in f.keys():
+                name = canonical_name(stored)
+                if name is not None:
+                    found[name] = (path, stored, tuple(f.get_slice(stored).get_shape()))
+    return found
+
+
+def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
+                    place: Callable[[str, np.ndarray], jax.Array] | None = None) -> Params:
+    """Loads a Hugging Face Qwen3.5 checkpoint directory.
+
+    Args:
+      directory: holds ``config.json`` and ``model.safetensors`` or sharded safetensors with
+        ``model.safetensors.index.json``; bf16 or float32 on disk.
+      dtype: model dtype τ of the returned params ("bfloat16" or "float32"). ``A_log`` and the
+        gated-norm weight are kept in float32 (the published checkpoints store them F32).
+      place: optional ``(name, host_array) -> jax.Array`` that puts each tensor on device(s)
+        (e.g. with a sharding); default ``jnp.asarray`` on the default device.
+
+    Returns:
+      :class:`Params` with ``params.config`` read from ``config.json``. Tied checkpoints use
+      ``embed_tokens`` for the LM head (a stored ``lm_head.weight`` is then ignored).
+
+    Raises:
+      FileNotFoundError: missing ``config.json`` or safetensors files.
+      ValueError: unsupported config (see ``Config.from_hf_config``), or one message listing every
+        missing, unexpected or misshapen tensor (name, expected and stored shapes).
+    """
+    directory = os.fspath(directory)
+    config_path = os.path.join(directory, "config.json")
+    if not os.path.exists(config_path):
+        raise FileNotFoundError(f"no config.json in {directory!r}")
+    config = Config.from_json_file(config_path)
+    dtype = jnp.dtype(dtype)
+    if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"{dtype=} must be float32 or bfloat16")
+    specs = param_specs(config)
+    found = _index_tensors(checkpoint_files(directory))
+    if config.tie_word_embeddings:
+        found.pop("lm_head.weight", None)
+
+    problems = []
+    for name in specs.keys() - found.keys():
+        problems.append(f"missing tensor {name} (expected shape {specs[name].shape})")
+    for name in found.keys() - specs.keys():
+        problems.append(f"unexpected tensor {found[name][1]} with shape {found[name][2]}")
+    for name in specs.keys() & found.keys():
+        if found[name][2] != specs[name].shape:
+            problems.append(f"tensor {found[name][1]} has shape {found[name][2]}, expected "
+                            f"{specs[name].shape}")
+    if problems:
+        raise ValueError(f"checkpoint {directory!r} does not match its config.json "
+                         f"({len(problems)} problems):\n  " + "\n  ".join(sorted(problems)))
+
+    place = place or (lambda name, x: jnp.asarray(x))
+    flat = {}
+    for name, array in _iter_tensors(found):
+        target = leaf_dtype(specs[name], dtype)
+        flat[name] = place(name, array.astype(target, copy=False))
+    return params_from_flat(config, flat)
+
+
+def _iter_tensors(found) -> Iterator[tuple[str, np.ndarray]]:
+    by_file: dict[str, list[tuple[str, str]]] = {}
+    for name, (path, stored, _) in found.items():
+        by_file.setdefault(path, []).append((name, stored))
+    for path, names in by_file.items():
+        with safe_open(path, framework="np") as f:
+            for name, stored in names:
+                yield name, f.get_tensor(stored)

@@ -1,0 +1,277 @@
+"""Model configuration: the Hugging Face ``Qwen3_5TextConfig`` fields jaxdecode reads.
+
+Field names are the Hugging Face ``config.json`` names verbatim, so a reader can grep a checkpoint's
+config for each of them. Derived sizes (group size, rotary dims, conv channels) are properties and
+never stored twice.
+
+Source: ``transformers/models/qwen3_5/configuration_qwen3_5.py`` (transformers 5.24.0) and the
+published configs reconstructed in ``shared/docs/configs/``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping
+
+LINEAR_ATTENTION = "linear_attention"
+FULL_ATTENTION = "full_attention"
+
+SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+MOE_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A Qwen3.5 dense text decoder's shape. Frozen and hashable, so valid as a ``jax.jit`` static.
+
+    Notation used in docstrings across jaxdecode: Hq = ``num_attention_heads``,
+    Hkv = ``num_key_value_heads``, D = ``head_dim``, Hk = ``linear_num_key_heads``,
+    Hv = ``linear_num_value_heads``, dk = ``linear_key_head_dim``, dv = ``linear_value_head_dim``,
+    Kc = ``linear_conv_kernel_dim``, C = ``linear_conv_dim`` = 2·Hk·dk + Hv·dv.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    layer_types: tuple[str, ...]
+    partial_rotary_factor: float = 0.25
+    rope_theta: float = 10_000_000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 262_144
+    eos_token_id: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if isinstance(self.layer_types, list):
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if isinstance(self.eos_token_id, (list, int)):
+            ids = (self.eos_token_id,) if isinstance(self.eos_token_id, int) else self.eos_token_id
+            object.__setattr__(self, "eos_token_id", tuple(ids))
+        problems = []
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                     "linear_value_head_dim", "linear_conv_kernel_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                problems.append(f"{name}={value!r} must be a positive int")
+        if problems:
+            raise ValueError("invalid Config: " + "; ".join(problems))
+        if len(self.layer_types) != self.num_hidden_layers:
+            problems.append(f"len(layer_types)={len(self.layer_types)} != "
+                            f"num_hidden_layers={self.num_hidden_layers}")
+        unknown = sorted(set(self.layer_types) - {LINEAR_ATTENTION, FULL_ATTENTION})
+        if unknown:
+            problems.append(f"unsupported layer_types {unknown} (supported: "
+                            f"{LINEAR_ATTENTION!r}, {FULL_ATTENTION!r})")
+        if FULL_ATTENTION not in self.layer_types:
+            problems.append("layer_types has no 'full_attention' layer; jaxdecode needs at least "
+                            "one (it holds the KV cache that bounds max_len)")
+        if self.num_attention_heads % self.num_key_value_heads:
+            problems.append(f"num_attention_heads={self.num_attention_heads} must be divisible by "
+                            f"num_key_value_heads={self.num_key_value_heads}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            problems.append(f"linear_num_value_heads={self.linear_num_value_heads} must be "
+                            f"divisible by linear_num_key_heads={self.linear_num_key_heads}")
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            problems.append(f"rotary dims int(head_dim * partial_rotary_factor)={self.rotary_dim} "
+                            f"must be even and in (0, head_dim={self.head_dim}]")
+        if self.linear_conv_kernel_dim < 2:
+            problems.append(f"linear_conv_kernel_dim={self.linear_conv_kernel_dim} must be >= 2")
+        if problems:
+            raise ValueError("invalid Config: " + "; ".join(problems))
+
+    # ----- derived sizes ---------------------------------------------------------------------
+    @property
+    def num_key_value_groups(self) -> int:
+        """Query heads per KV head (Hq / Hkv)."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def linear_num_value_heads_per_key_head(self) -> int:
+        """r = Hv / Hk: value head h uses key head h // r (repeat_interleave, spec §1.4)."""
+        return self.linear_num_value_heads // self.linear_num_key_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Rotated dims of each attention head: int(head_dim * partial_rotary_factor)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_key_dim(self) -> int:
+        """Ck = Hk·dk."""
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        """Cv = Hv·dv."""
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """C = 2·Ck + Cv: channels of ``in_proj_qkv`` and of the causal conv."""
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    @property
+    def linear_attention_layers(self) -> tuple[int, ...]:
+        """Indices of the Gated DeltaNet layers."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR_ATTENTION)
+
+    @property
+    def full_attention_layers(self) -> tuple[int, ...]:
+        """Indices of the gated full-attention (KV cache) layers."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION)
+
+    # ----- constructors ----------------------------------------------------------------------
+    @classmethod
+    def from_hf_config(cls, hf_config: Mapping[str, Any]) -> "Config":
+        """Builds a Config from a Hugging Face ``config.json`` dict.
+
+        Accepts the text-only layout (``model_type`` ``qwen3_5_text``, ``Qwen3_5ForCausalLM``) and
+        the multimodal layout (``model_type`` ``qwen3_5`` with a ``text_config`` block).
+
+        Raises:
+          ValueError: for model types or settings this code cannot run (MoE, biases, non-SiLU
+            activations, rope scaling), naming what is unsupported.
+        """
+        top = dict(hf_config)
+        text = dict(top.get("text_config") or top)
+        model_type = text.get("model_type", top.get("model_type"))
+        if top.get("model_type") in MOE_MODEL_TYPES or model_type in MOE_MODEL_TYPES or text.get(
+                "num_experts"):
+            raise ValueError(
+                f"unsupported config: model_type={model_type!r} is a mixture-of-experts model "
+                f"(num_experts={text.get('num_experts')}); jaxdecode supports the dense "
+                f"{SUPPORTED_MODEL_TYPES} models only")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported config: model_type={model_type!r}; jaxdecode supports "
+                             f"{SUPPORTED_MODEL_TYPES}")
+        problems = []
+        if text.get("hidden_act", "silu") != "silu":
+            problems.append(f"hidden_act={text['hidden_act']!r} (only 'silu')")
+        if text.get("attention_bias", False):
+            problems.append("attention_bias=True (Qwen3.5 has no biases)")
+        if text.get("attn_output_gate", True) is False:
+            problems.append("attn_output_gate=False (the gated attention output is required)")
+        if text.get("mlp_only_layers"):
+            problems.append(f"mlp_only_layers={text['mlp_only_layers']}")
+        rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            problems.append(f"rope_type={rope_type!r} (only 'default')")
+        if problems:
+            raise ValueError("unsupported config: " + "; ".join(problems))
+        rope_theta = rope.get("rope_theta", text.get("rope_theta", 10_000_000.0))
+        partial = rope.get("partial_rotary_factor",
+                           text.get("partial_rotary_factor", top.get("partial_rotary_factor", 0.25)))
+        num_layers = text["num_hidden_layers"]
+        layer_types = text.get("layer_types")
+        if layer_types is None:
+            interval = text.get("full_attention_interval", 4)
+            layer_types = [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION
+                           for i in range(num_layers)]
+        eos = text.get("eos_token_id", top.get("eos_token_id"))
+        eos = () if eos is None else eos
+        tie = top.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+        try:
+            return cls(
+                vocab_size=text["vocab_size"],
+                hidden_size=text["hidden_size"],
+                intermediate_size=text["intermediate_size"],
+                num_hidden_layers=num_layers,
+                num_attention_heads=text["num_attention_heads"],
+                num_key_value_heads=text["num_key_value_heads"],
+                head_dim=text.get("head_dim",
+                                  text["hidden_size"] // text["num_attention_heads"]),
+                linear_num_key_heads=text["linear_num_key_heads"],
+                linear_num_value_heads=text["linear_num_value_heads"],
+                linear_key_head_dim=text["linear_key_head_dim"],
+                linear_value_head_dim=text["linear_value_head_dim"],
+                linear_conv_kernel_dim=text["linear_conv_kernel_dim"],
+                layer_types=tuple(layer_types),
+                partial_rotary_factor=float(partial),
+                rope_theta=float(rope_theta),
+                rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+                tie_word_embeddings=bool(tie),
+                max_position_embeddings=int(text.get("max_position_embeddings", 262_144)),
+                eos_token_id=eos,
+            )
+        except KeyError as e:
+            raise ValueError(f"config.json is missing the required field {e.args[0]!r}") from None
+
+    @classmethod
+    def from_json_file(cls, path: str | os.PathLike) -> "Config":
+        """Reads a Hugging Face ``config.json`` file (see :meth:`from_hf_config`)."""
+        with open(path) as f:
+            return cls.from_hf_config(json.load(f))
+
+    @classmethod
+    def from_preset(cls, name: str) -> "Config":
+        """The published Qwen3.5 text shapes, plus ``tiny`` for tests and the demo.
+
+        Raises:
+          ValueError: for an unknown name (the message lists the presets).
+        """
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; available: {sorted(PRESETS)}")
+        return PRESETS[name]
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The ``qwen3_5_text`` config.json dict for this Config (inverse of from_hf_config)."""
+        d = dataclasses.asdict(self)
+        d["layer_types"] = list(self.layer_types)
+        d["eos_token_id"] = (list(self.eos_token_id) if len(self.eos_token_id) != 1
+                             else self.eos_token_id[0])
+        d.pop("rope_theta")
+        d["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta,
+                                "partial_rotary_factor": self.partial_rotary_factor}
+        d["model_type"] = "qwen3_5_text"
+        d["architectures"] = ["Qwen3_5ForCausalLM"]
+        d["hidden_act"] = "silu"
+        return d
+
+
+def _schedule(num_layers: int, interval: int = 4) -> tuple[str, ...]:
+    return tuple(FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION
+                 for i in range(num_layers))
+
+
+def _published(hidden, intermediate, layers, hq, hkv, hv, tie) -> Config:
+    # Common to every Qwen3.5 size (spec §4): vocab 248320, head_dim 256, dk = dv = 128, Hk = 16,
+    # Kc = 4, rope_theta 1e7 on 64 of 256 dims, eps 1e-6, eos 248044.
+    return Config(
+        vocab_size=248_320, hidden_size=hidden, intermediate_size=intermediate,
+        num_hidden_layers=layers, num_attention_heads=hq, num_key_value_heads=hkv, head_dim=256,
+        linear_num_key_heads=16, linear_num_value_heads=hv, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, layer_types=_schedule(layers),
+        partial_rotary_factor=0.25, rope_theta=10_000_000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=tie, max_position_embeddings=262_144, eos_token_id=(248_044,))
+
+
+PRESETS: dict[str, Config] = {
+    "qwen3.5-0.8b": _published(1024, 3584, 24, 8, 2, 16, True),
+    "qwen3.5-2b": _published(2048, 6144, 24, 8, 2, 16, True),
+    "qwen3.5-4b": _published(2560, 9216, 32, 16, 4, 32, True),
+    "qwen3.5-9b": _published(4096, 12288, 32, 16, 4, 32, False),
+    "qwen3.5-27b": _published(5120, 17408, 64, 24, 4, 48, False),
+    # Small enough for CPU tests and the demo, with the real vocabulary (so a real tokenizer fits),
+    # GQA (2 query heads per KV head), r = Hv/Hk = 2, dk != dv and two attention layers.
+    "tiny": Config(
+        vocab_size=248_320, hidden_size=128, intermediate_size=384, num_hidden_layers=8,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=48,
+        linear_conv_kernel_dim=4, layer_types=_schedule(8), partial_rotary_factor=0.25,
+        rope_theta=10_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        max_position_embeddings=262_144, eos_token_id=(248_044,)),
+}

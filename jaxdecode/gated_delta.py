@@ -1,0 +1,120 @@
+"""The gated delta rule: one-token step, chunked parallel form, naive recurrence.
+
+All three take the same inputs, already prepared as in HF's torch kernels (float32, q and k
+L2-normalised, q scaled by dk**-0.5, q/k repeated to the value heads):
+
+  q, k   [B, T, H, dk]   float32
+  v      [B, T, H, dv]   float32
+  g      [B, T, H]       float32, log-space decay (g <= 0; the step multiplies S by exp(g))
+  beta   [B, T, H]       float32, write strength in [0, 1]
+  state  [B, H, dk, dv]  float32, S (key dim first)
+
+Per token (Yang, Kautz, Hatamizadeh, "Gated Delta Networks", ICLR 2025, eq. 10; HF
+``torch_recurrent_gated_delta_rule``):
+
+  S <- exp(g_t) S;  delta_t = beta_t (v_t - S^T k_t);  S <- S + k_t delta_t^T;  o_t = S^T q_t
+
+The chunked form (HF ``torch_chunk_gated_delta_rule``, transformers 5.24.0; spec §1.4) computes
+the same thing 64 tokens at a time with a unit-lower-triangular solve inside each chunk. A token
+with ``beta = 0, g = 0, k = 0`` leaves S unchanged, which is how padding is made inert.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.scipy.linalg import solve_triangular
+
+Array = jax.Array
+
+
+def gated_delta_rule_step(q, k, v, g, beta, state):
+    """One token of the gated delta rule.
+
+    Args:
+      q, k: [B, H, dk]; v: [B, H, dv]; g, beta: [B, H]; state: [B, H, dk, dv] (all float32).
+
+    Returns:
+      (o [B, H, dv], new state [B, H, dk, dv]). The output reads the state *after* this token's
+      write (spec §1.4).
+    """
+    state = state * jnp.exp(g)[..., None, None]
+    kv_mem = jnp.einsum("bhkv,bhk->bhv", state, k)
+    delta = beta[..., None] * (v - kv_mem)
+    state = state + k[..., :, None] * delta[..., None, :]
+    o = jnp.einsum("bhkv,bhk->bhv", state, q)
+    return o, state
+
+
+def naive_gated_delta_rule(q, k, v, g, beta, state):
+    """Token-by-token reference (``lax.scan`` of :func:`gated_delta_rule_step`).
+
+    Shapes as in the module docstring. Returns (o [B, T, H, dv], final state).
+    """
+    def step(s, xs):
+        o, s = gated_delta_rule_step(*xs, s)
+        return s, o
+
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta))
+    state, o = jax.lax.scan(step, state, xs)
+    return jnp.moveaxis(o, 0, 1), state
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
+    """Chunked (parallel) gated delta rule, equal to :func:`naive_gated_delta_rule`.
+
+    Shapes as in the module docstring; T need not be a multiple of ``chunk_size`` (the tail is
+    padded with inert tokens). Within chunk n with cumulative decay Γ_i = Σ_{s<=i} g_s:
+
+      A_ij = β_i (k_i·k_j) e^{Γ_i-Γ_j} (j < i),  T = I + A
+      U = T⁻¹ diag(β) V,  W = T⁻¹ diag(β e^Γ) K
+      Δ = U - W S;  O = diag(e^Γ) Q S + (e^{Γ_i-Γ_j} [j<=i] ⊙ Q Kᵀ) Δ
+      S <- e^{Γ_C} S + (diag(e^{Γ_C-Γ}) K)ᵀ Δ
+
+    Exponents are masked to -inf before ``exp`` so strongly decaying heads cannot overflow
+    (spec §7 item 16).
+
+    Returns:
+      (o [B, T, H, dv] float32, final state [B, H, dk, dv] float32).
+    """
+    batch, length, heads, dk = q.shape
+    dv = v.shape[-1]
+    c = chunk_size
+    pad = (-length) % c
+    if pad:
+        widths = ((0, 0), (0, pad), (0, 0))
+        q, k, v = (jnp.pad(x, widths + ((0, 0),)) for x in (q, k, v))
+        g, beta = (jnp.pad(x, widths) for x in (g, beta))
+    n = (length + pad) // c
+
+    def chunks(x):  # [B, N*C, H, ...] -> [N, B, H, C, ...]
+        x = x.reshape(batch, n, c, heads, *x.shape[3:])
+        return jnp.moveaxis(jnp.swapaxes(x, 2, 3), 1, 0)
+
+    q, k, v, g, beta = map(chunks, (q, k, v, g, beta))
+    gamma = jnp.cumsum(g, axis=-1)  # [N, B, H, C]
+    causal = jnp.tril(jnp.ones((c, c), bool))  # j <= i
+    strict = jnp.tril(jnp.ones((c, c), bool), -1)  # j < i
+    decay = jnp.exp(jnp.where(causal, gamma[..., :, None] - gamma[..., None, :], -jnp.inf))
+    kk = jnp.einsum("...id,...jd->...ij", k, k)
+    a = jnp.where(strict, beta[..., :, None] * kk * decay, 0.0)
+    t = a + jnp.eye(c, dtype=a.dtype)
+    u = solve_triangular(t, beta[..., None] * v, lower=True, unit_diagonal=True)
+    w = solve_triangular(t, (beta * jnp.exp(gamma))[..., None] * k, lower=True,
+                         unit_diagonal=True)
+    qk = jnp.where(causal, jnp.einsum("...id,...jd->...ij", q, k) * decay, 0.0)
+    q_decayed = q * jnp.exp(gamma)[..., None]
+    gamma_last = gamma[..., -1]  # [N, B, H]
+    k_decayed = k * jnp.exp(gamma_last[..., None] - gamma)[..., None]
+
+    def step(s, xs):
+        q_c, k_c, u_c, w_c, qk_c, g_last = xs
+        delta = u_c - jnp.einsum("bhck,bhkv->bhcv", w_c, s)
+        o = jnp.einsum("bhck,bhkv->bhcv", q_c, s) + jnp.einsum("bhij,bhjv->bhiv", qk_c, delta)
+        s = jnp.exp(g_last)[..., None, None] * s + jnp.einsum("bhck,bhcv->bhkv", k_c, delta)
+        return s, o
+
+    state, o = jax.lax.scan(step, state, (q_decayed, k_decayed, u, w, qk, gamma_last))
+    o = jnp.moveaxis(o, 0, 1)  # [B, N, H, C, dv]
+    o = jnp.swapaxes(o, 2, 3).reshape(batch, n * c, heads, dv)
+    return o[:, :length], state

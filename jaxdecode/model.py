@@ -1,0 +1,498 @@
+"""The Qwen3.5 text decoder as pure functions over (Params, DecodeState).
+
+Every equation, cast and weight name follows ``shared/docs/qwen35_spec.md``, which describes
+HF ``transformers/models/qwen3_5/modeling_qwen3_5.py`` (transformers 5.24.0); section numbers
+below refer to it.
+
+Shape legend (docstrings and comments): B batch, T new tokens in this call, S cache positions
+(max_len), Hd hidden_size, Hq/Hkv attention heads/KV heads, D head_dim, Hk/Hv DeltaNet key/value
+heads, dk/dv their head dims, C conv channels (2·Hk·dk + Hv·dv), Kc conv width, V vocab.
+
+Two entry points share one forward:
+  * :func:`prefill_fn` appends ``n_new[b]`` tokens per row (chunked gated delta rule, causal
+    attention over cache + new tokens);
+  * :func:`decode_step_fn` appends one token per row (recurrent delta rule, decode attention).
+:func:`prefill` and :func:`decode_step` add host-side input validation and ``jax.jit`` with the
+state donated, so the caches are updated in place.
+"""
+
+from __future__ import annotations
+
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdecode.config import FULL_ATTENTION, Config
+from jaxdecode.gated_delta import chunk_gated_delta_rule, gated_delta_rule_step
+from jaxdecode.kernels.decode_attention import decode_attention
+from jaxdecode.params import AttentionParams, GatedDeltaNetParams, MLPParams, Params
+from jaxdecode.state import DecodeState, KVCache
+
+Array = jax.Array
+f32 = jnp.float32
+
+# HF's l2norm adds this to the *sum* of squares (hard-coded, not rms_norm_eps; spec §7 item 5).
+L2NORM_EPS = 1e-6
+# Chunk size of the chunked gated delta rule (HF and FLA use 64).
+CHUNK_SIZE = 64
+
+
+# ----- small pieces ---------------------------------------------------------------------------
+
+def linear(x: Array, w: Array) -> Array:
+    """``x @ w.T`` with ``w`` in PyTorch layout ``[out, in]`` (no bias anywhere in Qwen3.5)."""
+    return jnp.einsum("...i,oi->...o", x, w)
+
+
+def rms_norm(x: Array, w: Array, eps: float) -> Array:
+    """Zero-centred RMSNorm (``Qwen3_5RMSNorm``, spec §1.2): gain is ``1 + w``, applied in float32
+    before the cast back to x's dtype. Used for input/post/final norms and q_norm/k_norm."""
+    xf = x.astype(f32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * (1.0 + w.astype(f32))).astype(x.dtype)
+
+
+def gated_rms_norm(x: Array, z: Array, w: Array, eps: float) -> Array:
+    """``Qwen3_5RMSNormGated`` (spec §1.2): plain gain ``w`` (not ``1 + w``), normalised value cast
+    to x's dtype before the gain, then times ``silu(z)`` computed in float32 ("norm before gate")."""
+    xf = x.astype(f32)
+    n = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    return (w.astype(f32) * n.astype(f32) * jax.nn.silu(z.astype(f32))).astype(x.dtype)
+
+
+def l2_normalize(x: Array) -> Array:
+    """``x * rsqrt(sum(x²) + 1e-6)`` over the last axis (HF ``l2norm``; eps on the sum)."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
+
+
+def rope_cos_sin(positions: Array, config: Config) -> tuple[Array, Array]:
+    """Partial rotate-half RoPE tables (spec §1.6).
+
+    Args:
+      positions: [B, T] int32 absolute positions.
+
+    Returns:
+      (cos, sin), each [B, T, rotary_dim] float32, ``cat(freqs, freqs)`` with
+      ``inv_freq_i = theta^(-2i / rotary_dim)``: the denominator is the rotary dim (64 of 256 in
+      the published models), not head_dim. Text-only mRoPE with equal T/H/W rows reduces to this.
+    """
+    rd = config.rotary_dim
+    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, rd, 2, dtype=f32) / rd))
+    freqs = positions.astype(f32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
+    """Rotates the first ``rotary_dim`` dims of x [B, T, N, D] (dim j pairs with j + rotary_dim/2,
+    "rotate half"/NeoX pairing); the rest pass through. cos/sin are cast to x's dtype as in HF."""
+    rd = cos.shape[-1]
+    cos = cos[:, :, None, :].astype(x.dtype)
+    sin = sin[:, :, None, :].astype(x.dtype)
+    x_rot, x_pass = x[..., :rd], x[..., rd:]
+    x1, x2 = x_rot[..., : rd // 2], x_rot[..., rd // 2:]
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return jnp.concatenate([x_rot * cos + rotated * sin, x_pass], axis=-1)
+
+
+def mlp(p: MLPParams, x: Array) -> Array:
+    """Dense SwiGLU (spec §1.7): ``down_proj(silu(gate_proj x) * up_proj x)``."""
+    return linear(jax.nn.silu(linear(x, p.gate_proj)) * linear(x, p.up_proj), p.down_proj)
+
+
+# ----- Gated DeltaNet -------------------------------------------------------------------------
+
+def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurrent_state: Array,
+                    n_new: Array, config: Config, *, decode: bool):
+    """Gated DeltaNet mixer (HF ``Qwen3_5GatedDeltaNet``, spec §1.4) over T new tokens per row.
+
+    Args:
+      x: [B, T, Hd] input_layernorm output; row b's first ``n_new[b]`` tokens are real, the rest is
+        right padding that must not touch any state.
+      conv_state: [B, Kc-1, C] last pre-conv inputs; recurrent_state: [B, Hv, dk, dv] float32.
+      n_new: [B] int32.
+      decode: T == 1 and the one-token recurrence is used instead of the chunked form.
+
+    Returns:
+      (out [B, T, Hd], new conv_state, new recurrent_state).
+    """
+    c = config
+    batch, length, _ = x.shape
+    hk, hv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+                      c.linear_value_head_dim)
+    kc = c.linear_conv_kernel_dim
+    valid = jnp.arange(length)[None, :] < n_new[:, None]  # [B, T]
+
+    mixed = linear(x, p.in_proj_qkv)  # [B, T, C]  pre-conv q|k|v
+    z = linear(x, p.in_proj_z).reshape(batch, length, hv, dv)
+    b = linear(x, p.in_proj_b)  # [B, T, Hv]
+    a = linear(x, p.in_proj_a)  # [B, T, Hv]
+
+    # Causal depthwise conv over [cached Kc-1 inputs | new inputs]; cross-correlation, so
+    # w[:, Kc-1] multiplies the current token (spec §1.4, §7 item 4). Pads sit after the real
+    # tokens, so they never enter a real token's window.
+    hist = jnp.concatenate([conv_state.astype(mixed.dtype), mixed], axis=1)  # [B, Kc-1+T, C]
+    w = p.conv1d[:, 0, :].astype(f32)  # [C, Kc]
+    conv = sum(hist[:, j:j + length, :].astype(f32) * w[:, j] for j in range(kc))
+    conv = jax.nn.silu(conv).astype(x.dtype)
+    # The new window is the last Kc-1 *real* inputs: hist[n_new : n_new + Kc - 1] per row.
+    if decode:
+        new_conv_state = jnp.where(valid[:, :, None], hist[:, 1:], hist[:, :kc - 1])
+    else:
+        idx = n_new[:, None] + jnp.arange(kc - 1)[None, :]  # [B, Kc-1]
+        new_conv_state = jnp.take_along_axis(hist, idx[:, :, None], axis=1)
+    new_conv_state = new_conv_state.astype(conv_state.dtype)
+
+    ck = c.linear_key_dim
+    q = conv[..., :ck].reshape(batch, length, hk, dk).astype(f32)
+    k = conv[..., ck:2 * ck].reshape(batch, length, hk, dk).astype(f32)
+    v = conv[..., 2 * ck:].reshape(batch, length, hv, dv).astype(f32)
+    beta = jax.nn.sigmoid(b).astype(f32)  # sigmoid in the model dtype, as HF
+    # Log-space decay g = -exp(A_log) * softplus(a + dt_bias) <= 0, in float32 (spec §7 item 6).
+    g = -jnp.exp(p.A_log.astype(f32)) * jax.nn.softplus(a.astype(f32) + p.dt_bias.astype(f32))
+
+    q = l2_normalize(q) * (dk ** -0.5)
+    k = l2_normalize(k)
+    # Value head h reads key head h // r: repeat_interleave, not tiling (spec §7 item 3).
+    r = c.linear_num_value_heads_per_key_head
+    q = jnp.repeat(q, r, axis=2)
+    k = jnp.repeat(k, r, axis=2)
+    # Padding tokens become inert (beta = g = 0, k = 0): S passes through them unchanged.
+    m = valid[:, :, None, None]
+    q, k, v = (jnp.where(m, t, 0.0) for t in (q, k, v))
+    g = jnp.where(valid[:, :, None], g, 0.0)
+    beta = jnp.where(valid[:, :, None], beta, 0.0)
+
+    if decode:
+        o, new_state = gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
+                                             recurrent_state)
+        o = o[:, None]
+    else:
+        o, new_state = chunk_gated_delta_rule(q, k, v, g, beta, recurrent_state, CHUNK_SIZE)
+
+    o = gated_rms_norm(o.astype(x.dtype), z, p.norm, c.rms_norm_eps)
+    out = linear(o.reshape(batch, length, hv * dv), p.out_proj)
+    return out, new_conv_state, new_state
+
+
+# ----- gated full attention -------------------------------------------------------------------
+
+def gated_attention(p: AttentionParams, x: Array, cache: KVCache, start: Array, n_new: Array,
+                    config: Config, *, decode: bool, attention_impl: str):
+    """Gated GQA attention (HF ``Qwen3_5Attention``, spec §1.6) writing the new keys/values.
+
+    Args:
+      x: [B, T, Hd] input_layernorm output (right-padded, ``n_new`` real tokens per row).
+      cache: the layer's KV cache ([B, Hkv, S, D] each).
+      start: [B] int32 tokens already in the cache (= position of the first new token).
+      n_new: [B] int32.
+      decode: T == 1; attention goes through ``decode_attention`` (the kernel seam).
+
+    Returns:
+      (out [B, T, Hd], new cache).
+    """
+    c = config
+    batch, length, _ = x.shape
+    hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    max_len = cache.k.shape[2]
+    positions = start[:, None] + jnp.arange(length)[None, :]  # [B, T]
+    valid = jnp.arange(length)[None, :] < n_new[:, None]
+
+    # q_proj holds query and output gate interleaved per head: [Hq, 2D] (spec §7 item 2).
+    qg = linear(x, p.q_proj).reshape(batch, length, hq, 2 * d)
+    q, gate = qg[..., :d], qg[..., d:]
+    k = linear(x, p.k_proj).reshape(batch, length, hkv, d)
+    v = linear(x, p.v_proj).reshape(batch, length, hkv, d)
+    q = rms_norm(q, p.q_norm, c.rms_norm_eps)  # per head over D, before RoPE
+    k = rms_norm(k, p.k_norm, c.rms_norm_eps)
+    cos, sin = rope_cos_sin(positions, c)
+    q = apply_rope(q, cos, sin)
+    k = apply_rope(k, cos, sin)
+
+    # Write real tokens at their positions; padding goes to index S, which mode="drop" discards.
+    write_pos = jnp.where(valid, positions, max_len)
+    rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, length))
+    cache = KVCache(
+        k=cache.k.at[rows, :, write_pos, :].set(k.astype(cache.k.dtype), mode="drop"),
+        v=cache.v.at[rows, :, write_pos, :].set(v.astype(cache.v.dtype), mode="drop"))
+    end = start + n_new  # [B] valid cache length after this call
+
+    if decode:
+        o = decode_attention(q[:, 0], cache.k, cache.v, end, implementation=attention_impl)
+        o = o[:, None]  # [B, 1, Hq, D]
+    else:
+        o = causal_attention(q, cache.k, cache.v, positions, end)
+    o = o.reshape(batch, length, hq * d) * jax.nn.sigmoid(gate.reshape(batch, length, hq * d))
+    return linear(o, p.o_proj), cache
+
+
+def causal_attention(q: Array, k_cache: Array, v_cache: Array, positions: Array,
+                     end: Array) -> Array:
+    """Prefill attention of T new queries over the whole cache (HF ``eager_attention_forward``).
+
+    Args:
+      q: [B, T, Hq, D]; k_cache, v_cache: [B, Hkv, S, D]; positions: [B, T] query positions;
+      end: [B] number of valid cache positions.
+
+    Query at position p sees keys ``s <= p`` and ``s < end``; scores in float32 scaled by
+    D**-0.5, probabilities cast to the model dtype before ``@ V`` (as HF).
+
+    Returns:
+      [B, T, Hq, D] in q's dtype.
+    """
+    batch, length, hq, d = q.shape
+    hkv, max_len = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    qg = q.reshape(batch, length, hkv, group, d)
+    s_idx = jnp.arange(max_len)
+    visible = (s_idx[None, None, :] <= positions[:, :, None]) & (
+        s_idx[None, None, :] < end[:, None, None])  # [B, T, S]
+    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k_cache, preferred_element_type=f32)
+    scores = jnp.where(visible[:, None, None], scores * (d ** -0.5), -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(visible[:, None, None], probs, 0.0).astype(q.dtype)  # rows with no key: 0
+    key_valid = s_idx[None, :] < end[:, None]  # unwritten slots may hold anything (NaN)
+    v = jnp.where(key_valid[:, None, :, None], v_cache, 0).astype(q.dtype)
+    o = jnp.einsum("bkgts,bksd->btkgd", probs, v)
+    return o.reshape(batch, length, hq, d)
+
+
+# ----- the whole model ------------------------------------------------------------------------
+
+def _forward(params: Params, state: DecodeState, tokens: Array, n_new: Array, *, decode: bool,
+             return_all_logits: bool, attention_impl: str = "auto"):
+    c = params.config
+    batch, length = tokens.shape
+    start = state.lengths
+    valid = jnp.arange(length)[None, :] < n_new[:, None]  # [B, T]
+
+    x = jnp.take(params.embed_tokens, tokens, axis=0, mode="fill", fill_value=jnp.nan)
+    x = jnp.where(valid[..., None], x, 0).astype(params.dtype)  # no embedding scale (spec §1.1)
+
+    conv_state, recurrent_state = list(state.conv_state), list(state.recurrent_state)
+    kv_cache = list(state.kv_cache)
+    lin = full = 0
+    for i, (layer, kind) in enumerate(zip(params.layers, c.layer_types)):
+        h = rms_norm(x, layer.input_layernorm, c.rms_norm_eps)
+        if kind == FULL_ATTENTION:
+            with jax.named_scope(f"layer{i}_attention"):
+                h, kv_cache[full] = gated_attention(layer.self_attn, h, kv_cache[full], start,
+                                                    n_new, c, decode=decode,
+                                                    attention_impl=attention_impl)
+            full += 1
+        else:
+            with jax.named_scope(f"layer{i}_deltanet"):
+                h, conv_state[lin], recurrent_state[lin] = gated_delta_net(
+                    layer.linear_attn, h, conv_state[lin], recurrent_state[lin], n_new, c,
+                    decode=decode)
+            lin += 1
+        x = x + h
+        with jax.named_scope(f"layer{i}_mlp"):
+            x = x + mlp(layer.mlp, rms_norm(x, layer.post_attention_layernorm, c.rms_norm_eps))
+
+    if not return_all_logits:  # only each row's last real token goes through the LM head
+        last = jnp.maximum(n_new - 1, 0)
+        x = jnp.take_along_axis(x, last[:, None, None], axis=1)  # [B, 1, Hd]
+        valid = (n_new > 0)[:, None]
+    x = rms_norm(x, params.norm, c.rms_norm_eps)
+    with jax.named_scope("lm_head"):
+        logits = jnp.einsum("bti,vi->btv", x, params.lm_head_weight, preferred_element_type=f32)
+    logits = jnp.where(valid[..., None], logits, 0.0)
+    # In-graph guard for callers that skip host validation (inside their own jit): rows that
+    # would have written past the cache get NaN logits instead of a silently dropped write.
+    overflow = start + n_new > state.max_len
+    logits = jnp.where(overflow[:, None, None], jnp.nan, logits)
+    if not return_all_logits:
+        logits = logits[:, 0]
+    new_state = DecodeState(conv_state=tuple(conv_state), recurrent_state=tuple(recurrent_state),
+                            kv_cache=tuple(kv_cache), lengths=start + n_new)
+    return logits, new_state
+
+
+def prefill_fn(params: Params, state: DecodeState, tokens: Array, lengths: Array,
+               return_all_logits: bool = False):
+    """Pure, un-jitted, un-validated prefill (see :func:`prefill`); for use inside your own jit."""
+    return _forward(params, state, tokens, lengths.astype(jnp.int32), decode=False,
+                    return_all_logits=return_all_logits)
+
+
+def decode_step_fn(params: Params, state: DecodeState, tokens: Array, active: Array | None = None,
+                   attention_impl: str = "auto"):
+    """Pure, un-jitted, un-validated decode step (see :func:`decode_step`)."""
+    n_new = (jnp.ones(tokens.shape, jnp.int32) if active is None
+             else active.astype(jnp.int32))
+    logits, state = _forward(params, state, tokens[:, None], n_new, decode=True,
+                             return_all_logits=False, attention_impl=attention_impl)
+    return logits, state
+
+
+prefill_jit = jax.jit(prefill_fn, static_argnames=("return_all_logits",),
+                      donate_argnames=("state",))
+prefill_jit.__doc__ = "``prefill_fn`` jitted with the state donated; no host validation."
+decode_step_jit = jax.jit(decode_step_fn, static_argnames=("attention_impl",),
+                          donate_argnames=("state",))
+decode_step_jit.__doc__ = "``decode_step_fn`` jitted with the state donated; no host validation."
+
+
+# ----- host-side validation -------------------------------------------------------------------
+
+def _is_traced(*xs) -> bool:
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(xs))
+
+
+def _check_state(config: Config, state: DecodeState) -> None:
+    c = config
+    problems = []
+    if len(state.conv_state) != len(c.linear_attention_layers) or len(
+            state.recurrent_state) != len(c.linear_attention_layers):
+        problems.append(f"state has {len(state.conv_state)} conv / {len(state.recurrent_state)} "
+                        f"recurrent states but the config has {len(c.linear_attention_layers)} "
+                        f"linear_attention layers")
+    if len(state.kv_cache) != len(c.full_attention_layers):
+        problems.append(f"state has {len(state.kv_cache)} KV caches but the config has "
+                        f"{len(c.full_attention_layers)} full_attention layers")
+    batch = state.lengths.shape[0]
+    expect = {
+        "conv_state": (batch, c.linear_conv_kernel_dim - 1, c.linear_conv_dim),
+        "recurrent_state": (batch, c.linear_num_value_heads, c.linear_key_head_dim,
+                            c.linear_value_head_dim),
+        "kv_cache": (batch, c.num_key_value_heads, state.max_len, c.head_dim)}
+    got = {"conv_state": [x.shape for x in state.conv_state],
+           "recurrent_state": [x.shape for x in state.recurrent_state],
+           "kv_cache": [x.shape for kv in state.kv_cache for x in (kv.k, kv.v)]}
+    for name, shapes in got.items():
+        bad = [s for s in shapes if tuple(s) != expect[name]]
+        if bad:
+            problems.append(f"{name} shape {tuple(bad[0])} != expected {expect[name]}")
+    if problems:
+        raise ValueError("state does not match params.config: " + "; ".join(problems))
+
+
+def _check_tokens(config: Config, tokens: np.ndarray, mask: np.ndarray | None = None) -> None:
+    if not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"token ids must be integers, got dtype {tokens.dtype}")
+    real = tokens if mask is None else tokens[mask]
+    bad = (real < 0) | (real >= config.vocab_size)
+    if bad.any():
+        raise ValueError(f"token ids must be in [0, vocab_size={config.vocab_size}); got "
+                         f"{real[bad][:8].tolist()} ({int(bad.sum())} out of range)")
+
+
+def check_prefill_inputs(config: Config, state: DecodeState, tokens, lengths) -> None:
+    """Validates prefill inputs on the host (reads ``state.lengths``: a device sync).
+
+    Raises:
+      ValueError: mismatched batch sizes or state shapes, empty token arrays, ``lengths`` outside
+        ``[0, T]``, token ids outside ``[0, vocab_size)`` among the real tokens, or a row whose
+        ``state.lengths + lengths`` exceeds ``max_len``.
+    """
+    _check_state(config, state)
+    tokens = np.asarray(tokens)
+    lengths = np.asarray(lengths)
+    if tokens.ndim != 2 or tokens.shape[1] == 0:
+        raise ValueError(f"tokens must be [B, T] with T >= 1; got {tokens.shape=}")
+    if lengths.shape != (tokens.shape[0],):
+        raise ValueError(f"lengths must be [B] with B = tokens.shape[0]; got {lengths.shape=} "
+                         f"for {tokens.shape=}")
+    if tokens.shape[0] != state.batch_size:
+        raise ValueError(f"batch size mismatch: {tokens.shape=} but the state has "
+                         f"batch_size={state.batch_size}")
+    if not np.issubdtype(lengths.dtype, np.integer):
+        raise ValueError(f"lengths must be integers, got dtype {lengths.dtype}")
+    if (lengths < 0).any() or (lengths > tokens.shape[1]).any():
+        raise ValueError(f"lengths must be in [0, T={tokens.shape[1]}]; got {lengths.tolist()}")
+    _check_tokens(config, tokens, np.arange(tokens.shape[1])[None, :] < lengths[:, None])
+    cached = np.asarray(state.lengths)
+    over = cached + lengths > state.max_len
+    if over.any():
+        b = int(np.argmax(over))
+        raise ValueError(f"row {b}: {int(cached[b])} cached + {int(lengths[b])} new tokens "
+                         f"exceeds the cache's max_len={state.max_len}")
+
+
+def check_decode_inputs(config: Config, state: DecodeState, tokens, active=None) -> None:
+    """Validates decode-step inputs on the host (reads ``state.lengths``: a device sync).
+
+    Raises:
+      ValueError: ``tokens`` not ``[B]`` for the state's B, ids outside ``[0, vocab_size)``, or a
+        row already at ``max_len``.
+    """
+    _check_state(config, state)
+    tokens = np.asarray(tokens)
+    if tokens.shape != (state.batch_size,):
+        raise ValueError(f"tokens must be [B] with B = {state.batch_size} (the state's batch "
+                         f"size); got {tokens.shape=}")
+    act = np.ones(tokens.shape, bool) if active is None else np.asarray(active, bool)
+    if act.shape != tokens.shape:
+        raise ValueError(f"active must be [B] like tokens; got {act.shape=}")
+    _check_tokens(config, tokens, act)
+    cached = np.asarray(state.lengths)
+    full = (cached >= state.max_len) & act
+    if full.any():
+        b = int(np.argmax(full))
+        raise ValueError(f"row {b}: the cache is full ({int(cached[b])} of max_len="
+                         f"{state.max_len} positions used); cannot decode another token")
+
+
+# ----- public API -----------------------------------------------------------------------------
+
+def prefill(params: Params, state: DecodeState, tokens, lengths, *,
+            return_all_logits: bool = False):
+    """Appends each row's prompt tokens to the state (a fresh state or a continuation).
+
+    Args:
+      params: model weights (``params.config`` is the shape).
+      state: a :class:`DecodeState` for this config; donated (do not reuse it after the call).
+      tokens: [B, T] int32 token ids, right-padded; padding may hold any value.
+      lengths: [B] int32 real tokens per row, ``0 <= lengths <= T``; a row with 0 is untouched.
+      return_all_logits: return logits for every position instead of each row's last token.
+
+    Returns:
+      (logits, new_state). logits: [B, V] float32 of each row's last new token (zeros for rows
+      with ``lengths == 0``), or [B, T, V] with ``return_all_logits`` (zeros at padding).
+      ``new_state.lengths = state.lengths + lengths``.
+
+    Raises:
+      ValueError: see :func:`check_prefill_inputs` (checked on the host before any device work;
+        skipped when called with traced values inside your own ``jax.jit``).
+
+    Math: Gated DeltaNet layers use the chunked gated delta rule (chunk 64) starting from the
+    state's recurrent state; attention layers attend causally over cache + new tokens.
+    """
+    if not _is_traced(tokens, lengths, state):
+        check_prefill_inputs(params.config, state, tokens, lengths)
+    return prefill_jit(params, state, jnp.asarray(tokens, jnp.int32),
+                       jnp.asarray(lengths, jnp.int32), return_all_logits=return_all_logits)
+
+
+def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
+                attention_impl: str = "auto", check_inputs: bool = True):
+    """Appends one token per row, each at its own position, and returns the next-token logits.
+
+    Jitted with the state donated: the compiled executable aliases every state buffer to its
+    output (caches are updated in place) and one executable serves every step.
+
+    Args:
+      params: model weights.
+      state: the current :class:`DecodeState`; donated.
+      tokens: [B] int32 token ids.
+      active: optional [B] bool; rows with False leave their state untouched (no cache writes,
+        lengths not advanced); their logits are computed but meaningless.
+      attention_impl: "auto" | "pallas" | "reference" (see ``jaxdecode.kernels.decode_attention``).
+      check_inputs: validate on the host first. Validation reads ``state.lengths`` back from the
+        device (one sync per step); pass False in a hot loop whose bounds you checked up front.
+        Rows that would overflow the cache then get NaN logits instead of an error.
+
+    Returns:
+      (logits [B, V] float32, new_state) with ``new_state.lengths = state.lengths + active``.
+
+    Raises:
+      ValueError: see :func:`check_decode_inputs`.
+    """
+    if check_inputs and not _is_traced(tokens, active, state):
+        check_decode_inputs(params.config, state, tokens, active)
+    tokens = jnp.asarray(tokens, jnp.int32)
+    if active is not None:
+        active = jnp.asarray(active, bool)
+    return decode_step_jit(params, state, tokens, active, attention_impl=attention_impl)

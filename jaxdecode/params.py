@@ -1,0 +1,227 @@
+"""Parameter pytrees, described once.
+
+:func:`param_specs` lists every parameter leaf by its Hugging Face checkpoint name
+(``Qwen3_5ForCausalLM`` layout) with its shape and dtype class. Random initialisation
+(:func:`init_params`), checkpoint loading (``jaxdecode.checkpoint``) and abstract shapes
+(``jax.eval_shape(init_params, ...)``) all derive from that one description, and
+:func:`params_from_flat` turns ``{hf_name: array}`` into the typed tree. Leaf names are HF's module
+names, so the checkpoint map is the identity up to the ``.weight`` suffix.
+
+Weights keep the PyTorch ``nn.Linear`` layout ``[out, in]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxdecode.config import FULL_ATTENTION, Config
+
+Array = jax.Array
+
+# Stored float32 whatever the model dtype: the published Qwen3.5 checkpoints keep them in F32 and the
+# decay / gated norm are computed in float32 (spec §3.5, §7 items 6 and 14).
+FLOAT32_LEAVES = ("linear_attn.A_log", "linear_attn.norm.weight")
+
+
+@struct.dataclass
+class MLPParams:
+    """Dense SwiGLU: down_proj(silu(gate_proj x) * up_proj x)."""
+    gate_proj: Array  # [I, H]
+    up_proj: Array  # [I, H]
+    down_proj: Array  # [H, I]
+
+
+@struct.dataclass
+class GatedDeltaNetParams:
+    """Gated DeltaNet mixer (HF ``Qwen3_5GatedDeltaNet``)."""
+    in_proj_qkv: Array  # [C, H]  channels [q (Hk·dk) | k (Hk·dk) | v (Hv·dv)], head-major
+    in_proj_z: Array  # [Hv·dv, H]  output gate
+    in_proj_b: Array  # [Hv, H]  beta = sigmoid(b)
+    in_proj_a: Array  # [Hv, H]  decay input
+    conv1d: Array  # [C, 1, Kc]  depthwise causal conv, w[..., Kc-1] hits the current token
+    dt_bias: Array  # [Hv]
+    A_log: Array  # [Hv] float32
+    norm: Array  # [dv] float32, plain gain w (not 1 + w)
+    out_proj: Array  # [H, Hv·dv]
+
+
+@struct.dataclass
+class AttentionParams:
+    """Gated full attention (HF ``Qwen3_5Attention``)."""
+    q_proj: Array  # [2·Hq·D, H]  per head: D query rows then D gate rows (interleaved per head)
+    k_proj: Array  # [Hkv·D, H]
+    v_proj: Array  # [Hkv·D, H]
+    o_proj: Array  # [H, Hq·D]
+    q_norm: Array  # [D]  (1 + w) RMSNorm
+    k_norm: Array  # [D]  (1 + w) RMSNorm
+
+
+@struct.dataclass
+class DecoderLayerParams:
+    """One pre-norm residual block; exactly one of linear_attn / self_attn is set."""
+    input_layernorm: Array  # [H]  (1 + w)
+    post_attention_layernorm: Array  # [H]  (1 + w)
+    mlp: MLPParams
+    linear_attn: GatedDeltaNetParams | None = None
+    self_attn: AttentionParams | None = None
+
+
+@struct.dataclass
+class Params:
+    """All weights of a Qwen3.5 text decoder. ``config`` is static pytree metadata."""
+    embed_tokens: Array  # [V, H]
+    layers: tuple[DecoderLayerParams, ...]
+    norm: Array  # [H]  (1 + w)
+    lm_head: Array | None  # [V, H], None when tie_word_embeddings (embed_tokens is used)
+    config: Config = struct.field(pytree_node=False)
+
+    @property
+    def dtype(self):
+        """The model dtype τ (dtype of the embedding and every projection)."""
+        return self.embed_tokens.dtype
+
+    @property
+    def lm_head_weight(self) -> Array:
+        """[V, H] output projection (the embedding when tied)."""
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """One parameter leaf: HF name, shape, and whether it is always float32."""
+    name: str
+    shape: tuple[int, ...]
+    float32: bool = False
+
+
+def param_specs(config: Config) -> dict[str, ParamSpec]:
+    """Every parameter of ``config`` keyed by its ``Qwen3_5ForCausalLM`` checkpoint name."""
+    c = config
+    h, i, hq, hkv, d = (c.hidden_size, c.intermediate_size, c.num_attention_heads,
+                        c.num_key_value_heads, c.head_dim)
+    hv, dv = c.linear_num_value_heads, c.linear_value_head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h),
+                                          "model.norm.weight": (h,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, h)
+    for layer, kind in enumerate(c.layer_types):
+        p = f"model.layers.{layer}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes[p + "mlp.gate_proj.weight"] = (i, h)
+        shapes[p + "mlp.up_proj.weight"] = (i, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, i)
+        if kind == FULL_ATTENTION:
+            shapes[p + "self_attn.q_proj.weight"] = (2 * hq * d, h)
+            shapes[p + "self_attn.k_proj.weight"] = (hkv * d, h)
+            shapes[p + "self_attn.v_proj.weight"] = (hkv * d, h)
+            shapes[p + "self_attn.o_proj.weight"] = (h, hq * d)
+            shapes[p + "self_attn.q_norm.weight"] = (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
+        else:
+            shapes[p + "linear_attn.in_proj_qkv.weight"] = (c.linear_conv_dim, h)
+            shapes[p + "linear_attn.in_proj_z.weight"] = (hv * dv, h)
+            shapes[p + "linear_attn.in_proj_b.weight"] = (hv, h)
+            shapes[p + "linear_attn.in_proj_a.weight"] = (hv, h)
+            shapes[p + "linear_attn.conv1d.weight"] = (c.linear_conv_dim, 1,
+                                                       c.linear_conv_kernel_dim)
+            shapes[p + "linear_attn.dt_bias"] = (hv,)
+            shapes[p + "linear_attn.A_log"] = (hv,)
+            shapes[p + "linear_attn.norm.weight"] = (dv,)
+            shapes[p + "linear_attn.out_proj.weight"] = (h, hv * dv)
+    return {name: ParamSpec(name, shape, name.endswith(FLOAT32_LEAVES))
+            for name, shape in shapes.items()}
+
+
+def leaf_dtype(spec: ParamSpec, dtype) -> jnp.dtype:
+    """The dtype a leaf is held in when the model dtype is ``dtype``."""
+    return jnp.dtype(jnp.float32) if spec.float32 else jnp.dtype(dtype)
+
+
+def params_from_flat(config: Config, flat: dict[str, Any]) -> Params:
+    """Builds :class:`Params` from ``{hf_name: array}`` holding exactly :func:`param_specs` names.
+
+    Raises:
+      KeyError: if a name is missing (``jaxdecode.checkpoint`` validates before calling this).
+    """
+    def w(name):
+        return flat[name]
+
+    layers = []
+    for layer, kind in enumerate(config.layer_types):
+        p = f"model.layers.{layer}."
+        mlp = MLPParams(gate_proj=w(p + "mlp.gate_proj.weight"), up_proj=w(p + "mlp.up_proj.weight"),
+                        down_proj=w(p + "mlp.down_proj.weight"))
+        common = dict(input_layernorm=w(p + "input_layernorm.weight"),
+                      post_attention_layernorm=w(p + "post_attention_layernorm.weight"), mlp=mlp)
+        if kind == FULL_ATTENTION:
+            a = p + "self_attn."
+            layers.append(DecoderLayerParams(**common, self_attn=AttentionParams(
+                q_proj=w(a + "q_proj.weight"), k_proj=w(a + "k_proj.weight"),
+                v_proj=w(a + "v_proj.weight"), o_proj=w(a + "o_proj.weight"),
+                q_norm=w(a + "q_norm.weight"), k_norm=w(a + "k_norm.weight"))))
+        else:
+            a = p + "linear_attn."
+            layers.append(DecoderLayerParams(**common, linear_attn=GatedDeltaNetParams(
+                in_proj_qkv=w(a + "in_proj_qkv.weight"), in_proj_z=w(a + "in_proj_z.weight"),
+                in_proj_b=w(a + "in_proj_b.weight"), in_proj_a=w(a + "in_proj_a.weight"),
+                conv1d=w(a + "conv1d.weight"), dt_bias=w(a + "dt_bias"), A_log=w(a + "A_log"),
+                norm=w(a + "norm.weight"), out_proj=w(a + "out_proj.weight"))))
+    return Params(embed_tokens=w("model.embed_tokens.weight"), layers=tuple(layers),
+                  norm=w("model.norm.weight"),
+                  lm_head=None if config.tie_word_embeddings else w("lm_head.weight"),
+                  config=config)
+
+
+def _init_leaf(spec: ParamSpec, key: Array, dtype, config: Config) -> Array:
+    """HF-like initial values (``Qwen3_5PreTrainedModel._init_weights``), with small random
+    perturbations of the norm weights so no quirk of the model hides behind a constant."""
+    name, shape = spec.name, spec.shape
+    dt = leaf_dtype(spec, dtype)
+    if name.endswith("A_log"):  # A ~ U(0, 16), A_log = log A  (HF init)
+        return jnp.log(jax.random.uniform(key, shape, jnp.float32, 1.0, 16.0)).astype(dt)
+    if name.endswith("dt_bias"):
+        return (1.0 + 0.1 * jax.random.normal(key, shape, jnp.float32)).astype(dt)
+    if name.endswith("linear_attn.norm.weight"):  # plain gain around 1
+        return (1.0 + 0.1 * jax.random.normal(key, shape, jnp.float32)).astype(dt)
+    if name.endswith("norm.weight") or name.endswith("layernorm.weight"):  # (1 + w): w around 0
+        return (0.1 * jax.random.normal(key, shape, jnp.float32)).astype(dt)
+    if name.endswith("conv1d.weight"):  # PyTorch Conv1d default: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+        bound = 1.0 / math.sqrt(config.linear_conv_kernel_dim)
+        return jax.random.uniform(key, shape, jnp.float32, -bound, bound).astype(dt)
+    return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dt)  # initializer_range
+
+
+def init_params(config: Config, key: Array, dtype="float32") -> Params:
+    """Random parameters with the real shapes (for tests, demos and benchmarks).
+
+    Args:
+      config: the model shape.
+      key: a ``jax.random.key``; leaf ``n`` (in :func:`param_specs` order) uses ``fold_in(key, n)``,
+        so the values do not depend on the device or on how the call is jitted.
+      dtype: model dtype τ ("float32" or "bfloat16"); ``A_log`` and the gated-norm weight stay
+        float32.
+
+    Returns:
+      :class:`Params`. Use ``jax.eval_shape(lambda: init_params(config, key, dtype))`` for shapes
+      without allocating.
+    """
+    dtype = jnp.dtype(dtype)
+    if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"{dtype=} must be float32 or bfloat16")
+    specs = param_specs(config)
+    flat = {name: _init_leaf(spec, jax.random.fold_in(key, n), dtype, config)
+            for n, (name, spec) in enumerate(specs.items())}
+    return params_from_flat(config, flat)
+
+
+def num_params(params: Params) -> int:
+    """Total number of parameters (the tied LM head counted once)."""
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))

@@ -1,0 +1,105 @@
+"""The decode state: everything a Qwen3.5 decoder carries from one token to the next.
+
+Every leaf has the batch as axis 0, so batching, forking and data-parallel sharding treat all
+leaves alike. Shapes are fixed at :func:`init_state` time (no growing caches: one compiled step
+serves every position).
+
+Source: the cache semantics of HF ``DynamicCache`` with ``LinearAttentionLayer``
+(transformers 5.24.0 ``cache_utils.py``; spec §2), with the conv window kept at its ``Kc - 1``
+used columns (as vLLM does) and the KV cache laid out ``[B, Hkv, S, D]`` for the decode kernel.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxdecode.config import Config
+
+Array = jax.Array
+
+
+@struct.dataclass
+class KVCache:
+    """Keys (after ``k_norm`` and RoPE) and values of one full-attention layer."""
+    k: Array  # [B, Hkv, max_len, D], model dtype
+    v: Array  # [B, Hkv, max_len, D], model dtype
+
+
+@struct.dataclass
+class DecodeState:
+    """Per-row decoding state.
+
+    Attributes:
+      conv_state: one ``[B, Kc - 1, C]`` array per Gated DeltaNet layer (in layer order): the last
+        ``Kc - 1`` pre-conv ``in_proj_qkv`` outputs, oldest first (zeros before the first token).
+      recurrent_state: one ``[B, Hv, dk, dv]`` float32 array per Gated DeltaNet layer: the delta
+        rule state S (key dim first, as HF).
+      kv_cache: one :class:`KVCache` per full-attention layer (in layer order).
+      lengths: ``[B]`` int32, tokens already written per row = next write index = next RoPE
+        position.
+    """
+    conv_state: tuple[Array, ...]
+    recurrent_state: tuple[Array, ...]
+    kv_cache: tuple[KVCache, ...]
+    lengths: Array
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        """Cache capacity in tokens (positions 0 .. max_len - 1)."""
+        return self.kv_cache[0].k.shape[2]
+
+
+def init_state(config: Config, batch_size: int, max_len: int, dtype="float32") -> DecodeState:
+    """An empty state (zeros, ``lengths = 0``).
+
+    Args:
+      config: model shape.
+      batch_size: rows B.
+      max_len: KV cache capacity per row in tokens (prompt + generated).
+      dtype: dtype of the conv windows and KV caches (normally the model dtype); the recurrent
+        state is always float32.
+
+    Raises:
+      ValueError: for a non-positive ``batch_size``/``max_len`` or ``max_len`` above
+        ``config.max_position_embeddings``.
+    """
+    if not isinstance(batch_size, int) or batch_size <= 0:
+        raise ValueError(f"{batch_size=} must be a positive int")
+    if not isinstance(max_len, int) or max_len <= 0:
+        raise ValueError(f"{max_len=} must be a positive int")
+    if max_len > config.max_position_embeddings:
+        raise ValueError(f"{max_len=} exceeds the model's max_position_embeddings="
+                         f"{config.max_position_embeddings}")
+    dtype = jnp.dtype(dtype)
+    c = config
+    conv = tuple(jnp.zeros((batch_size, c.linear_conv_kernel_dim - 1, c.linear_conv_dim), dtype)
+                 for _ in c.linear_attention_layers)
+    rec = tuple(jnp.zeros((batch_size, c.linear_num_value_heads, c.linear_key_head_dim,
+                           c.linear_value_head_dim), jnp.float32)
+                for _ in c.linear_attention_layers)
+    kv_shape = (batch_size, c.num_key_value_heads, max_len, c.head_dim)
+    kv = tuple(KVCache(k=jnp.zeros(kv_shape, dtype), v=jnp.zeros(kv_shape, dtype))
+               for _ in c.full_attention_layers)
+    return DecodeState(conv_state=conv, recurrent_state=rec, kv_cache=kv,
+                       lengths=jnp.zeros((batch_size,), jnp.int32))
+
+
+def fork(state: DecodeState, n: int) -> DecodeState:
+    """Repeats each row ``n`` times (rows ``b*n .. b*n + n - 1`` are copies of row ``b``).
+
+    For parallel sampling, best-of-n and RL rollouts: prefill once, fork, then decode.
+    """
+    if not isinstance(n, int) or n <= 0:
+        raise ValueError(f"{n=} must be a positive int")
+    return jax.tree.map(lambda x: jnp.repeat(x, n, axis=0), state)
+
+
+def state_bytes(state: DecodeState) -> int:
+    """Bytes held by the state's buffers."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))

@@ -1,0 +1,129 @@
+"""Hugging Face transformers side of the parity tests (runs in its own Python with torch).
+
+jaxdecode runs on Python >= 3.12 while the CPU torch build on these machines is for 3.11, so the
+tests call this script in a subprocess:
+
+    python hf_reference.py REQUESTS.json
+
+REQUESTS.json is a list of actions, run in order (one torch start-up for all of them):
+
+  {"action": "make", "dir": D, "text_config": {...}, "seed": S,
+   "layout": "causal_lm" | "conditional_generation", "dtype": "float32" | "bfloat16",
+   "max_shard_size": null | "50KB"}
+      Builds a Qwen3.5 model with EVERY parameter randomised (HF's init leaves norm weights,
+      A_log and dt_bias at constants that would hide bugs) and writes it with save_pretrained.
+      dtype "bfloat16" stores bf16 weights with A_log and linear_attn.norm.weight kept float32,
+      as in the published checkpoints.
+
+  {"action": "run", "dir": D, "out": F.npz, "cases": [{"name": N, "prompt": [ids],
+   "decode_steps": K}]}
+      Loads D with from_pretrained in float32 (eager attention, torch reference kernels) and for
+      each case runs the prompt (logits at every position), then K greedy cached decode steps.
+      Writes N/prefill_logits [T, V], N/decode_tokens [K] (the token fed at each step) and
+      N/decode_logits [K, V] (float32).
+"""
+
+import json
+import math
+import sys
+
+import numpy as np
+import torch
+import transformers
+from transformers import (Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration,
+                          Qwen3_5TextConfig)
+
+assert transformers.__version__ == "5.24.0", transformers.__version__
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+
+
+def randomize(model, seed):
+    """Random values for every parameter, scaled so activations and logits stay O(1)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            shape = p.shape
+            if name.endswith("A_log"):  # decay rates exp(A_log) in [0.5, 16]: includes strong decay
+                val = torch.log(torch.empty(shape).uniform_(0.5, 16.0, generator=gen))
+            elif name.endswith("dt_bias"):
+                val = torch.randn(shape, generator=gen) * 0.5
+            elif name.endswith("linear_attn.norm.weight"):  # plain gain
+                val = 1.0 + 0.3 * torch.randn(shape, generator=gen)
+            elif name.endswith("norm.weight"):  # (1 + w) norms: w around 0
+                val = 0.3 * torch.randn(shape, generator=gen)
+            elif name.endswith("conv1d.weight"):
+                val = torch.randn(shape, generator=gen) * 0.5
+            elif p.ndim >= 2:
+                fan_in = shape[-1] if "embed" not in name else 1
+                val = torch.randn(shape, generator=gen) / math.sqrt(fan_in)
+            else:
+                val = torch.randn(shape, generator=gen) * 0.1
+            p.copy_(val.to(p.dtype))
+
+
+def make(req):
+    text = dict(req["text_config"])
+    layout = req.get("layout", "causal_lm")
+    if layout == "causal_lm":
+        config = Qwen3_5TextConfig(**text)
+        model = Qwen3_5ForCausalLM(config)
+    else:
+        tie = text.pop("tie_word_embeddings", False)
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                      out_hidden_size=text["hidden_size"], num_position_embeddings=16)
+        config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=tie)
+        model = Qwen3_5ForConditionalGeneration(config)
+    model = model.float()
+    randomize(model, req["seed"])
+    if req.get("dtype", "float32") == "bfloat16":
+        keep = {n: p.detach().clone() for n, p in model.named_parameters()
+                if n.endswith(("A_log", "linear_attn.norm.weight"))}
+        model = model.to(torch.bfloat16)
+        for name, p in model.named_parameters():
+            if name in keep:
+                p.data = keep[name]
+    kwargs = {}
+    if req.get("max_shard_size"):
+        kwargs["max_shard_size"] = req["max_shard_size"]
+    model.save_pretrained(req["dir"], **kwargs)
+
+
+def run(req):
+    with open(f"{req['dir']}/config.json") as f:
+        arch = json.load(f)["architectures"][0]
+    cls = Qwen3_5ForConditionalGeneration if "Conditional" in arch else Qwen3_5ForCausalLM
+    model = cls.from_pretrained(req["dir"], dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    out = {}
+    with torch.no_grad():
+        for case in req["cases"]:
+            ids = torch.tensor([case["prompt"]], dtype=torch.long)
+            res = model(input_ids=ids, use_cache=True)
+            cache = res.past_key_values
+            out[case["name"] + "/prefill_logits"] = res.logits[0].float().numpy()
+            logits, toks, step_logits = res.logits[0, -1], [], []
+            for _ in range(case.get("decode_steps", 0)):
+                tok = int(torch.argmax(logits))
+                toks.append(tok)
+                res = model(input_ids=torch.tensor([[tok]]), past_key_values=cache,
+                            use_cache=True)
+                cache = res.past_key_values
+                logits = res.logits[0, -1]
+                step_logits.append(logits.float().numpy())
+            out[case["name"] + "/decode_tokens"] = np.array(toks, np.int64)
+            out[case["name"] + "/decode_logits"] = (np.stack(step_logits) if step_logits
+                                                    else np.zeros((0, 1), np.float32))
+    np.savez(req["out"], **out)
+
+
+def main():
+    torch.set_num_threads(2)
+    with open(sys.argv[1]) as f:
+        requests = json.load(f)
+    for req in requests:
+        {"make": make, "run": run}[req["action"]](req)
+
+
+if __name__ == "__main__":
+    main()
