@@ -84,6 +84,26 @@ class HFCheckpoints:
             self.made[key] = path
         return self.made[key]
 
+    def build(self, specs: dict[str, dict], cases: dict[str, list[dict]]) -> dict:
+        """Makes every checkpoint in ``specs`` and runs ``cases[key]`` on each, in ONE subprocess.
+
+        Returns {key: (path, {array name: array})}.
+        """
+        requests, outs = [], {}
+        for key, spec in specs.items():
+            path = self.root / key
+            requests.append({"action": "make", "dir": str(path), **spec})
+            outs[key] = (path, self.root / f"{key}_ref.npz")
+            requests.append({"action": "run", "dir": str(path), "out": str(outs[key][1]),
+                             "cases": cases.get(key, [])})
+        run_hf(requests, self.root)
+        result = {}
+        for key, (path, out) in outs.items():
+            self.made[key] = path
+            with np.load(out) as data:
+                result[key] = (path, dict(data))
+        return result
+
     def reference(self, path: Path, cases: list[dict]) -> dict[str, np.ndarray]:
         """Runs cases ({"name", "prompt", "decode_steps"}) on a checkpoint; returns the npz."""
         out = path.parent / f"{path.name}_ref_{len(list(path.parent.iterdir()))}.npz"

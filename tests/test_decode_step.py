@@ -1,0 +1,139 @@
+"""The compiled decode step: donation aliases every state buffer, one executable for all steps,
+inactive rows, use inside a user's jit, and the documented state layout."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxdecode as jd
+from jaxdecode import model
+
+CONFIG = jd.Config.from_preset("tiny").__class__(**{
+    **jd.Config.from_preset("tiny").__dict__, "vocab_size": 1000})
+
+
+@pytest.fixture(scope="module")
+def params():
+    return jd.init_params(CONFIG, jax.random.key(1))
+
+
+def _prefilled(params, batch=2, max_len=64, seed=0):
+    rng = np.random.default_rng(seed)
+    state = jd.init_state(CONFIG, batch_size=batch, max_len=max_len)
+    tokens = rng.integers(0, CONFIG.vocab_size, (batch, 9)).astype(np.int32)
+    lengths = np.array([9, 4, 7, 1][:batch], np.int32)
+    return jd.prefill(params, state, tokens, lengths)
+
+
+def test_state_layout_is_as_documented():
+    c = CONFIG
+    state = jd.init_state(c, batch_size=3, max_len=40)
+    assert len(state.conv_state) == len(state.recurrent_state) == 6
+    assert len(state.kv_cache) == 2
+    assert state.conv_state[0].shape == (3, c.linear_conv_kernel_dim - 1, c.linear_conv_dim)
+    assert state.recurrent_state[0].shape == (3, c.linear_num_value_heads, c.linear_key_head_dim,
+                                              c.linear_value_head_dim)
+    assert state.recurrent_state[0].dtype == jnp.float32
+    assert state.kv_cache[0].k.shape == (3, c.num_key_value_heads, 40, c.head_dim)
+    assert state.lengths.shape == (3,) and state.lengths.dtype == jnp.int32
+    assert state.max_len == 40 and state.batch_size == 3
+
+
+def _aliased_parameters(hlo_text: str) -> set[int]:
+    start = hlo_text.find("input_output_alias={")
+    assert start >= 0, "the compiled module has no input_output_alias: nothing was donated"
+    segment = hlo_text[start:hlo_text.find("entry_computation_layout", start)]
+    return {int(m) for m in re.findall(r"\{\d*\}:\s*\((\d+),", segment)}
+
+
+def test_compiled_decode_step_aliases_every_state_leaf(params):
+    _, state = _prefilled(params)
+    tokens = jnp.zeros((2,), jnp.int32)
+    compiled = model.decode_step_jit.lower(params, state, tokens, None).compile()
+    aliased = _aliased_parameters(compiled.as_text())
+    n_params = len(jax.tree.leaves(params))
+    n_state = len(jax.tree.leaves(state))
+    state_params = set(range(n_params, n_params + n_state))
+    assert state_params <= aliased, f"state parameters not aliased: {state_params - aliased}"
+
+
+def test_decode_steps_compile_once_and_donate(params):
+    logits, state = _prefilled(params)
+    before = model.decode_step_jit._cache_size()
+    for _ in range(6):
+        old_leaves = jax.tree.leaves(state)
+        logits, state = jd.decode_step(params, state, jnp.argmax(logits, -1).astype(jnp.int32))
+        assert all(x.is_deleted() for x in old_leaves), "state buffers were not donated"
+    assert model.decode_step_jit._cache_size() - before <= 1
+    after_first = model.decode_step_jit._cache_size()
+    for _ in range(4):
+        logits, state = jd.decode_step(params, state, jnp.argmax(logits, -1).astype(jnp.int32))
+    assert model.decode_step_jit._cache_size() == after_first  # lengths advanced, no recompile
+    np.testing.assert_array_equal(np.asarray(state.lengths), [19, 14])
+
+
+def test_inactive_rows_leave_their_state_untouched(params):
+    logits, state = _prefilled(params)
+    copy = jax.tree.map(lambda x: np.asarray(x).copy(), state)
+    toks = jnp.argmax(logits, -1).astype(jnp.int32)
+    _, new = jd.decode_step(params, state, toks, active=np.array([False, True]))
+    for old, cur in zip(jax.tree.leaves(copy), jax.tree.leaves(new)):
+        np.testing.assert_array_equal(np.asarray(cur)[0], old[0])
+        assert not np.array_equal(np.asarray(cur)[1], old[1])  # the active row moved on
+    np.testing.assert_array_equal(np.asarray(new.lengths), [9, 5])
+
+
+def test_decode_step_inside_a_user_jit(params):
+    logits, state = _prefilled(params)
+    toks = jnp.argmax(logits, -1).astype(jnp.int32)
+    twin = jax.tree.map(jnp.copy, state)
+
+    @jax.jit
+    def two_steps(p, s, t):
+        l1, s = jd.decode_step(p, s, t)
+        l2, s = jd.decode_step(p, s, jnp.argmax(l1, -1).astype(jnp.int32))
+        return l2, s
+
+    got, s_jit = two_steps(params, state, toks)
+    l1, s_ref = jd.decode_step(params, twin, toks)
+    want, s_ref = jd.decode_step(params, s_ref, jnp.argmax(l1, -1).astype(jnp.int32))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(s_jit.lengths), np.asarray(s_ref.lengths))
+
+
+def test_decode_equals_prefill_of_the_whole_sequence(params):
+    """Cached decoding == a prefill of the whole sequence (last-token logits)."""
+    rng = np.random.default_rng(5)
+    seq = rng.integers(0, CONFIG.vocab_size, 12).astype(np.int32)
+    state = jd.init_state(CONFIG, batch_size=1, max_len=32)
+    logits, state = jd.prefill(params, state, seq[None, :5], np.array([5]))
+    for t in range(5, 12):
+        logits, state = jd.decode_step(params, state, seq[t:t + 1])
+    full = jd.init_state(CONFIG, batch_size=1, max_len=32)
+    want, _ = jd.prefill(params, full, seq[None], np.array([12]))
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(want), rtol=1e-4,
+                               atol=1e-4 * np.abs(np.asarray(want)).max())
+
+
+def test_fork_repeats_rows(params):
+    logits, state = _prefilled(params)
+    forked = jd.fork(state, 3)
+    assert forked.batch_size == 6
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(forked)):
+        np.testing.assert_array_equal(np.repeat(np.asarray(a), 3, axis=0), np.asarray(b))
+
+
+def test_init_params_shapes_follow_param_specs():
+    specs = jd.param_specs(CONFIG)
+    shapes = jax.eval_shape(lambda: jd.init_params(CONFIG, jax.random.key(0), "bfloat16"))
+    assert shapes.layers[0].linear_attn.in_proj_qkv.shape == (CONFIG.linear_conv_dim,
+                                                              CONFIG.hidden_size)
+    assert shapes.layers[0].linear_attn.A_log.dtype == jnp.float32
+    assert shapes.layers[3].self_attn.q_proj.dtype == jnp.bfloat16
+    n = sum(int(np.prod(s.shape)) for s in specs.values())
+    assert n == sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
