@@ -96,6 +96,21 @@ def test_configs_and_layouts_match_hf(hf, loaded, key):
     print(f"{key}: worst relative error {worst:.2e}")
 
 
+def test_sharded_and_multimodal_checkpoints_are_what_they_claim(hf):
+    from safetensors import safe_open
+    from jaxdecode.checkpoint import checkpoint_files
+    assert len(checkpoint_files(hf["sharded"][0])) > 1
+    keys = []
+    for f in checkpoint_files(hf["multimodal"][0]):
+        with safe_open(f, "np") as fh:
+            keys += list(fh.keys())
+    assert any(k.startswith("model.language_model.") for k in keys)
+    assert any(k.startswith("model.visual.") for k in keys)
+    with safe_open(checkpoint_files(hf["bf16_f32_A_log"][0])[0], "np") as fh:
+        assert fh.get_slice("model.layers.0.linear_attn.A_log").get_dtype() == "F32"
+        assert fh.get_slice("model.layers.0.linear_attn.in_proj_qkv.weight").get_dtype() == "BF16"
+
+
 def test_config_variants_are_what_they_claim(loaded):
     c = {k: p.config for k, p in loaded.items()}
     assert c["base"].linear_num_value_heads_per_key_head == 2

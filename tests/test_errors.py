@@ -1,0 +1,234 @@
+"""Bad input gets a clear ValueError before any device work; checkpoints are validated whole."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import jaxdecode as jd
+from jaxdecode.checkpoint import load_checkpoint
+
+CONFIG = dataclasses.replace(jd.Config.from_preset("tiny"), vocab_size=300)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return jd.init_params(CONFIG, jax.random.key(0))
+
+
+def fresh(batch=2, max_len=16):
+    return jd.init_state(CONFIG, batch_size=batch, max_len=max_len)
+
+
+# ----- prefill / decode ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [-1, 300, 10**6])
+def test_prefill_rejects_out_of_range_token_ids(params, bad):
+    tokens = np.array([[1, 2, bad], [3, 4, 5]])
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, vocab_size=300\)"):
+        jd.prefill(params, fresh(), tokens, np.array([3, 3]))
+
+
+def test_prefill_ignores_padding_ids(params):
+    tokens = np.array([[1, 2, -1], [3, 4, 5]])  # -1 is padding (row 0 has 2 real tokens)
+    logits, state = jd.prefill(params, fresh(), tokens, np.array([2, 3]))
+    assert np.isfinite(np.asarray(logits)).all()
+    np.testing.assert_array_equal(np.asarray(state.lengths), [2, 3])
+
+
+def test_prompt_longer_than_cache(params):
+    tokens = np.ones((2, 17), np.int32)
+    with pytest.raises(ValueError, match=r"row 0: 0 cached \+ 17 new tokens exceeds the cache's "
+                                         r"max_len=16"):
+        jd.prefill(params, fresh(), tokens, np.array([17, 3]))
+
+
+def test_continuation_past_cache(params):
+    _, state = jd.prefill(params, fresh(), np.ones((2, 10), np.int32), np.array([10, 2]))
+    with pytest.raises(ValueError, match=r"row 0: 10 cached \+ 7 new tokens exceeds"):
+        jd.prefill(params, state, np.ones((2, 7), np.int32), np.array([7, 7]))
+
+
+@pytest.mark.parametrize("lengths, match", [
+    (np.array([4, 1]), r"lengths must be in \[0, T=3\]"),
+    (np.array([-1, 1]), r"lengths must be in \[0, T=3\]"),
+    (np.array([1, 1, 1]), r"lengths must be \[B\]"),
+    (np.array([1.0, 1.0]), r"lengths must be integers"),
+])
+def test_prefill_rejects_bad_lengths(params, lengths, match):
+    with pytest.raises(ValueError, match=match):
+        jd.prefill(params, fresh(), np.ones((2, 3), np.int32), lengths)
+
+
+def test_prefill_rejects_batch_mismatch_and_bad_shapes(params):
+    with pytest.raises(ValueError, match=r"batch size mismatch"):
+        jd.prefill(params, fresh(batch=3), np.ones((2, 3), np.int32), np.array([3, 3]))
+    with pytest.raises(ValueError, match=r"tokens must be \[B, T\]"):
+        jd.prefill(params, fresh(), np.ones((2, 0), np.int32), np.array([0, 0]))
+    with pytest.raises(ValueError, match=r"token ids must be integers"):
+        jd.prefill(params, fresh(), np.ones((2, 3)), np.array([3, 3]))
+
+
+def test_decode_rejects_bad_tokens_and_full_cache(params):
+    _, state = jd.prefill(params, fresh(max_len=4), np.ones((2, 4), np.int32), np.array([4, 1]))
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, vocab_size=300\)"):
+        jd.decode_step(params, state, np.array([0, 300]))
+    with pytest.raises(ValueError, match=r"tokens must be \[B\] with B = 2"):
+        jd.decode_step(params, state, np.array([0, 1, 2]))
+    with pytest.raises(ValueError, match=r"row 0: the cache is full \(4 of max_len=4"):
+        jd.decode_step(params, state, np.array([0, 1]))
+    # The full row may sit out while the other row continues.
+    _, state = jd.decode_step(params, state, np.array([0, 1]), active=np.array([False, True]))
+    np.testing.assert_array_equal(np.asarray(state.lengths), [4, 2])
+
+
+def test_unchecked_overflow_inside_jit_gives_nan_not_a_silent_clamp(params):
+    _, state = jd.prefill(params, fresh(max_len=4), np.ones((2, 4), np.int32), np.array([4, 1]))
+    logits, _ = jax.jit(jd.decode_step)(params, state, np.array([0, 1], np.int32))
+    logits = np.asarray(logits)
+    assert np.isnan(logits[0]).all() and np.isfinite(logits[1]).all()
+
+
+def test_state_for_another_config(params):
+    other = dataclasses.replace(CONFIG, num_key_value_heads=1)
+    state = jd.init_state(other, batch_size=2, max_len=16)
+    with pytest.raises(ValueError, match=r"state does not match params.config: kv_cache shape"):
+        jd.decode_step(params, state, np.array([0, 1]))
+
+
+# ----- config ----------------------------------------------------------------------------------
+
+def test_config_errors():
+    with pytest.raises(ValueError, match=r"unknown preset 'qwen9'"):
+        jd.Config.from_preset("qwen9")
+    base = jd.Config.from_preset("qwen3.5-0.8b").to_hf_config()
+    with pytest.raises(ValueError, match=r"mixture-of-experts"):
+        jd.Config.from_hf_config({**base, "model_type": "qwen3_5_moe_text", "num_experts": 8})
+    with pytest.raises(ValueError, match=r"model_type='llama'"):
+        jd.Config.from_hf_config({**base, "model_type": "llama"})
+    with pytest.raises(ValueError, match=r"hidden_act='gelu'"):
+        jd.Config.from_hf_config({**base, "hidden_act": "gelu"})
+    with pytest.raises(ValueError, match=r"rope_type='yarn'"):
+        jd.Config.from_hf_config({**base, "rope_parameters": {"rope_type": "yarn"}})
+    with pytest.raises(ValueError, match=r"missing the required field 'hidden_size'"):
+        jd.Config.from_hf_config({k: v for k, v in base.items() if k != "hidden_size"})
+    with pytest.raises(ValueError, match=r"num_attention_heads=8 must be divisible by "
+                                         r"num_key_value_heads=3"):
+        jd.Config.from_hf_config({**base, "num_key_value_heads": 3})
+
+
+def test_config_round_trip_and_multimodal_layout():
+    for name in ("qwen3.5-0.8b", "qwen3.5-9b", "qwen3.5-27b", "tiny"):
+        c = jd.Config.from_preset(name)
+        assert jd.Config.from_hf_config(c.to_hf_config()) == c
+        hash(c)  # valid jit static
+    wrapped = {"model_type": "qwen3_5", "tie_word_embeddings": False,
+               "text_config": {**jd.Config.from_preset("qwen3.5-9b").to_hf_config(),
+                               "model_type": "qwen3_5_text"}}
+    assert jd.Config.from_hf_config(wrapped) == jd.Config.from_preset("qwen3.5-9b")
+
+
+def test_presets_match_published_configs():
+    """The presets equal the reconstructed published configs in shared/docs/configs."""
+    import pathlib
+    docs = pathlib.Path(__file__).resolve().parents[2] / "shared" / "docs" / "configs"
+    if not docs.exists():
+        pytest.skip(f"{docs} not present")
+    for name in ("qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-4b", "qwen3.5-9b", "qwen3.5-27b"):
+        published = jd.Config.from_json_file(docs / f"{name}.json")
+        assert published == jd.Config.from_preset(name), name
+
+
+def test_init_state_errors():
+    with pytest.raises(ValueError, match=r"max_len=0 must be a positive int"):
+        jd.init_state(CONFIG, batch_size=1, max_len=0)
+    with pytest.raises(ValueError, match=r"exceeds the model's max_position_embeddings"):
+        jd.init_state(CONFIG, batch_size=1, max_len=CONFIG.max_position_embeddings + 1)
+
+
+# ----- checkpoints -----------------------------------------------------------------------------
+
+def write_checkpoint(path, params, *, prefix="", drop=(), extra=None, reshape=None):
+    """Writes params as an HF-style directory with numpy/safetensors only (no jaxdecode code)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(params.config.to_hf_config()))
+    flat = {}
+    for name, spec in jd.param_specs(params.config).items():
+        flat[name] = None
+    leaves = _flat_params(params)
+    tensors = {}
+    for name in flat:
+        if name in drop:
+            continue
+        value = np.asarray(leaves[name], np.float32)
+        if reshape and name in reshape:
+            value = np.zeros(reshape[name], np.float32)
+        stored = name.replace("model.", prefix, 1) if prefix else name
+        tensors[stored] = value
+    tensors.update(extra or {})
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+def _flat_params(params):
+    out = {"model.embed_tokens.weight": params.embed_tokens, "model.norm.weight": params.norm}
+    if params.lm_head is not None:
+        out["lm_head.weight"] = params.lm_head
+    for i, layer in enumerate(params.layers):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = layer.input_layernorm
+        out[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm
+        for n in ("gate_proj", "up_proj", "down_proj"):
+            out[p + f"mlp.{n}.weight"] = getattr(layer.mlp, n)
+        if layer.self_attn is not None:
+            for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
+                out[p + f"self_attn.{n}.weight"] = getattr(layer.self_attn, n)
+        else:
+            la = layer.linear_attn
+            for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "out_proj"):
+                out[p + f"linear_attn.{n}.weight"] = getattr(la, n)
+            out[p + "linear_attn.norm.weight"] = la.norm
+            out[p + "linear_attn.dt_bias"] = la.dt_bias
+            out[p + "linear_attn.A_log"] = la.A_log
+    return out
+
+
+def test_checkpoint_round_trip_skips_mtp_and_vision(tmp_path, params):
+    extra = {"mtp.fc.weight": np.ones((4, 4), np.float32),
+             "model.visual.patch_embed.weight": np.ones((2, 2), np.float32)}
+    path = write_checkpoint(tmp_path / "ck", params, prefix="model.language_model.", extra=extra)
+    loaded = load_checkpoint(path, dtype="float32")
+    assert loaded.config == params.config
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    bf16 = load_checkpoint(path, dtype="bfloat16")
+    assert bf16.dtype == np.dtype("bfloat16")
+    assert bf16.layers[0].linear_attn.A_log.dtype == np.float32  # kept float32
+
+
+def test_checkpoint_problems_are_listed_together(tmp_path, params):
+    a = "model.layers.0.linear_attn.A_log"
+    q = "model.layers.3.self_attn.q_proj.weight"
+    path = write_checkpoint(tmp_path / "bad", params, drop=(a,), reshape={q: (7, 5)},
+                            extra={"model.layers.0.mlp.bias": np.ones(3, np.float32)})
+    with pytest.raises(ValueError) as err:
+        load_checkpoint(path)
+    msg = str(err.value)
+    assert "3 problems" in msg
+    assert f"missing tensor {a} (expected shape (4,))" in msg
+    assert f"tensor {q} has shape (7, 5), expected (512, 128)" in msg
+    assert "unexpected tensor model.layers.0.mlp.bias with shape (3,)" in msg
+
+
+def test_checkpoint_missing_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG.to_hf_config()))
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        load_checkpoint(tmp_path)
+
