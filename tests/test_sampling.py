@@ -1,0 +1,220 @@
+"""jaxdecode.sampling against plain numpy re-implementations."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxdecode import sampling
+from jaxdecode.sampling import SamplingParams
+
+
+def _random_logits(b, v, seed=0, scale=3.0):
+    return np.random.default_rng(seed).normal(size=(b, v)).astype(np.float32) * scale
+
+
+def _softmax(x):
+    x = x - np.max(x, axis=-1, keepdims=True)
+    e = np.exp(x)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+# ----- numpy references ---------------------------------------------------------------------------
+
+def np_top_k(x, k):
+    out = x.copy()
+    for i, ki in enumerate(k):
+        if 0 < ki < x.shape[1]:
+            kth = np.sort(x[i])[::-1][ki - 1]
+            out[i][x[i] < kth] = -np.inf
+    return out
+
+
+def np_top_p(x, p):
+    """Sort descending; keep token j while the probability mass before it is < p."""
+    out = x.copy()
+    for i, pi in enumerate(p):
+        if pi >= 1:
+            continue
+        order = np.argsort(-x[i], kind="stable")
+        probs = _softmax(x[i][order].astype(np.float64))
+        mass_before = np.cumsum(probs) - probs
+        drop = order[mass_before >= pi]
+        out[i][drop] = -np.inf
+    return out
+
+
+def np_min_p(x, m):
+    probs = _softmax(x.astype(np.float64))
+    return np.where(probs < m[:, None] * probs.max(-1, keepdims=True), -np.inf, x)
+
+
+def np_penalties(x, counts, rep, pres, freq):
+    seen = counts > 0
+    y = np.where(seen, np.where(x > 0, x / rep[:, None], x * rep[:, None]), x)
+    return y - pres[:, None] * seen - freq[:, None] * counts
+
+
+def np_processed(x, counts, sp):
+    """Steps 1-5 of the sampling module docstring, in numpy."""
+    p = {f: np.asarray(getattr(sp, f)) for f in sampling._FIELDS}
+    if counts is not None:
+        x = np_penalties(x, counts, p["repetition_penalty"], p["presence_penalty"],
+                         p["frequency_penalty"])
+    x = x / p["temperature"][:, None]
+    return np_min_p(np_top_p(np_top_k(x, p["top_k"]), p["top_p"]), p["min_p"])
+
+
+# ----- masks ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("v", [7, 1000])
+def test_top_k_mask_matches_numpy(v):
+    x = _random_logits(6, v, seed=v)
+    k = np.array([0, 1, 2, 5, v, v + 3], np.int32)
+    got = np.asarray(jax.jit(sampling.top_k_mask)(x, k))
+    np.testing.assert_array_equal(got, np_top_k(x, k))
+    kept = np.isfinite(got).sum(-1)
+    np.testing.assert_array_equal(kept, [v, 1, 2, 5, v, v])
+
+
+@pytest.mark.parametrize("v", [7, 1000])
+def test_top_p_mask_matches_numpy(v):
+    x = _random_logits(6, v, seed=v + 1)
+    p = np.array([1.0, 0.05, 0.3, 0.5, 0.9, 0.999], np.float32)
+    got = np.asarray(jax.jit(sampling.top_p_mask)(x, p))
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(np_top_p(x, p)))
+    assert np.isfinite(got).sum(-1).min() >= 1  # the most likely token always survives
+
+
+def test_top_p_mask_with_minus_inf_entries():
+    x = np.array([[2.0, -np.inf, 1.0, 0.0, -np.inf]], np.float32)
+    got = np.asarray(sampling.top_p_mask(x, np.array([0.8], np.float32)))
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(np_top_p(x, [0.8])))
+
+
+def test_min_p_mask_matches_numpy():
+    x = _random_logits(5, 500, seed=3)
+    m = np.array([0.0, 0.01, 0.1, 0.5, 1.0], np.float32)
+    got = np.asarray(jax.jit(sampling.min_p_mask)(x, m))
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(np_min_p(x, m)))
+    assert np.isfinite(got[0]).all() and np.isfinite(got[4]).sum() == 1
+
+
+def test_penalties_as_specified():
+    b, v = 3, 50
+    rng = np.random.default_rng(4)
+    x = _random_logits(b, v, seed=4)
+    counts = rng.integers(0, 3, size=(b, v)).astype(np.int32)
+    sp = SamplingParams.create(b, repetition_penalty=[1.0, 1.3, 0.8],
+                               presence_penalty=[0.5, 0.0, -0.2], frequency_penalty=[0.0, 0.25, 1.0])
+    got = np.asarray(sampling.apply_penalties(x, counts, sp))
+    want = np_penalties(x, counts, sp.repetition_penalty, sp.presence_penalty,
+                        sp.frequency_penalty)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    # Repetition penalty > 1 makes seen tokens less likely whatever their sign.
+    seen = counts[1] > 0
+    assert np.all(got[1][seen] <= x[1][seen])
+
+
+def test_processed_logits_match_numpy_pipeline():
+    b, v = 4, 300
+    x = _random_logits(b, v, seed=5)
+    counts = np.random.default_rng(5).integers(0, 2, size=(b, v)).astype(np.int32)
+    sp = SamplingParams.create(b, temperature=[0.5, 1.0, 1.5, 0.9], top_k=[0, 20, 100, 7],
+                               top_p=[0.9, 1.0, 0.5, 0.95], min_p=[0.0, 0.05, 0.0, 0.1],
+                               repetition_penalty=1.2, presence_penalty=0.3)
+    got = np.asarray(jax.jit(sampling.processed_logits)(x, sp, counts))
+    want = np_processed(x, counts, sp)
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+    np.testing.assert_allclose(got[np.isfinite(got)], want[np.isfinite(want)], rtol=1e-5)
+
+
+# ----- sampling ---------------------------------------------------------------------------------------
+
+def test_greedy_equals_argmax():
+    x = _random_logits(8, 2000, seed=6)
+    toks = jax.jit(sampling.sample)(x, jax.random.key(0), SamplingParams.create(8))
+    np.testing.assert_array_equal(np.asarray(toks), x.argmax(-1))
+    # Filters do not change a greedy row.
+    sp = SamplingParams.create(8, temperature=0.0, top_k=3, top_p=0.5, min_p=0.2)
+    np.testing.assert_array_equal(np.asarray(sampling.sample(x, jax.random.key(1), sp)),
+                                  x.argmax(-1))
+
+
+def test_greedy_with_penalties_is_argmax_of_penalised_logits():
+    x = _random_logits(2, 20, seed=7)
+    counts = np.zeros((2, 20), np.int32)
+    counts[:, x[0].argmax()] = 1
+    counts[:, x[1].argmax()] = 1
+    sp = SamplingParams.create(2, presence_penalty=100.0)
+    toks = np.asarray(sampling.sample(x, jax.random.key(0), sp, counts))
+    assert toks[0] != x[0].argmax() and toks[1] != x[1].argmax()
+    np.testing.assert_array_equal(toks, np_penalties(x, counts, np.ones(2), np.full(2, 100.0),
+                                                     np.zeros(2)).argmax(-1))
+
+
+@pytest.mark.parametrize("settings", [
+    dict(temperature=1.0),
+    dict(temperature=0.7, top_k=5),
+    dict(temperature=1.3, top_p=0.8),
+    dict(temperature=1.0, min_p=0.1, top_k=6),
+])
+def test_sampled_frequencies_chi_square(settings):
+    """Pearson chi-square of 20,000 draws against the numpy-processed distribution."""
+    v, n = 8, 20_000
+    x = np.array([[2.0, 1.5, 1.0, 0.6, 0.3, 0.0, -0.5, -1.0]], np.float32)
+    sp = SamplingParams.create(n, **settings)
+    keys = jax.random.split(jax.random.key(42), n)
+    toks = np.asarray(jax.jit(sampling.sample)(np.repeat(x, n, 0), keys, sp))
+    want = _softmax(np_processed(x, None, SamplingParams.create(1, **settings)))[0]
+    observed = np.bincount(toks, minlength=v)
+    assert observed[want == 0].sum() == 0, "sampled a filtered token"
+    support = want > 0
+    expected = want[support] * n
+    chi2 = np.sum((observed[support] - expected) ** 2 / expected)
+    dof = support.sum() - 1
+    # 0.1% critical values of chi-square for dof = 1..7.
+    critical = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}[dof]
+    assert chi2 < critical, (chi2, observed, expected)
+
+
+def test_rows_are_independent_of_the_batch():
+    """A row's draw depends on its own key and logits only."""
+    x = _random_logits(3, 100, seed=8)
+    keys = jax.random.split(jax.random.key(3), 3)
+    sp = SamplingParams.create(3, temperature=[1.0, 0.8, 1.2], top_p=[1.0, 0.9, 0.7])
+    batch = np.asarray(sampling.sample(x, keys, sp))
+    for i in range(3):
+        one = SamplingParams.create(1, temperature=sp.temperature[i], top_p=sp.top_p[i])
+        alone = np.asarray(sampling.sample(x[i:i + 1], keys[i:i + 1], one))
+        assert alone[0] == batch[i]
+
+
+def test_changing_values_does_not_recompile():
+    f = jax.jit(lambda *args: sampling.sample(*args))  # a fresh cache, unshared with other tests
+    x = _random_logits(2, 64, seed=9)
+    for settings in [dict(), dict(temperature=0.5, top_k=3), dict(temperature=2.0, top_p=0.3,
+                                                                  min_p=0.2, top_k=[1, 9])]:
+        f(x, jax.random.key(0), SamplingParams.create(2, **settings)).block_until_ready()
+    assert f._cache_size() == 1
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(temperature=-0.1), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"),
+    (dict(top_k=2.5), "top_k"),
+    (dict(min_p=1.1), "min_p"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(presence_penalty=float("inf")), "presence_penalty"),
+])
+def test_invalid_values_raise(bad, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams.create(2, **bad)
+
+
+def test_wrong_length_raises():
+    with pytest.raises(ValueError, match="temperature has 3 values"):
+        SamplingParams.create(2, temperature=[0.1, 0.2, 0.3])
