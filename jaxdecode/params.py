@@ -180,6 +180,13 @@ def params_from_flat(config: Config, flat: dict[str, Any]) -> Params:
                   config=config)
 
 
+def params_to_flat(params: Params) -> dict[str, Array]:
+    """Inverse of :func:`params_from_flat`: ``{hf_name: array}`` in :func:`param_specs` order."""
+    tree = params_from_flat(params.config, {name: name for name in param_specs(params.config)})
+    names = jax.tree.leaves(tree)
+    return dict(zip(names, jax.tree.leaves(params)))
+
+
 def _init_leaf(spec: ParamSpec, key: Array, dtype, config: Config) -> Array:
     """HF-like initial values (``Qwen3_5PreTrainedModel._init_weights``), with small random
     perturbations of the norm weights so no quirk of the model hides behind a constant."""

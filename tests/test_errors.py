@@ -12,6 +12,7 @@ from safetensors.numpy import save_file
 
 import jaxdecode as jd
 from jaxdecode.checkpoint import load_checkpoint
+from jaxdecode.params import params_to_flat
 
 CONFIG = dataclasses.replace(jd.Config.from_preset("tiny"), vocab_size=300)
 
@@ -157,12 +158,9 @@ def write_checkpoint(path, params, *, prefix="", drop=(), extra=None, reshape=No
     """Writes params as an HF-style directory with numpy/safetensors only (no jaxdecode code)."""
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(params.config.to_hf_config()))
-    flat = {}
-    for name, spec in jd.param_specs(params.config).items():
-        flat[name] = None
-    leaves = _flat_params(params)
+    leaves = params_to_flat(params)
     tensors = {}
-    for name in flat:
+    for name in leaves:
         if name in drop:
             continue
         value = np.asarray(leaves[name], np.float32)
@@ -173,29 +171,6 @@ def write_checkpoint(path, params, *, prefix="", drop=(), extra=None, reshape=No
     tensors.update(extra or {})
     save_file(tensors, str(path / "model.safetensors"))
     return path
-
-
-def _flat_params(params):
-    out = {"model.embed_tokens.weight": params.embed_tokens, "model.norm.weight": params.norm}
-    if params.lm_head is not None:
-        out["lm_head.weight"] = params.lm_head
-    for i, layer in enumerate(params.layers):
-        p = f"model.layers.{i}."
-        out[p + "input_layernorm.weight"] = layer.input_layernorm
-        out[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm
-        for n in ("gate_proj", "up_proj", "down_proj"):
-            out[p + f"mlp.{n}.weight"] = getattr(layer.mlp, n)
-        if layer.self_attn is not None:
-            for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
-                out[p + f"self_attn.{n}.weight"] = getattr(layer.self_attn, n)
-        else:
-            la = layer.linear_attn
-            for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "out_proj"):
-                out[p + f"linear_attn.{n}.weight"] = getattr(la, n)
-            out[p + "linear_attn.norm.weight"] = la.norm
-            out[p + "linear_attn.dt_bias"] = la.dt_bias
-            out[p + "linear_attn.A_log"] = la.A_log
-    return out
 
 
 def test_checkpoint_round_trip_skips_mtp_and_vision(tmp_path, params):
