@@ -1,0 +1,278 @@
+"""Whole decode-step benchmark on one GPU, against the memory roofline and Hugging Face.
+
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/decode.py [--grid quick|full] [--hf]
+
+Per cell (model, batch, context already in the cache): median ms per decode step (50 steps per
+repeat, 3 repeats, after warm-up; compile time apart), tokens/s (per row and total), bytes moved
+per step and achieved GB/s against the device-to-device copy bandwidth measured in the same run.
+Bytes per step = weights streamed (the embedding table counts as B rows unless tied, where the LM
+head reads all of it) + K and V read up to each row's length + recurrent state read and written
++ conv windows read and written. Weights are bf16 fixed-seed random values (speed does not depend
+on them), KV cache bf16, recurrent state float32; KV caches and states hold random values.
+
+``--hf``: Hugging Face transformers (the version on the machine, with flash-linear-attention if
+importable) decoding the same config with the SAME weights (shared from JAX through DLPack) at
+batch 1 and 8, with its own cache, as its users run it; the ratio is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jaxdecode as jd  # noqa: E402
+from jaxdecode import model  # noqa: E402
+from jaxdecode.params import params_to_flat  # noqa: E402
+
+GRIDS = {
+    # model: [(batch, context), ...]
+    "smoke": {"tiny": [(1, 64), (2, 64)]},  # CPU check of the script itself
+    "quick": {"qwen3.5-0.8b": [(1, 1024)], "qwen3.5-9b": [(1, 1024)]},
+    "full": {
+        "qwen3.5-0.8b": [(1, 1024), (8, 1024), (64, 1024), (256, 1024), (1, 8192), (64, 8192)],
+        "qwen3.5-9b": [(1, 1024), (1, 8192), (1, 32768), (8, 1024), (8, 8192), (64, 1024),
+                       (64, 8192), (64, 32768)],
+        "qwen3.5-27b": [(1, 1024), (8, 1024), (64, 8192)],
+        "qwen3.5-2b": [(1, 1024), (64, 1024)],
+        "qwen3.5-4b": [(1, 1024), (64, 1024)],
+    },
+}
+PREFILL = {"qwen3.5-0.8b": [2048, 8192], "qwen3.5-9b": [2048, 8192], "tiny": [32]}
+HF_MODELS = ("qwen3.5-0.8b", "qwen3.5-9b")
+
+
+def copy_bandwidth_gb_per_s() -> float:
+    """Device memory bandwidth of a streaming elementwise pass (bytes read + written)."""
+    nbytes = (4 << 30) if jax.devices()[0].platform == "gpu" else (256 << 20)
+    x = jax.random.bits(jax.random.key(0), (nbytes // 2,), jnp.uint16)
+    f = jax.jit(lambda a: a + jnp.uint16(1))  # reads nbytes, writes nbytes
+    f(x).block_until_ready()
+    times = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        f(x).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return 2 * nbytes / statistics.median(times) / 1e9
+
+
+def step_bytes(config: jd.Config, params, batch: int, context: int) -> dict[str, int]:
+    c = config
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    emb = params.embed_tokens
+    if not c.tie_word_embeddings:  # the embedding lookup reads B rows, not the table
+        weights -= emb.size * emb.dtype.itemsize - batch * c.hidden_size * emb.dtype.itemsize
+    kv = (2 * len(c.full_attention_layers) * batch * c.num_key_value_heads * context * c.head_dim
+          * 2)
+    rec = (2 * len(c.linear_attention_layers) * batch * c.linear_num_value_heads
+           * c.linear_key_head_dim * c.linear_value_head_dim * 4)
+    conv = 2 * len(c.linear_attention_layers) * batch * (c.linear_conv_kernel_dim - 1) * (
+        c.linear_conv_dim) * 2
+    return {"weights": weights, "kv": kv, "state": rec + conv}
+
+
+@jax.jit
+def _randomize_state(state, context):
+    """Random caches/states and lengths = context (so timings never run on zeros)."""
+    leaves, tree = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    out = [jax.random.normal(k, x.shape, jnp.float32).astype(x.dtype) * 0.1
+           if jnp.issubdtype(x.dtype, jnp.floating) else x for k, x in zip(keys, leaves)]
+    state = jax.tree.unflatten(tree, out)
+    return state.replace(lengths=jnp.full_like(state.lengths, context))
+
+
+def time_decode(params, state, batch, steps=50, repeats=3, attention_impl="auto"):
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 1000, batch), jnp.int32)
+    t0 = time.perf_counter()
+    compiled = model.decode_step_jit.lower(params, state, tokens, None,
+                                           attention_impl=attention_impl).compile()
+    compile_s = time.perf_counter() - t0
+    for _ in range(5):
+        logits, state = compiled(params, state, tokens, None)
+    logits.block_until_ready()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            logits, state = compiled(params, state, tokens, None)
+        logits.block_until_ready()
+        times.append((time.perf_counter() - t0) / steps)
+    assert np.isfinite(np.asarray(logits)).all()
+    return statistics.median(times), compile_s, compiled
+
+
+def hlo_kernel_count(compiled) -> dict[str, int]:
+    """Kernels launched per step, read off the optimised HLO's entry computation."""
+    text = compiled.as_text()
+    entry = text[text.index("ENTRY"):]
+    entry = entry[:entry.index("\n}\n")]
+    kinds = {"fusion": 0, "custom-call": 0, "other": 0}
+    skip = ("parameter(", "get-tuple-element(", "tuple(", "bitcast(", "constant(")
+    for line in entry.splitlines()[1:]:
+        if " = " not in line or any(s in line for s in skip):
+            continue
+        op = line.split(" = ", 1)[1].split("(", 1)[0].split()[-1]
+        kinds[op if op in kinds else "other"] += 1
+    return kinds
+
+
+def time_prefill(params, config, length):
+    state = jd.init_state(config, batch_size=1, max_len=length, dtype="bfloat16")
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 1000, (1, length)), jnp.int32)
+    lengths = jnp.array([length], jnp.int32)
+    t0 = time.perf_counter()
+    compiled = model.prefill_jit.lower(params, state, tokens, lengths).compile()
+    compile_s = time.perf_counter() - t0
+    times = []
+    for _ in range(4):
+        state = state.replace(lengths=jnp.zeros_like(state.lengths))
+        t0 = time.perf_counter()
+        logits, state = compiled(params, state, tokens, lengths)
+        logits.block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]), compile_s
+
+
+def hf_decode(params, config: jd.Config, batch: int, context: int, steps: int = 32):
+    """transformers on the same weights (DLPack), its own cache, greedy decode after a prompt."""
+    import torch
+    import transformers
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    fields = {k: v for k, v in config.to_hf_config().items()
+              if k not in ("model_type", "architectures")}
+    hf_cfg = Qwen3_5TextConfig(**fields)
+    with torch.device("cuda"):
+        m = Qwen3_5ForCausalLM._from_config(hf_cfg, dtype=torch.bfloat16)
+    flat = {k: torch.from_dlpack(v) for k, v in params_to_flat(params).items()}
+    if config.tie_word_embeddings:
+        flat["lm_head.weight"] = flat["model.embed_tokens.weight"]
+    missing, unexpected = m.load_state_dict(flat, strict=False)
+    assert not unexpected and all("lm_head" in k for k in missing), (missing, unexpected)
+    m.eval()
+    impl = getattr(m.model.layers[0].linear_attn, "chunk_gated_delta_rule", None)
+    backend = getattr(impl, "__module__", repr(impl))
+    prompt = torch.randint(0, 1000, (batch, context), device="cuda")
+    with torch.no_grad():
+        out = m(input_ids=prompt, use_cache=True)
+        cache, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        for _ in range(4):
+            out = m(input_ids=tok, past_key_values=cache, use_cache=True)
+            tok = out.logits[:, -1].argmax(-1, keepdim=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            out = m(input_ids=tok, past_key_values=cache, use_cache=True)
+            tok = out.logits[:, -1].argmax(-1, keepdim=True)
+        torch.cuda.synchronize()
+        dt = (time.perf_counter() - t0) / steps
+    del m, cache, out
+    torch.cuda.empty_cache()
+    return dt, f"transformers {transformers.__version__}, GDN kernels from {backend}"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--grid", choices=sorted(GRIDS), default="full")
+    ap.add_argument("--hf", action="store_true")
+    ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--attention-impl", default="auto")
+    ap.add_argument("--json", default=None, help="write all rows to this file")
+    args = ap.parse_args()
+
+    dev = jax.devices()[0]
+    print(f"# device: {dev.device_kind}; jax {jax.__version__}; "
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; attention_impl={args.attention_impl}")
+    bw = copy_bandwidth_gb_per_s()
+    print(f"# measured copy bandwidth: {bw:.0f} GB/s")
+    rows, prefill_rows, hf_rows, anatomy = [], [], [], {}
+    for name, cells in GRIDS[args.grid].items():
+        config = jd.Config.from_preset(name)
+        t0 = time.perf_counter()
+        params = jax.jit(lambda k, c=config: jd.init_params(c, k, "bfloat16"))(jax.random.key(0))
+        jax.block_until_ready(params)
+        print(f"# {name}: {jd.num_params(params) / 1e9:.2f}B params, init "
+              f"{time.perf_counter() - t0:.1f}s", flush=True)
+        for batch, context in cells:
+            state = jd.init_state(config, batch, context + 256, dtype="bfloat16")
+            state = _randomize_state(state, context)
+            dt, compile_s, compiled = time_decode(params, state, batch,
+                                                  attention_impl=args.attention_impl)
+            nbytes = step_bytes(config, params, batch, context)
+            total = sum(nbytes.values())
+            row = dict(model=name, batch=batch, context=context, ms_per_step=dt * 1e3,
+                       tok_per_s_per_row=1 / dt, tok_per_s=batch / dt, compile_s=compile_s,
+                       weights_gb=nbytes["weights"] / 1e9, kv_gb=nbytes["kv"] / 1e9,
+                       state_gb=nbytes["state"] / 1e9, gb_per_s=total / dt / 1e9,
+                       pct_copy_bw=100 * total / dt / 1e9 / bw)
+            rows.append(row)
+            print("  " + json.dumps({k: round(v, 3) if isinstance(v, float) else v
+                                     for k, v in row.items()}), flush=True)
+            if batch == 1 and context == 1024:
+                anatomy[name] = hlo_kernel_count(compiled)
+            del state, compiled
+        if not args.no_prefill:
+            for length in PREFILL.get(name, []):
+                dt, compile_s = time_prefill(params, config, length)
+                prefill_rows.append(dict(model=name, prompt=length, ms=dt * 1e3,
+                                         tok_per_s=length / dt, compile_s=compile_s))
+                print("  prefill " + json.dumps(prefill_rows[-1]), flush=True)
+        if args.hf and name in HF_MODELS:
+            for batch in (1, 8):
+                try:
+                    hf_dt, backend = hf_decode(params, config, batch, 1024)
+                except Exception as e:  # report, don't hide: the JAX numbers stand alone
+                    print(f"  HF {name} batch {batch} failed: {type(e).__name__}: {e}")
+                    continue
+                ours = next((r for r in rows if r["model"] == name and r["batch"] == batch
+                             and r["context"] == 1024), None)
+                hf_rows.append(dict(model=name, batch=batch, hf_ms=hf_dt * 1e3,
+                                    ours_ms=ours["ms_per_step"] if ours else float("nan"),
+                                    backend=backend))
+                print("  hf " + json.dumps(hf_rows[-1]), flush=True)
+        del params
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=dev.device_kind, jax=jax.__version__, copy_gb_per_s=bw,
+                           decode=rows, prefill=prefill_rows, hf=hf_rows, anatomy=anatomy), f,
+                      indent=1)
+    print(f"\n## Decode step ({dev.device_kind}, jax {jax.__version__}, copy bandwidth "
+          f"{bw:.0f} GB/s)\n")
+    print("| model | batch | context | ms/step | tok/s/row | tok/s | GB moved | GB/s | % copy bw "
+          "| compile s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        moved = r["weights_gb"] + r["kv_gb"] + r["state_gb"]
+        print(f"| {r['model']} | {r['batch']} | {r['context']} | {r['ms_per_step']:.3f} | "
+              f"{r['tok_per_s_per_row']:.0f} | {r['tok_per_s']:.0f} | {moved:.2f} | "
+              f"{r['gb_per_s']:.0f} | {r['pct_copy_bw']:.0f}% | {r['compile_s']:.1f} |")
+    if prefill_rows:
+        print("\n| model | prompt | prefill ms | prefill tok/s | compile s |\n|---|---|---|---|---|")
+        for r in prefill_rows:
+            print(f"| {r['model']} | {r['prompt']} | {r['ms']:.1f} | {r['tok_per_s']:.0f} | "
+                  f"{r['compile_s']:.1f} |")
+    if hf_rows:
+        print("\n| model | batch | HF ms/token | jaxdecode ms/token | speed-up |\n|---|---|---|---|---|")
+        for r in hf_rows:
+            print(f"| {r['model']} | {r['batch']} | {r['hf_ms']:.2f} | {r['ours_ms']:.3f} | "
+                  f"{r['hf_ms'] / r['ours_ms']:.1f}x |")
+        print(f"\nHF backend: {hf_rows[0]['backend']}")
+    for name, kinds in anatomy.items():
+        print(f"\n{name} batch 1 step: kernels in the optimised HLO entry: {kinds}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
