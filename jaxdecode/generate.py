@@ -1,0 +1,565 @@
+"""Generation loops: prefill, then sample and decode until every row stops.
+
+Two modes share one step function, so they produce the same tokens for the same key:
+
+* :func:`generate`: the whole loop on device inside one jitted call: a fixed-trip-count
+  ``lax.scan`` over chunks of ``chunk_size`` tokens (no host synchronisation per token). A chunk
+  in which every row has already stopped is skipped by a ``lax.cond``.
+* :func:`generate_stream`: a Python generator that runs one jitted chunk at a time and yields each
+  chunk's tokens to the host (``chunk_size=1``: per token).
+
+A row stops after emitting one of ``eos_token_ids`` or its token budget. A stopped row is marked
+inactive in :func:`jaxdecode.model.decode_step_fn`, so its state is no longer written and its
+``lengths`` no longer advance; its output is padded with ``pad_id``.
+
+Sampling randomness: row ``r`` draws its ``i``-th token with ``fold_in(row_key[r], i)``, where
+``row_key = row_keys(key, rows)`` (:func:`jaxdecode.sampling.row_keys`), so a row's tokens do
+not depend on the chunking, the mode, or the other rows.
+
+Compilation: prompts are right-padded to a power-of-two length (at least 16) and the token
+buffer to a power-of-two budget, and the state's ``max_len`` derives from those two buckets, so
+prompts of different lengths reuse a few executables. Sampling values, budgets below the bucket,
+keys and EOS ids (up to 8 of them) are traced values: changing them never recompiles. Turning
+penalties on or off does (the per-row token counts ``[B, V]`` int32 exist only when needed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Callable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax import lax
+
+from jaxdecode import sampling as sampling_lib
+from jaxdecode.model import decode_step_fn, prefill_fn
+from jaxdecode.params import Params
+from jaxdecode.sampling import SamplingParams
+from jaxdecode.state import DecodeState, fork, init_state
+
+Array = jax.Array
+
+STOP_RUNNING = 0  # not stopped yet (only seen in streamed chunks)
+STOP_EOS = 1  # emitted one of the EOS ids (included in the output)
+STOP_LENGTH = 2  # reached its token budget
+STOP_REASONS = {STOP_RUNNING: "running", STOP_EOS: "eos", STOP_LENGTH: "length"}
+
+MIN_PROMPT_BUCKET = 16
+MIN_TOKEN_BUCKET = 16
+MAX_EOS_IDS = 8  # EOS id arrays are padded to this many entries (-1 never matches)
+
+
+@struct.dataclass
+class GenerateOutput:
+    """Result of :func:`generate`.
+
+    Attributes:
+      tokens: [R, N] int32 generated ids (R = prompts × num_samples, N >= the largest budget);
+        ``pad_id`` after each row's last token.
+      lengths: [R] int32 tokens generated per row (an EOS token counts).
+      stop_reason: [R] int32, :data:`STOP_EOS` or :data:`STOP_LENGTH`.
+    """
+    tokens: Array
+    lengths: Array
+    stop_reason: Array
+
+    def token_lists(self) -> list[list[int]]:
+        """Each row's generated ids, without padding (a host sync)."""
+        tokens, lengths = np.asarray(self.tokens), np.asarray(self.lengths)
+        return [tokens[r, :lengths[r]].tolist() for r in range(tokens.shape[0])]
+
+    def stop_reasons(self) -> list[str]:
+        """Each row's stop reason as text ("eos" or "length")."""
+        return [STOP_REASONS[int(s)] for s in np.asarray(self.stop_reason)]
+
+
+@struct.dataclass
+class LoopState:
+    """The carry of the decode loop (every leaf has the rows as axis 0).
+
+    Attributes:
+      state: the model's :class:`DecodeState` (holds prompt + all emitted tokens but the last).
+      last_token: [R] int32, the token to feed next.
+      num_generated: [R] int32.
+      done: [R] bool.
+      stop_reason: [R] int32 (STOP_*).
+      budgets: [R] int32 token budget per row.
+      keys: [R] per-row PRNG keys.
+      token_counts: [R, V] int32 generated-token counts (penalties), or None.
+    """
+    state: DecodeState
+    last_token: Array
+    num_generated: Array
+    done: Array
+    stop_reason: Array
+    budgets: Array
+    keys: Array
+    token_counts: Array | None
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamChunk:
+    """One chunk yielded by :func:`generate_stream` (host numpy arrays).
+
+    Attributes:
+      tokens: [R, n] int32 new ids, ``pad_id`` where a row produced nothing.
+      lengths: [R] int32 tokens generated per row so far.
+      stop_reason: [R] int32, STOP_RUNNING for rows still going.
+    """
+    tokens: np.ndarray
+    lengths: np.ndarray
+    stop_reason: np.ndarray
+
+
+# ----- pure pieces (usable inside your own jit) ------------------------------------------------
+
+def _record(loop: LoopState, state: DecodeState, token: Array, active: Array,
+            eos_token_ids: Array, pad_id: int) -> tuple[LoopState, Array]:
+    """Books one sampled token per active row; returns the new carry and the emitted ids."""
+    emitted = jnp.where(active, token, pad_id).astype(jnp.int32)
+    num_generated = loop.num_generated + active.astype(jnp.int32)
+    is_eos = active & jnp.any(token[:, None] == eos_token_ids[None, :], axis=-1)
+    spent = active & (num_generated >= loop.budgets)
+    stop_reason = jnp.where(is_eos, STOP_EOS, jnp.where(spent, STOP_LENGTH, loop.stop_reason))
+    counts = loop.token_counts
+    if counts is not None:
+        rows = jnp.arange(token.shape[0])
+        counts = counts.at[rows, jnp.where(active, token, 0)].add(active.astype(jnp.int32))
+    new = LoopState(state=state, last_token=jnp.where(active, token, loop.last_token),
+                    num_generated=num_generated, done=loop.done | is_eos | spent,
+                    stop_reason=stop_reason.astype(jnp.int32), budgets=loop.budgets,
+                    keys=loop.keys, token_counts=counts)
+    return new, emitted
+
+
+def _step_keys(keys: Array, num_generated: Array) -> Array:
+    return jax.vmap(jax.random.fold_in)(keys, num_generated)
+
+
+def start_fn(params: Params, state: DecodeState, prompts: Array, prompt_lengths: Array,
+             budgets: Array, sampling: SamplingParams, keys: Array, eos_token_ids: Array, *,
+             num_samples: int = 1, track_counts: bool = False,
+             pad_id: int = -1) -> tuple[LoopState, Array]:
+    """Prefill, fork, and sample each row's first token.
+
+    Args:
+      params: model weights.
+      state: an empty (or continued) state with P = ``prompts.shape[0]`` rows.
+      prompts: [P, T] int32, right-padded.
+      prompt_lengths: [P] int32, >= 1.
+      budgets: [R] int32 (R = P × num_samples), token budget per output row, >= 1.
+      sampling: :class:`SamplingParams` with [R] leaves.
+      keys: [R] per-row PRNG keys.
+      eos_token_ids: [E] int32 (entries -1 are ignored).
+      num_samples: rows per prompt (``fork``); row ``p * num_samples + j`` continues prompt p.
+      track_counts: keep [R, V] generated-token counts for the penalties.
+      pad_id: id written for rows that emit nothing.
+    Returns:
+      (LoopState, first tokens [R] int32).
+    """
+    logits, state = prefill_fn(params, state, prompts, prompt_lengths)
+    if num_samples > 1:
+        state = fork(state, num_samples)
+        logits = jnp.repeat(logits, num_samples, axis=0)
+    rows, vocab = logits.shape
+    counts = jnp.zeros((rows, vocab), jnp.int32) if track_counts else None
+    loop = LoopState(state=state, last_token=jnp.zeros((rows,), jnp.int32),
+                     num_generated=jnp.zeros((rows,), jnp.int32),
+                     done=jnp.zeros((rows,), bool), stop_reason=jnp.zeros((rows,), jnp.int32),
+                     budgets=budgets.astype(jnp.int32), keys=keys, token_counts=counts)
+    token = sampling_lib.sample(logits, _step_keys(keys, loop.num_generated), sampling, counts)
+    return _record(loop, state, token, jnp.ones((rows,), bool), eos_token_ids, pad_id)
+
+
+def step_fn(params: Params, loop: LoopState, sampling: SamplingParams, eos_token_ids: Array, *,
+            pad_id: int = -1, attention_impl: str = "auto") -> tuple[LoopState, Array]:
+    """One decode step for every row still running: feed the last token, sample the next.
+
+    Returns (new LoopState, emitted ids [R] int32, ``pad_id`` for stopped rows).
+    """
+    active = ~loop.done
+    logits, state = decode_step_fn(params, loop.state, loop.last_token, active,
+                                   attention_impl=attention_impl)
+    token = sampling_lib.sample(logits, _step_keys(loop.keys, loop.num_generated), sampling,
+                                loop.token_counts)
+    return _record(loop, state, token, active, eos_token_ids, pad_id)
+
+
+def chunk_fn(params: Params, loop: LoopState, sampling: SamplingParams, eos_token_ids: Array, *,
+             chunk_size: int, pad_id: int = -1, attention_impl: str = "auto",
+             progress: Callable[[np.ndarray], None] | None = None) -> tuple[LoopState, Array]:
+    """``chunk_size`` decode steps (a ``lax.scan``), skipped entirely once every row is done.
+
+    Returns (new LoopState, emitted ids [R, chunk_size] int32). With ``progress``, calls
+    ``progress(num_generated [R])`` on the host after the chunk (``jax.debug.callback``).
+    """
+    def run(loop):
+        loop, emitted = lax.scan(
+            lambda c, _: step_fn(params, c, sampling, eos_token_ids, pad_id=pad_id,
+                                 attention_impl=attention_impl),
+            loop, None, length=chunk_size)
+        return loop, emitted.T
+
+    def skip(loop):
+        return loop, jnp.full((loop.done.shape[0], chunk_size), pad_id, jnp.int32)
+
+    loop, emitted = lax.cond(jnp.all(loop.done), skip, run, loop)
+    if progress is not None:
+        jax.debug.callback(progress, loop.num_generated)
+    return loop, emitted
+
+
+def generate_fn(params: Params, state: DecodeState, prompts: Array, prompt_lengths: Array,
+                budgets: Array, sampling: SamplingParams, keys: Array, eos_token_ids: Array, *,
+                max_new_tokens: int, chunk_size: int = 8, num_samples: int = 1,
+                track_counts: bool = False, pad_id: int = -1, attention_impl: str = "auto",
+                progress: Callable[[np.ndarray], None] | None = None
+                ) -> tuple[GenerateOutput, LoopState]:
+    """The whole generation loop as one pure function (un-jitted, un-validated).
+
+    Args as :func:`start_fn`, plus ``max_new_tokens`` (static): the token buffer length N, at
+    least ``max(budgets)``; ``chunk_size`` (static): decode steps per scan iteration.
+    Returns (GenerateOutput with [R, N] tokens, final LoopState).
+    """
+    loop, first = start_fn(params, state, prompts, prompt_lengths, budgets, sampling, keys,
+                           eos_token_ids, num_samples=num_samples, track_counts=track_counts,
+                           pad_id=pad_id)
+    rows = first.shape[0]
+    num_chunks = math.ceil((max_new_tokens - 1) / chunk_size)
+    if num_chunks:
+        loop, chunks = lax.scan(
+            lambda c, _: chunk_fn(params, c, sampling, eos_token_ids, chunk_size=chunk_size,
+                                  pad_id=pad_id, attention_impl=attention_impl,
+                                  progress=progress),
+            loop, None, length=num_chunks)
+        rest = jnp.transpose(chunks, (1, 0, 2)).reshape(rows, num_chunks * chunk_size)
+        tokens = jnp.concatenate([first[:, None], rest], axis=1)[:, :max_new_tokens]
+    else:
+        tokens = first[:, None]
+    return GenerateOutput(tokens=tokens, lengths=loop.num_generated,
+                          stop_reason=loop.stop_reason), loop
+
+
+# ----- host side: validation, bucketing, jitted entry points ---------------------------------
+
+def bucket(n: int, minimum: int) -> int:
+    """The smallest power of two >= max(n, minimum)."""
+    return max(minimum, 1 << max(0, int(n) - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Validated, bucketed host inputs plus the static arguments of the jitted calls."""
+    prompts: np.ndarray  # [P, T_bucket] int32
+    prompt_lengths: np.ndarray  # [P] int32
+    budgets: np.ndarray  # [R] int32
+    sampling: SamplingParams  # [R] leaves
+    keys: Array  # [R]
+    eos_token_ids: np.ndarray  # [E] int32
+    max_len: int
+    max_new_tokens: int  # token buffer N (bucketed)
+    chunk_size: int
+    num_samples: int
+    track_counts: bool
+    pad_id: int
+    attention_impl: str
+
+
+def _as_prompt_list(prompts) -> list[list[int]]:
+    if isinstance(prompts, (np.ndarray, jax.Array)):
+        arr = np.asarray(prompts)
+        if arr.ndim == 1:
+            raise ValueError(f"prompts must be a batch: a list of token-id lists or a [B, T] "
+                             f"array; got a 1-D array of shape {arr.shape} (wrap it in a list)")
+        if arr.ndim != 2:
+            raise ValueError(f"prompts must be [B, T]; got shape {arr.shape}")
+        return [row.tolist() for row in arr]
+    if isinstance(prompts, (str, bytes)):
+        raise ValueError("prompts must be token ids (tokenize text first, see "
+                         "jaxdecode.tokenizer)")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, (int, np.integer)):
+            raise ValueError("prompts must be a batch: a list of token-id lists; got a flat list "
+                             "of ints (wrap it in a list)")
+        arr = np.asarray(p)
+        if arr.ndim != 1:
+            raise ValueError(f"prompt {i} must be a 1-D sequence of token ids; got shape "
+                             f"{arr.shape}")
+        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"prompt {i} must hold integer token ids; got dtype {arr.dtype}")
+        out.append(arr.astype(np.int64).tolist())
+    return out
+
+
+def _per_row(name: str, value, rows: int, dtype) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.ndim == 0:
+        return np.full((rows,), arr, dtype)
+    if arr.shape != (rows,):
+        raise ValueError(f"{name} must be a scalar or one value per prompt ({rows}); got shape "
+                         f"{arr.shape}")
+    return arr.astype(dtype)
+
+
+def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids, *, max_len,
+          num_samples, chunk_size, pad_id, attention_impl) -> _Plan:
+    config = params.config
+    vocab = config.vocab_size
+    prompt_list = _as_prompt_list(prompts)
+    if not prompt_list:
+        raise ValueError("prompts is empty: pass at least one prompt")
+    empty = [i for i, p in enumerate(prompt_list) if len(p) == 0]
+    if empty:
+        raise ValueError(f"prompt(s) {empty} are empty: every prompt needs at least one token")
+    for i, p in enumerate(prompt_list):
+        bad = [t for t in p if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids outside [0, vocab_size={vocab}): "
+                             f"{bad[:8]}")
+    if not isinstance(num_samples, int) or num_samples < 1:
+        raise ValueError(f"{num_samples=} must be a positive int")
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"{chunk_size=} must be a positive int")
+    if not isinstance(pad_id, (int, np.integer)) or not -2**31 <= pad_id < 2**31:
+        raise ValueError(f"{pad_id=} must be an int32")
+    num_prompts = len(prompt_list)
+    rows = num_prompts * num_samples
+    budgets = np.asarray(max_new_tokens)
+    if budgets.size == 0 or not np.issubdtype(budgets.dtype, np.integer):
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int or one int per prompt")
+    budgets = _per_row("max_new_tokens", budgets, num_prompts, np.int32)
+    if (budgets < 1).any():
+        raise ValueError(f"max_new_tokens must be >= 1; got {budgets.tolist()}")
+    lengths = np.array([len(p) for p in prompt_list], np.int32)
+    need = lengths + budgets
+    limit = config.max_position_embeddings
+    if (need > limit).any():
+        i = int(np.argmax(need > limit))
+        raise ValueError(f"prompt {i}: {lengths[i]} prompt tokens + max_new_tokens={budgets[i]} "
+                         f"exceeds the model's max_position_embeddings={limit}")
+    if max_len is not None:
+        if not isinstance(max_len, int) or max_len < 1:
+            raise ValueError(f"{max_len=} must be a positive int")
+        if max_len > limit:
+            raise ValueError(f"{max_len=} exceeds the model's max_position_embeddings={limit}")
+        if (need > max_len).any():
+            i = int(np.argmax(need > max_len))
+            raise ValueError(f"prompt {i}: {lengths[i]} prompt tokens + max_new_tokens="
+                             f"{budgets[i]} exceeds {max_len=}")
+    t_bucket = bucket(int(lengths.max()), MIN_PROMPT_BUCKET)
+    n_bucket = bucket(int(budgets.max()), MIN_TOKEN_BUCKET)
+    if max_len is None:
+        max_len = min(t_bucket + n_bucket, limit)
+    padded = np.zeros((num_prompts, t_bucket), np.int32)
+    for i, p in enumerate(prompt_list):
+        padded[i, :len(p)] = p
+
+    if sampling is None:
+        sampling = sampling_lib.greedy()
+    if _leaf_rows(sampling) == rows != num_prompts:  # already one value per output row
+        sampling = sampling.broadcast(rows)
+    else:
+        sampling = sampling.broadcast(num_prompts).repeat(num_samples)
+    sampling = jax.tree.map(np.asarray, sampling)
+    sampling_lib.validate(sampling)
+    penalties = (np.any(sampling.repetition_penalty != 1) | np.any(sampling.presence_penalty != 0)
+                 | np.any(sampling.frequency_penalty != 0))
+
+    if eos_token_ids is None:
+        eos_token_ids = config.eos_token_id
+    eos = np.asarray(list(eos_token_ids), np.int64).ravel()
+    bad = eos[(eos < 0) | (eos >= vocab)]
+    if bad.size:
+        raise ValueError(f"eos_token_ids {bad.tolist()} are outside [0, vocab_size={vocab})")
+    eos_padded = np.full((max(MAX_EOS_IDS, bucket(eos.size, 1)),), -1, np.int32)
+    eos_padded[:eos.size] = eos
+
+    if key is None:
+        key = jax.random.key(0)
+    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    if key.ndim == (0 if typed else 1):
+        keys = sampling_lib.row_keys(key, rows)
+    elif key.shape[0] == rows:
+        keys = key
+    else:
+        raise ValueError(f"key must be one PRNG key or one per output row ({rows}); got "
+                         f"{key.shape=}")
+    return _Plan(prompts=padded, prompt_lengths=lengths,
+                 budgets=np.repeat(budgets, num_samples), sampling=sampling, keys=keys,
+                 eos_token_ids=eos_padded, max_len=int(max_len), max_new_tokens=n_bucket,
+                 chunk_size=min(chunk_size, max(n_bucket - 1, 1)), num_samples=num_samples,
+                 track_counts=bool(penalties), pad_id=pad_id, attention_impl=attention_impl)
+
+
+def _leaf_rows(sampling: SamplingParams) -> int | None:
+    shapes = {np.shape(x) for x in jax.tree.leaves(sampling)}
+    if shapes == {()}:
+        return None
+    sizes = {s[0] for s in shapes if s}
+    return sizes.pop() if len(sizes) == 1 else -1
+
+
+# pad_id is traced (a fill value), so changing it does not recompile.
+_STATIC = ("max_len", "max_new_tokens", "chunk_size", "num_samples", "track_counts",
+           "attention_impl", "progress")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _generate_jit(params, prompts, prompt_lengths, budgets, sampling, keys, eos_token_ids, *,
+                  max_len, max_new_tokens, chunk_size, num_samples, track_counts, pad_id,
+                  attention_impl, progress):
+    state = init_state(params.config, prompts.shape[0], max_len, dtype=params.dtype)
+    out, _ = generate_fn(params, state, prompts, prompt_lengths, budgets, sampling, keys,
+                         eos_token_ids, max_new_tokens=max_new_tokens, chunk_size=chunk_size,
+                         num_samples=num_samples, track_counts=track_counts, pad_id=pad_id,
+                         attention_impl=attention_impl, progress=progress)
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("max_len", "num_samples", "track_counts"))
+def _start_jit(params, prompts, prompt_lengths, budgets, sampling, keys, eos_token_ids, *,
+               max_len, num_samples, track_counts, pad_id):
+    state = init_state(params.config, prompts.shape[0], max_len, dtype=params.dtype)
+    return start_fn(params, state, prompts, prompt_lengths, budgets, sampling, keys,
+                    eos_token_ids, num_samples=num_samples, track_counts=track_counts,
+                    pad_id=pad_id)
+
+
+@functools.partial(jax.jit, static_argnames=("chunk_size", "attention_impl"),
+                   donate_argnames=("loop",))
+def _chunk_jit(params, loop, sampling, eos_token_ids, *, chunk_size, pad_id, attention_impl):
+    return chunk_fn(params, loop, sampling, eos_token_ids, chunk_size=chunk_size, pad_id=pad_id,
+                    attention_impl=attention_impl)
+
+
+def _generate_args(params: Params, plan: _Plan, progress):
+    args = (params, plan.prompts, plan.prompt_lengths, plan.budgets, plan.sampling, plan.keys,
+            plan.eos_token_ids)
+    static = dict(max_len=plan.max_len, max_new_tokens=plan.max_new_tokens,
+                  chunk_size=plan.chunk_size, num_samples=plan.num_samples,
+                  track_counts=plan.track_counts, pad_id=np.int32(plan.pad_id),
+                  attention_impl=plan.attention_impl, progress=progress)
+    return args, static
+
+
+def _start_args(params: Params, plan: _Plan):
+    args = (params, plan.prompts, plan.prompt_lengths, plan.budgets, plan.sampling, plan.keys,
+            plan.eos_token_ids)
+    static = dict(max_len=plan.max_len, num_samples=plan.num_samples,
+                  track_counts=plan.track_counts, pad_id=np.int32(plan.pad_id))
+    return args, static
+
+
+_DOC_ARGS = """
+    Args:
+      params: model weights (``params.config`` gives vocab size, EOS ids and position limit).
+      prompts: a list of token-id lists (ragged) or a [P, T] int array; every prompt non-empty.
+      max_new_tokens: token budget, an int or one per prompt (>= 1).
+      sampling: :class:`jaxdecode.sampling.SamplingParams` with scalar or [P] leaves (or [P ×
+        num_samples]); None = greedy.
+      key: one PRNG key (row r uses ``fold_in(key, r)``) or one per output row; None = key(0).
+      eos_token_ids: ids that stop a row; None = ``params.config.eos_token_id``; () = none.
+      max_len: state capacity per row; None = prompt bucket + budget bucket (capped at
+        ``max_position_embeddings``).
+      num_samples: continuations per prompt (the state is forked after the prefill; output row
+        ``p * num_samples + j`` continues prompt ``p``).
+      chunk_size: decode steps per jitted chunk / scan iteration.
+      pad_id: id written after a row stops.
+      attention_impl: passed to :func:`jaxdecode.model.decode_step_fn`.
+
+    Raises:
+      ValueError: before any device work, for empty prompts, ids outside ``[0, vocab_size)``,
+        a budget < 1, prompt + budget over ``max_len`` or ``max_position_embeddings``, invalid
+        sampling values (see :func:`jaxdecode.sampling.validate`) or a mis-shaped key.
+"""
+
+
+def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParams | None = None,
+             key=None, eos_token_ids: Sequence[int] | None = None, *, max_len: int | None = None,
+             num_samples: int = 1, chunk_size: int = 8, pad_id: int = -1,
+             attention_impl: str = "auto",
+             progress: Callable[[np.ndarray], None] | None = None) -> GenerateOutput:
+    """Generates continuations with the whole loop on device (one jitted call, no per-token sync).
+
+    ``progress``, if given, is called on the host after every chunk with ``num_generated [R]``
+    (a hashable callable: a new function object compiles a new executable).
+
+    Returns:
+      :class:`GenerateOutput` (device arrays; R = P × num_samples rows, N = bucketed budget).
+    """
+    plan = _plan(params, prompts, max_new_tokens, sampling, key, eos_token_ids, max_len=max_len,
+                 num_samples=num_samples, chunk_size=chunk_size, pad_id=pad_id,
+                 attention_impl=attention_impl)
+    args, static = _generate_args(params, plan, progress)
+    return _generate_jit(*args, **static)
+
+
+def generate_stream(params: Params, prompts, max_new_tokens=64,
+                    sampling: SamplingParams | None = None, key=None,
+                    eos_token_ids: Sequence[int] | None = None, *, max_len: int | None = None,
+                    num_samples: int = 1, chunk_size: int = 1, pad_id: int = -1,
+                    attention_impl: str = "auto") -> Iterator[StreamChunk]:
+    """Generates continuations, yielding tokens to the host as they are produced.
+
+    The first chunk holds each row's first token (prefill + one sample: its arrival is the time to
+    first token); each later chunk holds ``chunk_size`` decode steps. Stops once every row has
+    stopped. Same tokens as :func:`generate` for the same arguments. Validation happens on the
+    first ``next()``.
+
+    Yields:
+      :class:`StreamChunk` (numpy arrays).
+    """
+    plan = _plan(params, prompts, max_new_tokens, sampling, key, eos_token_ids, max_len=max_len,
+                 num_samples=num_samples, chunk_size=chunk_size, pad_id=pad_id,
+                 attention_impl=attention_impl)
+    args, static = _start_args(params, plan)
+    loop, first = _start_jit(*args, **static)
+    yield _stream_chunk(first[:, None], loop)
+    while not bool(np.all(np.asarray(loop.done))):
+        loop, emitted = _chunk_jit(params, loop, plan.sampling, plan.eos_token_ids,
+                                   chunk_size=plan.chunk_size, pad_id=np.int32(pad_id),
+                                   attention_impl=attention_impl)
+        yield _stream_chunk(emitted, loop)
+
+
+def _stream_chunk(emitted, loop: LoopState) -> StreamChunk:
+    emitted, lengths, stop = jax.device_get((emitted, loop.num_generated, loop.stop_reason))
+    return StreamChunk(tokens=np.asarray(emitted), lengths=np.asarray(lengths),
+                       stop_reason=np.asarray(stop))
+
+
+generate.__doc__ += _DOC_ARGS
+generate_stream.__doc__ += _DOC_ARGS
+
+
+def precompile(params: Params, prompts, max_new_tokens=64, sampling: SamplingParams | None = None,
+               key=None, eos_token_ids: Sequence[int] | None = None, *, stream: bool = False,
+               max_len: int | None = None, num_samples: int = 1, chunk_size: int | None = None,
+               pad_id: int = -1, attention_impl: str = "auto",
+               progress: Callable[[np.ndarray], None] | None = None) -> None:
+    """Compiles (without running) what :func:`generate` (or, with ``stream``,
+    :func:`generate_stream`) will run for these arguments, so its compile time can be measured
+    apart; the later call reuses the executables. Arguments as those functions."""
+    if chunk_size is None:
+        chunk_size = 1 if stream else 8
+    plan = _plan(params, prompts, max_new_tokens, sampling, key, eos_token_ids, max_len=max_len,
+                 num_samples=num_samples, chunk_size=chunk_size, pad_id=pad_id,
+                 attention_impl=attention_impl)
+    if not stream:
+        args, static = _generate_args(params, plan, progress)
+        _generate_jit.lower(*args, **static).compile()
+        return
+    args, static = _start_args(params, plan)
+    start = _start_jit.lower(*args, **static)
+    start.compile()
+    loop_shape = jax.eval_shape(lambda: _start_jit(*args, **static))[0]
+    _chunk_jit.lower(params, loop_shape, plan.sampling, plan.eos_token_ids,
+                     chunk_size=plan.chunk_size, pad_id=np.int32(pad_id),
+                     attention_impl=attention_impl).compile()

@@ -1,0 +1,236 @@
+"""jaxdecode.generate: HF parity (greedy), stopping, frozen finished rows, fork, compile reuse,
+streaming == on-device, validation."""
+
+import json
+import subprocess
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxdecode as jd
+from jaxdecode import generate as gen
+from jaxdecode.sampling import SamplingParams
+
+from conftest import HERE, LIN, FULL, hf_python, text_config
+
+VOCAB = 384
+# A small random model: vocab 384 keeps compiles and steps fast; GQA, r = 2, two attention layers.
+SMALL = jd.Config(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=24,
+    linear_conv_kernel_dim=4, layer_types=(LIN, FULL, LIN, FULL), max_position_embeddings=512,
+    eos_token_id=(VOCAB - 1,))
+
+
+@pytest.fixture(scope="module")
+def params():
+    return jd.init_params(SMALL, jax.random.key(1))
+
+
+PROMPTS = [[5, 17, 33, 2, 9], [100, 7], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]
+
+
+def _greedy(params, prompts=PROMPTS, budget=16, eos=(), **kw):
+    return gen.generate(params, prompts, budget, eos_token_ids=eos, **kw)
+
+
+# ----- Hugging Face parity ------------------------------------------------------------------------
+
+def _hf_generate(ckpt: Path, cases: list[dict], workdir: Path) -> list[list[int]]:
+    req, out = workdir / "gen_request.json", workdir / "gen_out.json"
+    req.write_text(json.dumps({"dir": str(ckpt), "out": str(out), "cases": cases}))
+    proc = subprocess.run([hf_python(), str(HERE / "hf_generate_reference.py"), str(req)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.hf
+def test_greedy_generate_matches_hf_token_for_token(hf_checkpoints, tmp_path):
+    """A ragged batch in one call == HF greedy generate on each prompt alone (float32)."""
+    ckpt = hf_checkpoints.make("generate_tiny", text_config(), seed=3)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 512, size=n).tolist() for n in (7, 1, 20)]
+    budget = 24
+    ref = _hf_generate(ckpt, [{"prompt": p, "max_new_tokens": budget, "eos_token_id": []}
+                              for p in prompts], tmp_path)
+    params = jd.load_checkpoint(str(ckpt), dtype="float32")
+    out = gen.generate(params, prompts, budget, eos_token_ids=())
+    assert out.token_lists() == ref
+    assert out.stop_reasons() == ["length"] * 3
+
+    # Per-row EOS with two ids: greedy with EOS is the EOS-free sequence cut after the first
+    # EOS id (HF semantics), so the reference above decides where each row must stop.
+    eos = (ref[0][5], ref[2][9])
+    want = []
+    for r in ref:
+        cut = next((i + 1 for i, t in enumerate(r) if t in eos), len(r))
+        want.append(r[:cut])
+    out = gen.generate(params, prompts, budget, eos_token_ids=eos)
+    assert out.token_lists() == want
+    assert out.stop_reasons() == ["eos" if w[-1] in eos else "length" for w in want]
+    tokens = np.asarray(out.tokens)
+    for row, w in zip(tokens, want):
+        assert (row[len(w):] == -1).all()
+
+
+# ----- stopping and finished rows -------------------------------------------------------------------
+
+def test_per_row_eos_stopping_with_two_eos_ids(params):
+    free = _greedy(params).token_lists()
+    eos = (free[0][3], free[1][6])
+    out = _greedy(params, eos=eos, pad_id=-7)
+    for got, full, reason, row in zip(out.token_lists(), free, out.stop_reasons(),
+                                      np.asarray(out.tokens)):
+        cut = next((i + 1 for i, t in enumerate(full) if t in eos), len(full))
+        assert got == full[:cut]
+        assert reason == ("eos" if cut < len(full) or full[-1] in eos else "length")
+        assert (row[cut:] == -7).all()
+    assert out.stop_reasons()[:2] == ["eos", "eos"]
+
+
+def test_per_row_budgets(params):
+    out = _greedy(params, budget=[3, 16, 1])
+    np.testing.assert_array_equal(np.asarray(out.lengths), [3, 16, 1])
+    free = _greedy(params).token_lists()
+    assert out.token_lists() == [free[0][:3], free[1], free[2][:1]]
+
+
+def test_finished_row_state_stops_changing(params):
+    """Once a row stops, decode steps leave its state (caches, lengths) bit-identical."""
+    plan = gen._plan(params, PROMPTS, [2, 16, 16], None, None, (), max_len=None,
+                     num_samples=1, chunk_size=4, pad_id=-1, attention_impl="auto")
+    args, static = gen._start_args(params, plan)
+    loop, _ = gen._start_jit(*args, **static)
+
+    def step(loop):  # the jitted one-token chunk generate_stream uses (loop is donated)
+        return gen._chunk_jit(params, loop, plan.sampling, plan.eos_token_ids, chunk_size=1,
+                              pad_id=np.int32(-1), attention_impl="auto")
+
+    loop, _ = step(loop)
+    assert np.asarray(loop.done).tolist() == [True, False, False]
+    frozen = jax.tree.map(lambda x: np.asarray(x[0]), loop.state)
+    others = jax.tree.map(lambda x: np.asarray(x[1:]), loop.state)
+    for _ in range(5):
+        loop, emitted = step(loop)
+        assert np.asarray(emitted)[0, 0] == -1
+    after = jax.tree.map(lambda x: np.asarray(x[0]), loop.state)
+    jax.tree.map(np.testing.assert_array_equal, after, frozen)
+    assert int(after.lengths) == len(PROMPTS[0]) + 1  # prompt + first token fed; nothing since
+    changed = jax.tree.map(lambda a, b: not np.array_equal(np.asarray(a[1:]), b), loop.state,
+                           others)
+    assert all(jax.tree.leaves(changed))  # the running rows did move
+
+
+# ----- fork / num_samples -----------------------------------------------------------------------------
+
+def test_fork_gives_identical_greedy_continuations(params):
+    one = _greedy(params).token_lists()
+    out = _greedy(params, num_samples=3)
+    rows = out.token_lists()
+    assert len(rows) == 9
+    for p in range(3):
+        assert rows[3 * p:3 * p + 3] == [one[p]] * 3
+
+
+def test_num_samples_with_sampling_gives_different_rows(params):
+    sp = SamplingParams.create(temperature=1.0)
+    rows = _greedy(params, num_samples=3, sampling=sp, key=jax.random.key(7)).token_lists()
+    for p in range(3):
+        assert len({tuple(r) for r in rows[3 * p:3 * p + 3]}) > 1
+
+
+# ----- compilation reuse ---------------------------------------------------------------------------
+
+def test_no_recompilation_within_a_bucket_and_across_sampling_values(params):
+    jax.block_until_ready(gen.generate(params, PROMPTS, 10, eos_token_ids=(7,)))
+    size = gen._generate_jit._cache_size()
+    variants = [  # prompts of 1..16 tokens, budgets of 2..16 tokens: one bucket each
+        dict(prompts=[[9] * 13, [1], [2] * 16], budget=[10, 2, 16], sampling=None, key=None,
+             eos=(7,)),
+        dict(prompts=[[1, 2], [3], [4, 5, 6]], budget=16,
+             sampling=SamplingParams.create(temperature=0.8, top_p=0.9),
+             key=jax.random.key(3), eos=(7, 8)),
+        dict(prompts=[[4] * 7, [5] * 8, [6] * 9], budget=9,
+             sampling=SamplingParams.create(3, temperature=[1.5, 0.0, 1.0], top_k=[5, 0, 2],
+                                            min_p=0.1),
+             key=jax.random.key(4), eos=()),
+    ]
+    for v in variants:
+        jax.block_until_ready(gen.generate(params, v["prompts"], v["budget"], v["sampling"],
+                                           v["key"], v["eos"]))
+    assert gen._generate_jit._cache_size() == size
+
+
+# ----- streaming == on-device ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("chunk_size", [1, 3])
+def test_stream_matches_on_device_loop(params, chunk_size):
+    kw = dict(sampling=SamplingParams.create(temperature=[1.0, 0.7, 1.2], top_k=[0, 40, 0],
+                                             top_p=[1.0, 1.0, 0.9]),
+              key=jax.random.key(11), eos_token_ids=(5, 6))
+    out = gen.generate(params, PROMPTS, 16, **kw)
+    chunks = list(gen.generate_stream(params, PROMPTS, 16, chunk_size=chunk_size, **kw))
+    assert chunks[0].tokens.shape == (3, 1)  # the first token arrives alone (time to first token)
+    streamed = np.concatenate([c.tokens for c in chunks], axis=1)
+    streamed = [row[row != -1].tolist() for row in streamed]
+    assert streamed == out.token_lists()
+    np.testing.assert_array_equal(chunks[-1].stop_reason, np.asarray(out.stop_reason))
+    np.testing.assert_array_equal(chunks[-1].lengths, np.asarray(out.lengths))
+
+
+def test_presence_penalty_prevents_repeats(params):
+    plain = _greedy(params, budget=16).token_lists()
+    assert any(len(set(r)) < len(r) for r in plain)  # random greedy text repeats itself
+    sp = SamplingParams.create(presence_penalty=1e4)
+    for r in _greedy(params, budget=16, sampling=sp).token_lists():
+        assert len(set(r)) == len(r)
+
+
+def test_progress_callback_sees_the_counts(params):
+    seen = []
+    out = gen.generate(params, PROMPTS, 16, eos_token_ids=(),
+                       progress=lambda n: seen.append(int(np.sum(n))))
+    jax.block_until_ready(out)
+    jax.effects_barrier()
+    assert seen and seen[-1] == 3 * 16 and seen == sorted(seen)
+
+
+# ----- validation -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(prompts=[]), "prompts is empty"),
+    (dict(prompts=[[1, 2], []]), r"prompt\(s\) \[1\] are empty"),
+    (dict(prompts=[[1, VOCAB]]), "outside"),
+    (dict(prompts=[[1, -1]]), "outside"),
+    (dict(prompts=[1, 2, 3]), "flat list"),
+    (dict(prompts="hello"), "token ids"),
+    (dict(max_new_tokens=0), "max_new_tokens must be >= 1"),
+    (dict(max_new_tokens=[4, 5]), "one value per prompt"),
+    (dict(max_new_tokens=510), "max_position_embeddings=512"),
+    (dict(max_new_tokens=8, max_len=10), "exceeds max_len=10"),
+    (dict(max_len=1024), "exceeds the model's max_position_embeddings"),
+    (dict(eos_token_ids=(VOCAB,)), "eos_token_ids"),
+    (dict(num_samples=0), "num_samples"),
+])
+def test_invalid_inputs_raise_before_device_work(params, kwargs, message):
+    call = dict(prompts=[[1, 2, 3]], max_new_tokens=4)
+    call.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        gen.generate(params, call.pop("prompts"), call.pop("max_new_tokens"), **call)
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-0.5), dict(top_p=0.0), dict(top_p=1.01),
+                                 dict(top_k=-2)])
+def test_invalid_sampling_values_raise(params, bad):
+    raw = SamplingParams(**{f: np.asarray(v) for f, v in dict(
+        temperature=np.float32(0), top_k=np.int32(0), top_p=np.float32(1), min_p=np.float32(0),
+        repetition_penalty=np.float32(1), presence_penalty=np.float32(0),
+        frequency_penalty=np.float32(0)).items()})
+    raw = raw.replace(**{k: np.asarray(v) for k, v in bad.items()})
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        gen.generate(params, [[1, 2]], 4, raw)
