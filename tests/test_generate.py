@@ -108,8 +108,8 @@ def test_finished_row_state_stops_changing(params):
     loop, _ = gen._start_jit(*args, **static)
 
     def step(loop):  # the jitted one-token chunk generate_stream uses (loop is donated)
-        return gen._chunk_jit(params, loop, plan.sampling, plan.eos_token_ids, chunk_size=1,
-                              pad_id=np.int32(-1), attention_impl="auto")
+        return gen._chunk_jit(*gen._chunk_args(params, plan, loop)[0], chunk_size=1,
+                              attention_impl="auto")
 
     loop, _ = step(loop)
     assert np.asarray(loop.done).tolist() == [True, False, False]

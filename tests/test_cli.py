@@ -1,0 +1,104 @@
+"""The command line: examples/generate.py and ``jaxdecode generate`` (jaxdecode.cli)."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from jaxdecode import cli
+
+from conftest import HERE, text_config
+from test_tokenizer import _write_hf_tokenizer
+
+ROOT = HERE.parent
+EXAMPLE = ROOT / "examples" / "generate.py"
+
+
+def _run(*args, timeout=300):
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, str(EXAMPLE), *args], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=timeout)
+
+
+def test_example_runs_on_the_embedded_default():
+    proc = _run()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "random weights" in out and "Qwen3.5 vocabulary" in out
+    ids = re.search(r"^ids: \[(.*)\]$", out, re.M).group(1).split(", ")
+    assert len(ids) == 32 and all(0 <= int(i) < 248_320 for i in ids)
+    assert re.search(r"^text: ", out, re.M)
+    assert re.search(r"compile: [\d.]+ s", out)
+    assert re.search(r"[\d.]+ tokens/s", out)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(hf_checkpoints, tmp_path_factory):
+    """A random HF checkpoint (save_pretrained) plus a small tokenizer.json and chat template."""
+    src = hf_checkpoints.make("cli_tiny", text_config(), seed=5)
+    dst = tmp_path_factory.mktemp("cli") / "ckpt"
+    shutil.copytree(src, dst)
+    _write_hf_tokenizer(dst)
+    return dst
+
+
+@pytest.mark.hf
+def test_example_streams_chat_on_a_checkpoint_directory(checkpoint):
+    proc = _run("--checkpoint", str(checkpoint), "--prompt", "hello world", "--chat",
+                "--stream", "--max-new-tokens", "6")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "tokenizer.json" in out and "<|im_start|>user\\nhello world" in out
+    for field in ("compile:", "prefill:", "time to first token:", "tokens/s", "ms/token"):
+        assert field in out
+    ids = re.search(r"^ids: \[(.*)\]$", out, re.M).group(1).split(", ")
+    assert 1 <= len(ids) <= 6
+
+
+@pytest.mark.hf
+def test_example_samples_several_continuations_from_ids(checkpoint):
+    proc = _run("--checkpoint", str(checkpoint), "--prompt-ids", "1,2,3", "--num-samples", "2",
+                "--temperature", "0.8", "--top-p", "0.9", "--seed", "3", "--max-new-tokens", "5")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("--- sample ") == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "0"], "top_p"),
+    (["--top-k", "-3"], "top_k"),
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--num-samples", "x"], "--num-samples"),
+    (["--checkpoint", "/nonexistent/dir"], "not a directory"),
+    (["--prompt-ids", "1,x"], "comma-separated"),
+    (["--prompt", "a", "--prompt-ids", "1"], "not both"),
+    (["--stream", "--num-samples", "2"], "--stream"),
+    (["--dtype", "float16"], "--dtype"),
+])
+def test_bad_arguments_exit_with_one_line(capsys, argv, message):
+    try:
+        status = cli.main(["generate", *argv])
+    except SystemExit as e:  # argparse's own checks
+        status = e.code
+    err = capsys.readouterr().err
+    assert status == 2
+    assert err.count("\n") == 1 and "error:" in err and message in err, err
+
+
+def test_bad_token_ids_exit_with_one_line(capsys):
+    status = cli.main(["generate", "--prompt-ids", "1,248320", "--max-new-tokens", "2"])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1 and "vocab_size=248320" in err, err
+
+
+def test_console_script_is_declared():
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        project = tomllib.load(f)["project"]
+    assert project["scripts"]["jaxdecode"] == "jaxdecode.cli:main"
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--help"])
+    assert e.value.code == 0
