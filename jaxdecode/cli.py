@@ -38,6 +38,11 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jaxdecode", "xla")
+
+
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", metavar="DIR",
                    help="Hugging Face checkpoint directory (config.json + safetensors); "
@@ -69,6 +74,11 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
                    help="model dtype (default: float32)")
     p.add_argument("--chunk-size", type=_positive_int, default=None, metavar="N",
                    help="decode steps per device call (default: 1 with --stream, else 8)")
+    p.add_argument("--compile-cache", metavar="DIR", default=_default_cache_dir(),
+                   help="persistent XLA compilation cache, so later runs skip most compiling "
+                        "(default: %(default)s)")
+    p.add_argument("--no-compile-cache", dest="compile_cache", action="store_const", const=None,
+                   help="do not read or write a compilation cache")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,14 +144,19 @@ def _generate(args) -> int:
     import numpy as np
 
     import jaxdecode as jd
-    from jaxdecode import generate as gen
     from jaxdecode import tokenizer as tok_lib
+    from jaxdecode.generate import generate, precompile
     from jaxdecode.sampling import SamplingParams
 
     sampling = SamplingParams.create(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty)
 
+    if args.compile_cache:
+        # Every executable, even the small ones init_params dispatches one by one: on CPU they
+        # add up to seconds per run.
+        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     t0 = time.perf_counter()
     if args.checkpoint is None:
         config = jd.Config.from_preset("tiny")
@@ -161,6 +176,8 @@ def _generate(args) -> int:
     _say(f"model: {what}")
     _say(f"loaded in {load_s:.2f} s")
     _say(f"tokenizer: {tokenizer.name if tokenizer else 'none (token ids only)'}")
+    _say(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}, "
+         f"{os.cpu_count()} host cores)")
 
     if prompt_ids is None:
         text = EXAMPLE_PROMPT if args.prompt is None else args.prompt
@@ -182,20 +199,21 @@ def _generate(args) -> int:
                   key=jax.random.key(args.seed), eos_token_ids=eos, num_samples=args.num_samples)
     if args.stream:
         chunk = args.chunk_size or 1
-        return _stream(params, [prompt_ids], kwargs, chunk, tokenizer, gen, np)
+        return _stream(params, [prompt_ids], kwargs, chunk, tokenizer, args.compile_cache)
     chunk = args.chunk_size or 8
     progress = _Progress(args.max_new_tokens * args.num_samples) if sys.stderr.isatty() else None
     t = time.perf_counter()
-    gen.precompile(params, [prompt_ids], chunk_size=chunk, progress=progress, **kwargs)
+    precompile(params, [prompt_ids], chunk_size=chunk, progress=progress, **kwargs)
     compile_s = time.perf_counter() - t
     if progress is not None:
         progress.start = time.perf_counter()
     t = time.perf_counter()
-    out = gen.generate(params, [prompt_ids], chunk_size=chunk, progress=progress, **kwargs)
+    out = generate(params, [prompt_ids], chunk_size=chunk, progress=progress, **kwargs)
     jax.block_until_ready(out)
     run_s = time.perf_counter() - t
     if progress is not None:
         progress.close()
+    cache = args.compile_cache
     lengths = np.asarray(out.lengths)
     for r, (ids, reason) in enumerate(zip(out.token_lists(), out.stop_reasons())):
         _say(f"--- sample {r}: {len(ids)} tokens, stopped by {reason} ---")
@@ -203,12 +221,17 @@ def _generate(args) -> int:
         if tokenizer is not None:
             _say(f"text: {tokenizer.decode(ids)}")
     total = int(lengths.sum())
-    _say("--- timing (CPU/GPU wall clock) ---")
-    _say(f"compile: {compile_s:.2f} s (apart, not in the numbers below)")
+    _say("--- timing (wall clock, first run after compiling) ---")
+    _say(_compile_line(compile_s, cache))
     _say(f"generate: {total} tokens in {run_s * 1e3:.1f} ms = {total / run_s:.1f} tokens/s "
          f"(prefill + decode in one on-device loop, {lengths.size} row(s); --stream splits "
          f"prefill and decode)")
     return 0
+
+
+def _compile_line(seconds: float, cache: str | None) -> str:
+    where = f"persistent cache {cache}" if cache else "no persistent cache"
+    return f"compile: {seconds:.2f} s (apart, not in the numbers below; {where})"
 
 
 def _describe(args) -> str:
@@ -228,11 +251,12 @@ def _describe(args) -> str:
     return text
 
 
-def _stream(params, prompts, kwargs, chunk, tokenizer, gen, np) -> int:
+def _stream(params, prompts, kwargs, chunk, tokenizer, cache) -> int:
+    from jaxdecode.generate import STOP_REASONS, generate_stream, precompile
     from jaxdecode.tokenizer import StreamDecoder
 
     t = time.perf_counter()
-    gen.precompile(params, prompts, stream=True, chunk_size=chunk, **kwargs)
+    precompile(params, prompts, stream=True, chunk_size=chunk, **kwargs)
     compile_s = time.perf_counter() - t
     decoder = StreamDecoder(tokenizer) if tokenizer is not None else None
     ids: list[int] = []
@@ -240,7 +264,7 @@ def _stream(params, prompts, kwargs, chunk, tokenizer, gen, np) -> int:
     t_start = time.perf_counter()
     t_first = t_prefill = None
     last = None
-    for piece in gen.generate_stream(params, prompts, chunk_size=chunk, **kwargs):
+    for piece in generate_stream(params, prompts, chunk_size=chunk, **kwargs):
         now = time.perf_counter()
         if t_prefill is None:
             t_prefill = now - t_start  # the first chunk: prefill + first sample, on the host
@@ -258,13 +282,13 @@ def _stream(params, prompts, kwargs, chunk, tokenizer, gen, np) -> int:
     if decoder is not None:
         sys.stdout.write(decoder.flush())
     _say()
-    reason = gen.STOP_REASONS[int(last.stop_reason[0])]
+    reason = STOP_REASONS[int(last.stop_reason[0])]
     _say(f"--- {len(ids)} tokens, stopped by {reason} ---")
     _say(f"ids: {ids}")
     decode_n = len(ids) - 1
     decode_s = t_end - t_start - t_prefill
-    _say("--- timing (wall clock) ---")
-    _say(f"compile: {compile_s:.2f} s (apart, not in the numbers below)")
+    _say("--- timing (wall clock, first run after compiling) ---")
+    _say(_compile_line(compile_s, cache))
     _say(f"prefill: {t_prefill * 1e3:.1f} ms ({len(prompts[0])} prompt tokens, "
          f"incl. sampling the first token)")
     _say(f"time to first token: {t_first * 1e3:.1f} ms")

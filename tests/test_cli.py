@@ -18,8 +18,17 @@ ROOT = HERE.parent
 EXAMPLE = ROOT / "examples" / "generate.py"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _xla_cache_in_tmp(tmp_path_factory):
+    """The CLI's persistent compilation cache goes to a temporary XDG_CACHE_HOME, not ~/.cache."""
+    os.environ["JAXDECODE_TEST_XDG"] = str(tmp_path_factory.mktemp("xdg"))
+    yield
+    os.environ.pop("JAXDECODE_TEST_XDG")
+
+
 def _run(*args, timeout=300):
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               XDG_CACHE_HOME=os.environ["JAXDECODE_TEST_XDG"])
     return subprocess.run([sys.executable, str(EXAMPLE), *args], capture_output=True, text=True,
                           cwd=ROOT, env=env, timeout=timeout)
 
@@ -32,7 +41,7 @@ def test_example_runs_on_the_embedded_default():
     ids = re.search(r"^ids: \[(.*)\]$", out, re.M).group(1).split(", ")
     assert len(ids) == 32 and all(0 <= int(i) < 248_320 for i in ids)
     assert re.search(r"^text: ", out, re.M)
-    assert re.search(r"compile: [\d.]+ s", out)
+    assert re.search(r"compile: [\d.]+ s .*persistent cache .*xdg", out)
     assert re.search(r"[\d.]+ tokens/s", out)
 
 
@@ -90,7 +99,8 @@ def test_bad_arguments_exit_with_one_line(capsys, argv, message):
 
 
 def test_bad_token_ids_exit_with_one_line(capsys):
-    status = cli.main(["generate", "--prompt-ids", "1,248320", "--max-new-tokens", "2"])
+    status = cli.main(["generate", "--prompt-ids", "1,248320", "--max-new-tokens", "2",
+                       "--no-compile-cache"])
     err = capsys.readouterr().err
     assert status == 2 and err.count("\n") == 1 and "vocab_size=248320" in err, err
 

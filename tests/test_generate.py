@@ -1,6 +1,7 @@
 """jaxdecode.generate: HF parity (greedy), stopping, frozen finished rows, fork, compile reuse,
 streaming == on-device, validation."""
 
+import importlib
 import json
 import subprocess
 from pathlib import Path
@@ -11,7 +12,8 @@ import numpy as np
 import pytest
 
 import jaxdecode as jd
-from jaxdecode import generate as gen
+# The module (``jaxdecode.generate`` may also name the function once exported from the package).
+gen = importlib.import_module("jaxdecode.generate")
 from jaxdecode.sampling import SamplingParams
 
 from conftest import HERE, LIN, FULL, hf_python, text_config
