@@ -53,17 +53,20 @@ HF_MODELS = ("qwen3.5-0.8b", "qwen3.5-9b")
 
 
 def copy_bandwidth_gb_per_s() -> float:
-    """Device memory bandwidth of a streaming elementwise pass (bytes read + written)."""
+    """Device memory bandwidth: the faster of a device-to-device copy and a streaming
+    elementwise pass over 4 GiB (bytes read + bytes written)."""
     nbytes = (4 << 30) if jax.devices()[0].platform == "gpu" else (256 << 20)
-    x = jax.random.bits(jax.random.key(0), (nbytes // 2,), jnp.uint16)
-    f = jax.jit(lambda a: a + jnp.uint16(1))  # reads nbytes, writes nbytes
-    f(x).block_until_ready()
-    times = []
-    for _ in range(20):
-        t0 = time.perf_counter()
+    x = jax.random.bits(jax.random.key(0), (nbytes // 4,), jnp.uint32)
+    best = 0.0
+    for f in (jax.jit(lambda a: a.copy()), jax.jit(lambda a: a + jnp.uint32(1))):
         f(x).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return 2 * nbytes / statistics.median(times) / 1e9
+        times = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            f(x).block_until_ready()
+            times.append(time.perf_counter() - t0)
+        best = max(best, 2 * nbytes / statistics.median(times) / 1e9)
+    return best
 
 
 def step_bytes(config: jd.Config, params, batch: int, context: int) -> dict[str, int]:
@@ -122,9 +125,23 @@ def hlo_kernel_count(compiled) -> dict[str, int]:
     for line in entry.splitlines()[1:]:
         if " = " not in line or any(s in line for s in skip):
             continue
-        op = line.split(" = ", 1)[1].split("(", 1)[0].split()[-1]
+        head = line.split(" = ", 1)[1].split("(", 1)[0].split()
+        op = head[-1] if head else "other"
         kinds[op if op in kinds else "other"] += 1
     return kinds
+
+
+def layer_cost(config: jd.Config, full_dt: float) -> dict[str, float]:
+    """Splits the batch-1 step time into a fixed part and a per-layer part by timing a 4-layer
+    twin of the model (3 DeltaNet + 1 attention layer, same widths)."""
+    small = dataclasses.replace(config, num_hidden_layers=4,
+                                layer_types=config.layer_types[:4])
+    params = jd.init_params(small, jax.random.key(0), "bfloat16")
+    state = _randomize_state(jd.init_state(small, 1, 1024 + 256, dtype="bfloat16"), 1024)
+    dt4, _, _ = time_decode(params, state, 1)
+    per_block = (full_dt - dt4) / (config.num_hidden_layers / 4 - 1)  # one 3+1 block of layers
+    return dict(ms_4_layers=dt4 * 1e3, ms_per_4_layer_block=per_block * 1e3,
+                ms_fixed=(dt4 - per_block) * 1e3)
 
 
 def time_prefill(params, config, length):
@@ -161,8 +178,9 @@ def hf_decode(params, config: jd.Config, batch: int, context: int, steps: int = 
     missing, unexpected = m.load_state_dict(flat, strict=False)
     assert not unexpected and all("lm_head" in k for k in missing), (missing, unexpected)
     m.eval()
-    impl = getattr(m.model.layers[0].linear_attn, "chunk_gated_delta_rule", None)
-    backend = getattr(impl, "__module__", repr(impl))
+    import importlib.util
+    backend = ("flash-linear-attention installed" if importlib.util.find_spec("fla")
+               else "torch reference kernels (fla not installed)")
     prompt = torch.randint(0, 1000, (batch, context), device="cuda")
     with torch.no_grad():
         out = m(input_ids=prompt, use_cache=True)
@@ -200,7 +218,7 @@ def main():
     for name, cells in GRIDS[args.grid].items():
         config = jd.Config.from_preset(name)
         t0 = time.perf_counter()
-        params = jax.jit(lambda k, c=config: jd.init_params(c, k, "bfloat16"))(jax.random.key(0))
+        params = jd.init_params(config, jax.random.key(0), "bfloat16")
         jax.block_until_ready(params)
         print(f"# {name}: {jd.num_params(params) / 1e9:.2f}B params, init "
               f"{time.perf_counter() - t0:.1f}s", flush=True)
@@ -219,8 +237,9 @@ def main():
             rows.append(row)
             print("  " + json.dumps({k: round(v, 3) if isinstance(v, float) else v
                                      for k, v in row.items()}), flush=True)
-            if batch == 1 and context == 1024:
-                anatomy[name] = hlo_kernel_count(compiled)
+            if batch == 1 and context == 1024 and name in ("qwen3.5-0.8b", "qwen3.5-9b"):
+                anatomy[name] = dict(kernels=hlo_kernel_count(compiled), ms=dt * 1e3,
+                                     **layer_cost(config, dt))
             del state, compiled
         if not args.no_prefill:
             for length in PREFILL.get(name, []):
