@@ -212,7 +212,8 @@ def init_params(config: Config, key: Array, dtype="float32") -> Params:
     Args:
       config: the model shape.
       key: a ``jax.random.key``; leaf ``n`` (in :func:`param_specs` order) uses ``fold_in(key, n)``,
-        so the values do not depend on the device or on how the call is jitted.
+        so the values are fixed by the key (up to float rounding: under ``jax.jit`` a leaf may
+        differ from the eager value by ~1 ulp).
       dtype: model dtype τ ("float32" or "bfloat16"); ``A_log`` and the gated-norm weight stay
         float32.
 
