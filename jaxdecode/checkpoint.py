@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
+from jaxdecode import sharding
 from jaxdecode.config import Config
 from jaxdecode.params import Params, leaf_dtype, param_specs, params_from_flat
 
@@ -78,7 +79,8 @@ def _index_tensors(files: list[str]) -> dict[str, tuple[str, str, tuple[int, ...
 
 
 def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
-                    place: Callable[[str, np.ndarray], jax.Array] | None = None) -> Params:
+                    place: Callable[[str, np.ndarray], jax.Array] | None = None,
+                    mesh: jax.sharding.Mesh | None = None) -> Params:
     """Loads a Hugging Face Qwen3.5 checkpoint directory.
 
     Args:
@@ -88,6 +90,9 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
         gated-norm weight are kept in float32 (the published checkpoints store them F32).
       place: optional ``(name, host_array) -> jax.Array`` that puts each tensor on device(s)
         (e.g. with a sharding); default ``jnp.asarray`` on the default device.
+      mesh: a ``("data", "model")`` mesh (``jaxdecode.sharding.make_mesh``): each tensor goes
+        straight into its tensor-parallel sharding as it is read (every device receives only its
+        slice; ``jaxdecode.sharding.checkpoint_placer``). Not together with ``place``.
 
     Returns:
       :class:`Params` with ``params.config`` read from ``config.json``. Tied checkpoints use
@@ -96,7 +101,9 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
     Raises:
       FileNotFoundError: missing ``config.json`` or safetensors files.
       ValueError: unsupported config (see ``Config.from_hf_config``), or one message listing every
-        missing, unexpected or misshapen tensor (name, expected and stored shapes).
+        missing, unexpected or misshapen tensor (name, expected and stored shapes), or a config
+        that cannot be split over ``mesh`` (``jaxdecode.sharding.check_mesh``), or both
+        ``place`` and ``mesh``.
     """
     directory = os.fspath(directory)
     config_path = os.path.join(directory, "config.json")
@@ -106,6 +113,10 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
     dtype = jnp.dtype(dtype)
     if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         raise ValueError(f"{dtype=} must be float32 or bfloat16")
+    if mesh is not None:
+        if place is not None:
+            raise ValueError("pass place or mesh to load_checkpoint, not both")
+        place = sharding.checkpoint_placer(config, mesh)
     specs = param_specs(config)
     found = _index_tensors(checkpoint_files(directory))
     if config.tie_word_embeddings:

@@ -1,0 +1,430 @@
+"""Tensor and data parallelism over a ``("data", "model")`` mesh, as data.
+
+The model code (``jaxdecode.model``) never mentions devices. This module says where every leaf of
+:class:`~jaxdecode.params.Params` and :class:`~jaxdecode.state.DecodeState` lives, as
+``PartitionSpec`` pytrees shaped like them; ``jax.jit`` and XLA's SPMD partitioner (Shardy) then
+insert every collective. No hand-written communication anywhere.
+
+    mesh = sharding.make_mesh(data=2, model=4)
+    params = jd.load_checkpoint(path, "bfloat16", mesh=mesh)     # or sharding.shard_params(p, mesh)
+    state = sharding.init_state_sharded(params.config, mesh, batch_size=8, max_len=4096)
+    logits, state = sharding.prefill(params, state, tokens, lengths)
+    logits, state = sharding.decode_step(params, state, jnp.argmax(logits, -1))
+
+Layout (weights are PyTorch ``[out, in]``; ``M`` = ``"model"``, ``D`` = ``"data"``, ``-`` = not
+split):
+
+    leaf                               shape              spec        split by
+    embed_tokens, lm_head              [V, Hd]            (M, -)      vocabulary
+    input/post_attention_layernorm,
+      norm, q_norm, k_norm,
+      linear_attn.norm                 [Hd] / [D] / [dv]  ()          replicated
+    mlp.gate_proj, mlp.up_proj         [I, Hd]            (M, -)      intermediate
+    mlp.down_proj                      [Hd, I]            (-, M)      intermediate
+    self_attn.q_proj                   [2·Hq·D, Hd]       (M, -)      query heads (q|gate per head)
+    self_attn.k_proj, v_proj           [Hkv·D, Hd]        (M, -)      KV heads
+    self_attn.o_proj                   [Hd, Hq·D]         (-, M)      query heads
+    linear_attn.in_proj_qkv            [C, Hd]            (M, -)      C in m contiguous blocks
+    linear_attn.conv1d                 [C, 1, Kc]         (M, -, -)   the same C blocks
+    linear_attn.in_proj_z              [Hv·dv, Hd]        (M, -)      value heads
+    linear_attn.in_proj_a, in_proj_b   [Hv, Hd]           (M, -)      value heads
+    linear_attn.dt_bias, A_log         [Hv]               (M)         value heads
+    linear_attn.out_proj               [Hd, Hv·dv]        (-, M)      value heads
+    state.conv_state[i]                [B, Kc-1, C]       (D, -, M)   batch; the C blocks above
+    state.recurrent_state[i]           [B, Hv, dk, dv]    (D, M, -, -) batch; value heads
+    state.kv_cache[i].k, .v            [B, Hkv, S, D]     (D, M, -, -) batch; KV heads
+    state.lengths                      [B]                (D)         batch
+    logits                             [B, V] / [B, T, V] (D, M) / (D, -, M)
+
+Why: every weight is split over ``"model"`` (none is replicated, none is ever all-gathered), in
+the Megatron pattern: column-parallel in-projections, row-parallel out-projections, so each
+mixer and each MLP ends with one all-reduce of the [B, T, Hd] residual update. Caches and the
+recurrent state live with the heads that read and write them. The vocabulary split leaves the
+logits split too (an argmax or sampler reduces across ``"model"``, on [B, V] floats).
+
+The Gated DeltaNet conv is the one place where heads do not line up: its C channels are the
+concatenation ``[q (Hk·dk) | k (Hk·dk) | v (Hv·dv)]``, so ``m`` contiguous blocks of C do not
+hold whole heads. We split ``in_proj_qkv`` rows, ``conv1d`` channels and the conv window's
+channel axis into the *same* contiguous blocks anyway: the projection, the depthwise conv and
+the window update are then purely local, and the partitioner moves only the small post-conv
+activation ([B, T, C/m] pieces, a few collective-permutes per DeltaNet layer) to the
+head-aligned split that ``q``/``k``/``v`` and the recurrent state use. The alternatives cost
+more: replicating ``in_proj_qkv`` (about 9% of the 9B weights) makes every device stream all of
+it every step, and a batch-only conv window (replicated over ``"model"``) makes the partitioner
+all-gather the new window every step, because it still splits the projection by channel.
+
+Requirements (checked, with one ``ValueError`` naming every size that fails):
+``num_attention_heads``, ``num_key_value_heads``, ``linear_num_key_heads``,
+``linear_num_value_heads``, ``intermediate_size`` and ``vocab_size`` divisible by the
+``"model"`` axis size, and the batch by the ``"data"`` axis size. For the published 9B and 27B
+(4 KV heads) that means at most 4-way tensor parallelism; 0.8B and 2B (2 KV heads): 2-way.
+
+Donation: :func:`jit_prefill` and :func:`jit_decode_step` pin ``out_shardings`` to the input
+layout, so every state buffer is aliased in place and no step reshards. (The unpinned
+``jaxdecode.model.prefill_jit``/``decode_step_jit`` happen to keep this layout too, by
+propagation; pinning makes it a guarantee.)
+
+Several hosts (processes): the same code. Every process runs the same script; first call
+``jax.distributed.initialize`` (no arguments on SLURM, Cloud TPU and other detected
+clusters), then build the mesh from the *global* device list: :func:`make_mesh` puts ``"model"``
+innermost, so a model group stays inside one host (tensor parallelism over NVLink) and
+``"data"`` spans hosts. Every process passes the same global host arrays (tokens, lengths);
+:func:`shard_batch` keeps only each process's shards. On CPU (tests) collectives go over gloo.
+
+    # host i of N (same command on each, i = 0 .. N-1):
+    python examples/sharded.py --mesh N,8 \\
+        --coordinator host0.example:12355 --num-processes N --process-id i
+
+Source: the Megatron-LM tensor-parallel layout (Shoeybi et al., 2019) as used by gpt-fast's
+``tp.py``; mesh and spec conventions of ``jax-llm-examples``; JAX's "Distributed arrays and
+automatic parallelization" and "Multi-process" guides.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxdecode import model
+from jaxdecode.config import Config
+from jaxdecode.params import Params, param_specs, params_from_flat
+from jaxdecode.state import DecodeState, KVCache, init_state
+
+DATA = "data"
+MODEL = "model"
+AXIS_NAMES = (DATA, MODEL)
+
+# Parameter leaf name (HF name without the "model." / "model.layers.{i}." prefix) -> spec.
+# Leaves not listed (the RMSNorm gains) are replicated.
+PARAM_RULES: dict[str, P] = {
+    "embed_tokens.weight": P(MODEL, None),  # [V, Hd] vocabulary
+    "lm_head.weight": P(MODEL, None),  # [V, Hd] vocabulary
+    "mlp.gate_proj.weight": P(MODEL, None),  # [I, Hd]
+    "mlp.up_proj.weight": P(MODEL, None),  # [I, Hd]
+    "mlp.down_proj.weight": P(None, MODEL),  # [Hd, I]
+    # q_proj rows are [Hq, 2D] per head (query then gate): contiguous blocks are whole heads.
+    "self_attn.q_proj.weight": P(MODEL, None),  # [2·Hq·D, Hd]
+    "self_attn.k_proj.weight": P(MODEL, None),  # [Hkv·D, Hd]
+    "self_attn.v_proj.weight": P(MODEL, None),  # [Hkv·D, Hd]
+    "self_attn.o_proj.weight": P(None, MODEL),  # [Hd, Hq·D]
+    # Contiguous channel blocks, not head-aligned; the same blocks as conv1d and conv_state.
+    "linear_attn.in_proj_qkv.weight": P(MODEL, None),  # [C, Hd]
+    "linear_attn.conv1d.weight": P(MODEL, None, None),  # [C, 1, Kc]
+    "linear_attn.in_proj_z.weight": P(MODEL, None),  # [Hv·dv, Hd]
+    "linear_attn.in_proj_b.weight": P(MODEL, None),  # [Hv, Hd]
+    "linear_attn.in_proj_a.weight": P(MODEL, None),  # [Hv, Hd]
+    "linear_attn.dt_bias": P(MODEL),  # [Hv]
+    "linear_attn.A_log": P(MODEL),  # [Hv]
+    "linear_attn.out_proj.weight": P(None, MODEL),  # [Hd, Hv·dv]
+}
+
+# DecodeState field -> spec of each of its arrays.
+STATE_RULES: dict[str, P] = {
+    "conv_state": P(DATA, None, MODEL),  # [B, Kc-1, C]: the in_proj_qkv channel blocks
+    "recurrent_state": P(DATA, MODEL, None, None),  # [B, Hv, dk, dv]
+    "kv_cache": P(DATA, MODEL, None, None),  # [B, Hkv, S, D] (k and v)
+    "lengths": P(DATA),  # [B]
+}
+
+_LAYER_PREFIX = re.compile(r"^model\.layers\.\d+\.|^model\.")
+
+
+# ----- the mesh and its checks ----------------------------------------------------------------
+
+def make_mesh(data: int, model: int, *, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A ``("data", "model")`` mesh of ``data × model`` devices.
+
+    Args:
+      data: size of the data-parallel axis (splits the batch).
+      model: size of the tensor-parallel axis (splits heads, intermediate and vocabulary).
+      devices: default ``jax.devices()`` (all processes' devices after
+        ``jax.distributed.initialize``), ordered by (process, id) so that ``"model"`` groups
+        stay inside a process (host) whenever ``model`` divides the local device count.
+
+    Returns:
+      A ``jax.sharding.Mesh`` with ``AxisType.Auto`` axes (the partitioner propagates shardings
+      through the model code, which carries no sharding annotations of its own).
+
+    Raises:
+      ValueError: for non-positive sizes or ``data * model`` different from the device count.
+    """
+    if not all(isinstance(n, int) and n > 0 for n in (data, model)):
+        raise ValueError(f"{data=} and {model=} must be positive ints")
+    devices = list(jax.devices() if devices is None else devices)
+    if data * model != len(devices):
+        raise ValueError(f"mesh data={data} x model={model} = {data * model} devices, but "
+                         f"{len(devices)} are available ({devices[0].platform}); on CPU set "
+                         f"XLA_FLAGS=--xla_force_host_platform_device_count=N before importing jax")
+    devices.sort(key=lambda d: (d.process_index, d.id))
+    return Mesh(np.array(devices, dtype=object).reshape(data, model), AXIS_NAMES,
+                axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def check_mesh(config: Config, mesh: Mesh, batch_size: int | None = None) -> None:
+    """Checks that ``config`` (and a batch of ``batch_size`` rows) can be split over ``mesh``.
+
+    Raises:
+      ValueError: one message listing every problem: axis names other than
+        ``("data", "model")``, an ``Explicit`` axis, a head count, ``intermediate_size`` or
+        ``vocab_size`` not divisible by the ``"model"`` size, a batch not divisible by the
+        ``"data"`` size.
+    """
+    if tuple(mesh.axis_names) != AXIS_NAMES:
+        raise ValueError(f"mesh.axis_names={tuple(mesh.axis_names)} must be {AXIS_NAMES} "
+                         "(see jaxdecode.sharding.make_mesh)")
+    if any(t != AxisType.Auto for t in mesh.axis_types):
+        raise ValueError(f"mesh.axis_types={mesh.axis_types} must all be AxisType.Auto: the model "
+                         "code relies on sharding propagation (jax.make_mesh defaults to Explicit; "
+                         "use jaxdecode.sharding.make_mesh)")
+    m, d = mesh.shape[MODEL], mesh.shape[DATA]
+    problems = [f"{name}={getattr(config, name)} must be divisible by the 'model' mesh axis "
+                f"size {m}"
+                for name in ("num_attention_heads", "num_key_value_heads", "linear_num_key_heads",
+                             "linear_num_value_heads", "intermediate_size", "vocab_size")
+                if getattr(config, name) % m]
+    if batch_size is not None and batch_size % d:
+        problems.append(f"{batch_size=} must be divisible by the 'data' mesh axis size {d}")
+    if problems:
+        raise ValueError(f"cannot shard over the mesh (data={d}, model={m}): "
+                         + "; ".join(problems))
+
+
+# ----- PartitionSpecs shaped like the pytrees -------------------------------------------------
+
+def param_partition_spec(name: str) -> P:
+    """The spec of one parameter, by its HF checkpoint name (``Qwen3_5ForCausalLM`` layout)."""
+    return PARAM_RULES.get(_LAYER_PREFIX.sub("", name), P())
+
+
+def param_partition_specs(config: Config) -> Params:
+    """A :class:`Params` whose leaves are the ``PartitionSpec`` of each weight (table above)."""
+    return params_from_flat(config, {name: param_partition_spec(name)
+                                     for name in param_specs(config)})
+
+
+def state_partition_specs(config: Config) -> DecodeState:
+    """A :class:`DecodeState` whose leaves are the ``PartitionSpec`` of each state array."""
+    return _state_specs(len(config.linear_attention_layers), len(config.full_attention_layers))
+
+
+def _state_specs(num_linear: int, num_full: int) -> DecodeState:
+    kv = STATE_RULES["kv_cache"]
+    return DecodeState(conv_state=(STATE_RULES["conv_state"],) * num_linear,
+                       recurrent_state=(STATE_RULES["recurrent_state"],) * num_linear,
+                       kv_cache=(KVCache(k=kv, v=kv),) * num_full,
+                       lengths=STATE_RULES["lengths"])
+
+
+def logits_partition_spec(return_all_logits: bool = False) -> P:
+    """Spec of the logits: ``[B, V]`` (or ``[B, T, V]``), batch over data, vocab over model."""
+    return P(DATA, None, MODEL) if return_all_logits else P(DATA, MODEL)
+
+
+def _named(mesh: Mesh, specs):
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def param_shardings(config: Config, mesh: Mesh) -> Params:
+    """:func:`param_partition_specs` as ``NamedSharding`` on ``mesh`` (checked first)."""
+    check_mesh(config, mesh)
+    return _named(mesh, param_partition_specs(config))
+
+
+def state_shardings(config: Config, mesh: Mesh, batch_size: int | None = None) -> DecodeState:
+    """:func:`state_partition_specs` as ``NamedSharding`` on ``mesh`` (checked first)."""
+    check_mesh(config, mesh, batch_size)
+    return _named(mesh, state_partition_specs(config))
+
+
+# ----- placing arrays -------------------------------------------------------------------------
+
+def _put(x, sharding: NamedSharding) -> jax.Array:
+    """Places one array: a reshard for global arrays, else each device gets only its slice."""
+    if isinstance(x, jax.Array) and (jax.process_count() == 1 or not x.is_fully_addressable):
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)  # the same global value on every process
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def shard_params(params: Params, mesh: Mesh) -> Params:
+    """``params`` placed with :func:`param_shardings` (host or device arrays in, global out).
+
+    Raises:
+      ValueError: see :func:`check_mesh`.
+    """
+    return jax.tree.map(_put, params, param_shardings(params.config, mesh))
+
+
+def shard_state(state: DecodeState, mesh: Mesh) -> DecodeState:
+    """``state`` placed with the state shardings (e.g. a state from ``jd.init_state``).
+
+    Raises:
+      ValueError: see :func:`check_mesh` (the batch must divide the ``"data"`` axis).
+    """
+    _check_state_mesh(state, mesh)
+    specs = _state_specs(len(state.conv_state), len(state.kv_cache))
+    return jax.tree.map(_put, state, _named(mesh, specs))
+
+
+def _check_state_mesh(state: DecodeState, mesh: Mesh) -> None:
+    d = mesh.shape[DATA]
+    if state.batch_size % d:
+        raise ValueError(f"batch_size={state.batch_size} must be divisible by the 'data' mesh "
+                         f"axis size {d}")
+
+
+def init_state_sharded(config: Config, mesh: Mesh, batch_size: int, max_len: int,
+                       dtype="float32") -> DecodeState:
+    """:func:`jaxdecode.init_state` created directly in its sharding (each device allocates only
+    its shard; no full copy anywhere). Arguments as ``init_state`` plus ``mesh``.
+
+    Raises:
+      ValueError: see :func:`check_mesh` and ``init_state``.
+    """
+    check_mesh(config, mesh, batch_size)
+    return _init_state_jit(config, mesh)(config, batch_size, max_len, jnp.dtype(dtype).name)
+
+
+@functools.cache
+def _init_state_jit(config: Config, mesh: Mesh):
+    return jax.jit(init_state, static_argnums=(0, 1, 2, 3),
+                   out_shardings=state_shardings(config, mesh))
+
+
+def constrain_state(state: DecodeState, mesh: Mesh) -> DecodeState:
+    """``with_sharding_constraint`` of a state to the state layout, for use inside your own
+    ``jax.jit`` (e.g. on a state created or forked inside it)."""
+    return jax.lax.with_sharding_constraint(
+        state, _named(mesh, _state_specs(len(state.conv_state), len(state.kv_cache))))
+
+
+def shard_batch(x, mesh: Mesh, dtype=None) -> jax.Array:
+    """A per-row input (tokens [B] or [B, T], lengths [B], active [B]) split over ``"data"``.
+
+    Host arrays must hold the same *global* value on every process; each process keeps only its
+    devices' rows. Global ``jax.Array`` are resharded; tracers get a sharding constraint.
+
+    Raises:
+      ValueError: if the batch does not divide the ``"data"`` axis.
+    """
+    if isinstance(x, jax.core.Tracer):
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(DATA)))
+    if not isinstance(x, jax.Array):
+        x = np.asarray(x, dtype)
+    elif dtype is not None and x.dtype != dtype:
+        x = x.astype(dtype)
+    d = mesh.shape[DATA]
+    if x.ndim == 0 or x.shape[0] % d:
+        raise ValueError(f"batch of {x.shape=} must be divisible by the 'data' mesh axis size {d}")
+    return _put(x, NamedSharding(mesh, P(DATA)))
+
+
+def checkpoint_placer(config: Config, mesh: Mesh) -> Callable[[str, np.ndarray], jax.Array]:
+    """The ``place(name, host_array)`` callback of ``load_checkpoint(..., mesh=mesh)``: each
+    device receives only its slice of each tensor as it is read.
+
+    Raises:
+      ValueError: see :func:`check_mesh` (raised before any tensor is read).
+    """
+    check_mesh(config, mesh)
+    shardings = {name: NamedSharding(mesh, param_partition_spec(name))
+                 for name in param_specs(config)}
+
+    def place(name: str, host: np.ndarray) -> jax.Array:
+        return jax.make_array_from_callback(host.shape, shardings[name],
+                                            lambda index: host[index])
+
+    return place
+
+
+# ----- jitted entry points --------------------------------------------------------------------
+
+@functools.cache
+def jit_prefill(config: Config, mesh: Mesh, return_all_logits: bool = False):
+    """``model.prefill_fn`` jitted with the state donated and the output state pinned to the
+    state layout (logits as :func:`logits_partition_spec`). One jitted function per
+    (config, mesh, return_all_logits); call it as ``f(params, state, tokens, lengths)`` with
+    inputs already placed (no host validation)."""
+    out = (NamedSharding(mesh, logits_partition_spec(return_all_logits)),
+           state_shardings(config, mesh))
+    fn = functools.partial(model.prefill_fn, return_all_logits=return_all_logits)
+    return jax.jit(fn, donate_argnums=1, out_shardings=out)
+
+
+@functools.cache
+def jit_decode_step(config: Config, mesh: Mesh, attention_impl: str = "auto"):
+    """``model.decode_step_fn`` jitted like :func:`jit_prefill`; call as
+    ``f(params, state, tokens, active)`` (``active`` may be None)."""
+    out = (NamedSharding(mesh, logits_partition_spec()), state_shardings(config, mesh))
+    fn = functools.partial(model.decode_step_fn, attention_impl=attention_impl)
+    return jax.jit(fn, donate_argnums=1, out_shardings=out)
+
+
+def state_mesh(state: DecodeState) -> Mesh:
+    """The mesh a sharded state lives on.
+
+    Raises:
+      ValueError: if the state is not laid out with a ``NamedSharding`` (use
+        :func:`init_state_sharded` or :func:`shard_state`).
+    """
+    sharding = getattr(state.lengths, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or tuple(sharding.mesh.axis_names) != AXIS_NAMES:
+        raise ValueError(f"the state is not sharded over a {AXIS_NAMES} mesh ({sharding=}); "
+                         "create it with init_state_sharded or shard_state")
+    return sharding.mesh
+
+
+def _with_host_lengths(state: DecodeState) -> DecodeState:
+    """The state with ``lengths`` read back to the host, for validation. Read from a copy: on CPU
+    ``np.asarray`` of a multi-device array keeps zero-copy views of its buffers, and a buffer
+    with outside references is copied instead of donated."""
+    return state.replace(lengths=np.asarray(jnp.copy(state.lengths)))
+
+
+def prefill(params: Params, state: DecodeState, tokens, lengths, *,
+            return_all_logits: bool = False):
+    """:func:`jaxdecode.prefill` on the mesh the state lives on.
+
+    Same arguments and results as ``jaxdecode.prefill``; ``params`` from :func:`shard_params`
+    (or ``load_checkpoint(..., mesh=...)``), ``state`` from :func:`init_state_sharded` (donated).
+    The new state has the same shardings as ``state``; the logits are split as
+    :func:`logits_partition_spec`. Host validation runs when the state is fully addressable
+    (one process); across processes it is skipped (every process would need every row).
+
+    Raises:
+      ValueError: see ``jaxdecode.model.check_prefill_inputs`` and :func:`state_mesh`.
+    """
+    mesh = state_mesh(state)
+    if state.lengths.is_fully_addressable and not model._is_traced(tokens, lengths):
+        model.check_prefill_inputs(params.config, _with_host_lengths(state), tokens, lengths)
+    tokens = shard_batch(tokens, mesh, jnp.int32)
+    lengths = shard_batch(lengths, mesh, jnp.int32)
+    return jit_prefill(params.config, mesh, return_all_logits)(params, state, tokens, lengths)
+
+
+def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
+                attention_impl: str = "auto", check_inputs: bool = True):
+    """:func:`jaxdecode.decode_step` on the mesh the state lives on (see :func:`prefill`).
+
+    The state is donated and every buffer aliased to its output; the output state keeps the
+    input's shardings, so one executable serves every step.
+
+    Raises:
+      ValueError: see ``jaxdecode.model.check_decode_inputs`` and :func:`state_mesh`.
+    """
+    mesh = state_mesh(state)
+    if (check_inputs and state.lengths.is_fully_addressable
+            and not model._is_traced(tokens, active)):
+        model.check_decode_inputs(params.config, _with_host_lengths(state), tokens, active)
+    tokens = shard_batch(tokens, mesh, jnp.int32)
+    if active is not None:
+        active = shard_batch(active, mesh, jnp.bool_)
+    return jit_decode_step(params.config, mesh, attention_impl)(params, state, tokens, active)
