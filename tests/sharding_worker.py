@@ -1,0 +1,211 @@
+"""Sharded runs for tests/test_sharding.py, in a fresh process with its own XLA device count.
+
+    python tests/sharding_worker.py meshes           # 8 CPU devices: every mesh vs one device
+    python tests/sharding_worker.py process I PORT   # process I of 2 (2 CPU devices each)
+
+Prints one line ``RESULT {json}`` on stdout; the test asserts on it. The device count must be set
+before jax is imported, which is why this is a separate script and not a fixture.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import sys
+
+MODE = sys.argv[1]
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count="
+                           + ("8" if MODE == "meshes" else "2"))
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jaxdecode as jd  # noqa: E402
+from jaxdecode import sharding  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+LIN, FULL = "linear_attention", "full_attention"
+# Every head count (Hq 16, Hkv 8, Hk 8, Hv 16), the intermediate size and the vocabulary divide
+# 8, so all four meshes are valid; GQA group 2, r = Hv/Hk = 2, dk != dv, untied LM head.
+CONFIG = dataclasses.replace(
+    jd.Config.from_preset("tiny"), vocab_size=1024, hidden_size=64, intermediate_size=128,
+    num_hidden_layers=4, layer_types=(LIN, LIN, LIN, FULL), num_attention_heads=16,
+    num_key_value_heads=8, head_dim=32, linear_num_key_heads=8, linear_num_value_heads=16,
+    linear_key_head_dim=16, linear_value_head_dim=8, tie_word_embeddings=False)
+MESHES = ((1, 8), (2, 4), (4, 2), (8, 1))
+PROCESS_MESHES = ((2, 2), (1, 4))
+BATCH, MAX_LEN, DECODE_STEPS = 8, 32, 8
+PROMPT_LENGTHS = np.array([12, 5, 9, 1, 12, 7, 3, 10], np.int32)
+
+
+def inputs():
+    params = jd.init_params(CONFIG, jax.random.key(0))
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, CONFIG.vocab_size, (BATCH, 12)).astype(np.int32)
+    return params, tokens
+
+
+def greedy(params, state, tokens, prefill, decode_step):
+    """Prefill + DECODE_STEPS greedy steps; returns (logits list, tokens list, state)."""
+    logits, state = prefill(params, state, tokens, PROMPT_LENGTHS)
+    all_logits, all_tokens = [logits], []
+    for _ in range(DECODE_STEPS):
+        tok = jnp.argmax(logits, -1).astype(jnp.int32)
+        all_tokens.append(tok)
+        logits, state = decode_step(params, state, tok)
+        all_logits.append(logits)
+    all_tokens.append(jnp.argmax(logits, -1).astype(jnp.int32))
+    return all_logits, all_tokens, state
+
+
+def spec_mismatches(tree, specs, mesh) -> list[str]:
+    """Leaves whose sharding is not equivalent to the specified one, by key path."""
+    bad = []
+    flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    for (path, leaf), spec in zip(jax.tree_util.tree_leaves_with_path(tree), flat_specs,
+                                  strict=True):
+        want = jax.sharding.NamedSharding(mesh, spec)
+        if not leaf.sharding.is_equivalent_to(want, leaf.ndim):
+            bad.append(f"{jax.tree_util.keystr(path)}: {leaf.sharding} != {spec}")
+    return bad
+
+
+def aliased_parameters(hlo_text: str) -> set[int]:
+    start = hlo_text.find("input_output_alias={")
+    if start < 0:
+        return set()
+    segment = hlo_text[start:hlo_text.find("entry_computation_layout", start)]
+    return {int(m) for m in re.findall(r"\{\d*\}:\s*\((\d+),", segment)}
+
+
+def collectives(hlo_text: str) -> dict[str, int]:
+    ops = re.findall(r"\s(all-reduce|all-gather|collective-permute|all-to-all|reduce-scatter)"
+                     r"(?:-start)?\(", hlo_text)
+    return {op: ops.count(op) for op in sorted(set(ops))}
+
+
+def run_meshes() -> dict:
+    params, tokens = inputs()
+    ref_logits, ref_tokens, _ = greedy(params, jd.init_state(CONFIG, BATCH, MAX_LEN), tokens,
+                                       jd.prefill, jd.decode_step)
+    ref_logits = [np.asarray(x) for x in ref_logits]
+    scale = max(float(np.abs(x).max()) for x in ref_logits)
+    out = {"greedy_tokens": np.stack([np.asarray(t) for t in ref_tokens]).tolist(), "meshes": {}}
+    state_specs = sharding.state_partition_specs(CONFIG)
+    for shape in MESHES:
+        mesh = sharding.make_mesh(*shape)
+        res = {}
+        sp = sharding.shard_params(params, mesh)
+        res["param_mismatches"] = spec_mismatches(sp, sharding.param_partition_specs(CONFIG), mesh)
+        state = sharding.init_state_sharded(CONFIG, mesh, BATCH, MAX_LEN)
+        res["state_mismatches"] = {"init": spec_mismatches(state, state_specs, mesh)}
+        logits, state = sharding.prefill(sp, state, tokens, PROMPT_LENGTHS)
+        res["state_mismatches"]["prefill"] = spec_mismatches(state, state_specs, mesh)
+        res["logits_sharding_ok"] = logits.sharding.is_equivalent_to(
+            jax.sharding.NamedSharding(mesh, sharding.logits_partition_spec()), 2)
+        errors = [float(np.abs(np.asarray(logits) - ref_logits[0]).max()) / scale]
+        donated = []
+        for step in range(DECODE_STEPS):
+            old = jax.tree.leaves(state)
+            logits, state = sharding.decode_step(sp, state, np.asarray(ref_tokens[step]))
+            donated.append(all(x.is_deleted() for x in old))
+            errors.append(float(np.abs(np.asarray(logits) - ref_logits[step + 1]).max()) / scale)
+            res["state_mismatches"][f"decode{step}"] = spec_mismatches(state, state_specs, mesh)
+        res["rel_errors"] = errors
+        res["donated"] = donated
+        step_fn = sharding.jit_decode_step(CONFIG, mesh)
+        tok = sharding.shard_batch(np.zeros(BATCH, np.int32), mesh)
+        hlo = step_fn.lower(sp, state, tok, None).compile().as_text()
+        n_params, n_state = len(jax.tree.leaves(sp)), len(jax.tree.leaves(state))
+        res["unaliased_state_params"] = sorted(
+            set(range(n_params, n_params + n_state)) - aliased_parameters(hlo))
+        res["collectives"] = collectives(hlo)
+        out["meshes"][f"{shape[0]},{shape[1]}"] = res
+    out["errors"] = check_errors(params)
+    out["checkpoint"] = check_checkpoint(params)
+    out["unpinned_decode_mismatches"] = check_unpinned(params, tokens)
+    return out
+
+
+def check_errors(params) -> dict:
+    """Messages of the errors users get for meshes that do not fit."""
+    msgs = {}
+    small = dataclasses.replace(CONFIG, num_key_value_heads=2, linear_num_key_heads=4)
+    for name, call in {
+        "heads": lambda: sharding.init_state_sharded(small, sharding.make_mesh(1, 8), 8, 16),
+        "batch": lambda: sharding.init_state_sharded(CONFIG, sharding.make_mesh(4, 2), 6, 16),
+        "shard_params": lambda: sharding.shard_params(jd.init_params(small, jax.random.key(0)),
+                                                      sharding.make_mesh(2, 4)),
+        "devices": lambda: sharding.make_mesh(3, 4),
+        "explicit_mesh": lambda: sharding.check_mesh(CONFIG, jax.make_mesh((2, 4),
+                                                                           ("data", "model"))),
+    }.items():
+        try:
+            call()
+            msgs[name] = None
+        except ValueError as e:
+            msgs[name] = str(e)
+    return msgs
+
+
+def check_checkpoint(params) -> dict:
+    """load_checkpoint(mesh=...) puts every tensor in its sharding with the stored values."""
+    import tempfile
+
+    from safetensors.numpy import save_file
+
+    from jaxdecode.params import params_to_flat
+    mesh = sharding.make_mesh(2, 4)
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(CONFIG.to_hf_config(), f)
+        save_file({k: np.asarray(v) for k, v in params_to_flat(params).items()},
+                  os.path.join(tmp, "model.safetensors"))
+        loaded = jd.load_checkpoint(tmp, "float32", mesh=mesh)
+    same = all(np.array_equal(np.asarray(a), np.asarray(b))
+               for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)))
+    return {"mismatches": spec_mismatches(loaded, sharding.param_partition_specs(CONFIG), mesh),
+            "values_equal": same}
+
+
+def check_unpinned(params, tokens) -> list[str]:
+    """Whether jaxdecode.decode_step (no out_shardings) also keeps the state layout."""
+    mesh = sharding.make_mesh(2, 4)
+    sp = sharding.shard_params(params, mesh)
+    state = sharding.init_state_sharded(CONFIG, mesh, BATCH, MAX_LEN)
+    _, state = sharding.prefill(sp, state, tokens, PROMPT_LENGTHS)
+    _, state = jd.decode_step(sp, state, sharding.shard_batch(tokens[:, 0], mesh))
+    return spec_mismatches(state, sharding.state_partition_specs(CONFIG), mesh)
+
+
+def run_process(process_id: int, port: int) -> dict:
+    from jax.experimental import multihost_utils
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
+                               initialization_timeout=60, heartbeat_timeout_seconds=30,
+                               shutdown_timeout_seconds=30)
+    params, tokens = inputs()
+    out = {"process_index": jax.process_index(), "num_devices": jax.device_count(), "tokens": {}}
+    for shape in PROCESS_MESHES:
+        mesh = sharding.make_mesh(*shape)
+        sp = sharding.shard_params(params, mesh)
+        state = sharding.init_state_sharded(CONFIG, mesh, BATCH, MAX_LEN)
+        _, toks, state = greedy(sp, state, tokens, sharding.prefill, sharding.decode_step)
+        gathered = [multihost_utils.process_allgather(t, tiled=True) for t in toks]
+        out["tokens"][f"{shape[0]},{shape[1]}"] = np.stack(gathered).tolist()
+    jax.distributed.shutdown()
+    return out
+
+
+if __name__ == "__main__":
+    if MODE == "meshes":
+        result = run_meshes()
+    elif MODE == "process":
+        result = run_process(int(sys.argv[2]), int(sys.argv[3]))
+    else:
+        raise SystemExit(f"unknown mode {MODE!r}")
+    print("RESULT " + json.dumps(result), flush=True)

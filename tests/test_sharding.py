@@ -1,0 +1,192 @@
+"""Sharded decoding equals the single-device run, keeps its layout, donates, and fails clearly.
+
+The rest of the suite runs with one CPU device, and XLA's device count is fixed when jax is
+imported, so the sharded runs happen in subprocesses (``tests/sharding_worker.py``: 8 virtual
+CPU devices; two ``jax.distributed`` processes with 2 devices each on 127.0.0.1) and these tests
+assert on what they report. The spec tables themselves are checked here, in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxdecode as jd
+from jaxdecode import sharding
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "sharding_worker.py"
+MESHES = ("1,8", "2,4", "4,2", "8,1")
+REL_TOL = 1e-5  # max |sharded - single device| / max |logit|, float32 "highest" matmuls
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # the worker sets its own device count
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _result(stdout: str, stderr: str, what: str) -> dict:
+    for line in stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise AssertionError(f"{what} printed no RESULT line; stderr tail:\n{stderr[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def meshes():
+    proc = subprocess.run([sys.executable, str(WORKER), "meshes"], capture_output=True,
+                          text=True, timeout=300, env=_env())
+    assert proc.returncode == 0, f"sharding_worker.py meshes failed:\n{proc.stderr[-3000:]}"
+    return _result(proc.stdout, proc.stderr, "sharding_worker.py meshes")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_processes():
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, str(WORKER), "process", str(i), str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=_env()) for i in range(2)]
+    results = []
+    try:
+        for i, proc in enumerate(procs):
+            out, err = proc.communicate(timeout=240)
+            assert proc.returncode == 0, f"process {i} failed:\n{err[-3000:]}"
+            results.append(_result(out, err, f"process {i}"))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results
+
+
+# ----- in-process: the spec tables -------------------------------------------------------------
+
+def test_specs_mirror_the_pytrees_and_match_leaf_ranks():
+    config = jd.Config.from_preset("tiny")
+    for tied in (True, False):
+        c = config.__class__(**{**config.__dict__, "tie_word_embeddings": tied})
+        shapes = jax.eval_shape(lambda c=c: jd.init_params(c, jax.random.key(0)))
+        specs = sharding.param_partition_specs(c)
+        assert jax.tree.structure(shapes) == jax.tree.structure(
+            specs, is_leaf=lambda x: isinstance(x, P))
+        for leaf, spec in zip(jax.tree.leaves(shapes),
+                              jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))):
+            assert len(spec) <= leaf.ndim
+    state = jax.eval_shape(lambda: jd.init_state(config, 2, 16))
+    specs = sharding.state_partition_specs(config)
+    assert jax.tree.structure(state) == jax.tree.structure(
+        specs, is_leaf=lambda x: isinstance(x, P))
+    assert specs.recurrent_state[0] == P("data", "model", None, None)
+    assert specs.kv_cache[0].k == P("data", "model", None, None)
+    assert specs.lengths == P("data")
+
+
+def test_every_weight_but_the_norm_gains_is_split_over_model():
+    for name in jd.param_specs(jd.Config.from_preset("qwen3.5-9b")):
+        spec = sharding.param_partition_spec(name)
+        replicated = "norm" in name or "layernorm" in name
+        assert ("model" in spec) != replicated, (name, spec)
+
+
+def test_one_device_mesh_runs_in_process():
+    config = jd.Config.from_preset("tiny")
+    mesh = sharding.make_mesh(1, 1)
+    params = sharding.shard_params(jd.init_params(config, jax.random.key(0)), mesh)
+    state = sharding.init_state_sharded(config, mesh, batch_size=1, max_len=16)
+    logits, state = sharding.prefill(params, state, [[1, 2, 3]], [3])
+    logits, state = sharding.decode_step(params, state, [4])
+    assert logits.shape == (1, config.vocab_size)
+    assert int(state.lengths[0]) == 4
+
+
+# ----- 8 virtual devices: every mesh against one device ---------------------------------------
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_sharded_logits_equal_single_device(meshes, mesh):
+    errors = meshes["meshes"][mesh]["rel_errors"]
+    assert len(errors) == 9  # prefill + 8 decode steps
+    assert max(errors) <= REL_TOL, f"mesh {mesh}: max relative error per call {errors}"
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_shardings_are_the_specified_ones_before_and_after_each_step(meshes, mesh):
+    res = meshes["meshes"][mesh]
+    assert res["param_mismatches"] == []
+    bad = {step: m for step, m in res["state_mismatches"].items() if m}
+    assert not bad, f"mesh {mesh}: state leaves not in their specified sharding: {bad}"
+    assert set(res["state_mismatches"]) == {"init", "prefill", *(f"decode{i}" for i in range(8))}
+    assert res["logits_sharding_ok"]
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_donation_aliases_every_state_buffer(meshes, mesh):
+    res = meshes["meshes"][mesh]
+    assert res["unaliased_state_params"] == [], "state inputs missing from input_output_alias"
+    assert all(res["donated"]), f"old state buffers still alive after steps: {res['donated']}"
+
+
+def test_tensor_parallel_step_moves_activations_only(meshes):
+    """Per decode step: one all-reduce per mixer and per MLP (+ the embedding lookup); no
+    weight is ever gathered (every collective is on [B, ·] activations, see sharding.py)."""
+    ops = meshes["meshes"]["1,8"]["collectives"]
+    assert ops.get("all-reduce") == 2 * 4 + 1
+    assert "all-gather" not in ops and "all-to-all" not in ops
+    assert meshes["meshes"]["8,1"]["collectives"].get("all-reduce") is None
+
+
+def test_unsharded_model_decode_step_keeps_the_layout_too(meshes):
+    assert meshes["unpinned_decode_mismatches"] == []
+
+
+def test_load_checkpoint_places_each_tensor_in_its_sharding(meshes):
+    assert meshes["checkpoint"] == {"mismatches": [], "values_equal": True}
+
+
+def test_errors_name_the_sizes(meshes):
+    errors = meshes["errors"]
+    assert "num_key_value_heads=2 must be divisible by the 'model' mesh axis size 8" in (
+        errors["heads"])
+    assert "linear_num_key_heads=4" in errors["heads"]
+    assert "num_attention_heads" not in errors["heads"]  # 16 divides 8: only real problems
+    assert "batch_size=6 must be divisible by the 'data' mesh axis size 4" in errors["batch"]
+    assert "num_key_value_heads=2" in errors["shard_params"] and "size 4" in (
+        errors["shard_params"])
+    assert "data=3 x model=4 = 12 devices, but 8 are available" in errors["devices"]
+    assert "AxisType.Auto" in errors["explicit_mesh"]
+
+
+# ----- two processes (jax.distributed on 127.0.0.1) -------------------------------------------
+
+def test_two_processes_give_the_single_process_greedy_tokens(meshes, two_processes):
+    want = meshes["greedy_tokens"]
+    assert sorted(r["process_index"] for r in two_processes) == [0, 1]
+    for r in two_processes:
+        assert r["num_devices"] == 4
+        for mesh, tokens in r["tokens"].items():
+            assert tokens == want, f"process {r['process_index']}, mesh {mesh}"
+
+
+def test_example_runs_and_matches_one_device():
+    proc = subprocess.run(
+        [sys.executable, str(HERE.parent / "examples" / "sharded.py"), "--mesh", "2,4",
+         "--max-new-tokens", "3", "--prompt-len", "5", "--check"],
+        capture_output=True, text=True, timeout=240, env=_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "check: sharded tokens == single-device tokens" in proc.stdout
