@@ -16,8 +16,9 @@ import re
 import sys
 
 MODE = sys.argv[1]
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count="
-                           + ("8" if MODE == "meshes" else "2"))
+DEVICES = 8 if MODE == "meshes" else 2
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + f" --xla_force_host_platform_device_count={DEVICES}")
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402

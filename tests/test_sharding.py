@@ -8,6 +8,7 @@ assert on what they report. The spec tables themselves are checked here, in-proc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -81,7 +82,7 @@ def two_processes():
 def test_specs_mirror_the_pytrees_and_match_leaf_ranks():
     config = jd.Config.from_preset("tiny")
     for tied in (True, False):
-        c = config.__class__(**{**config.__dict__, "tie_word_embeddings": tied})
+        c = dataclasses.replace(config, tie_word_embeddings=tied)
         shapes = jax.eval_shape(lambda c=c: jd.init_params(c, jax.random.key(0)))
         specs = sharding.param_partition_specs(c)
         assert jax.tree.structure(shapes) == jax.tree.structure(
