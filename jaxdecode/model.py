@@ -211,11 +211,16 @@ def gated_attention(p: AttentionParams, x: Array, cache: KVCache, start: Array, 
     k = apply_rope(k, cos, sin)
 
     # Write real tokens at their positions; padding goes to index S, which mode="drop" discards.
+    # A per-row scatter (vmap over B) keeps the write local to each row's shard under data
+    # parallelism (a scatter indexed by global row would gather the new rows across "data").
     write_pos = jnp.where(valid, positions, max_len)
-    rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, length))
-    cache = KVCache(
-        k=cache.k.at[rows, :, write_pos, :].set(k.astype(cache.k.dtype), mode="drop"),
-        v=cache.v.at[rows, :, write_pos, :].set(v.astype(cache.v.dtype), mode="drop"))
+
+    def write(cache_rows, new_rows, pos):  # [Hkv, S, D], [T, Hkv, D], [T]
+        return cache_rows.at[:, pos, :].set(new_rows.swapaxes(0, 1).astype(cache_rows.dtype),
+                                            mode="drop")
+
+    cache = KVCache(k=jax.vmap(write)(cache.k, k, write_pos),
+                    v=jax.vmap(write)(cache.v, v, write_pos))
     end = start + n_new  # [B] valid cache length after this call
 
     if decode:
