@@ -8,13 +8,505 @@ Layout (shared with ``jaxdecode.state``):
 
 Query head h uses KV head h // (num_attention_heads // num_key_value_heads) (HF ``repeat_kv``).
 Scores are scaled by head_dim**-0.5; softmax and accumulation in float32; output in q's dtype.
+
+Three entry points, read top to bottom:
+
+* :func:`decode_attention_pallas`: a Pallas Mosaic GPU kernel (Hopper, sm_90) with split-K
+  "flash decoding". Program (b, kv head, split) streams its share of row b's keys through a
+  TMA pipeline in blocks of ``block_kv``, keeps a running max and sum (online softmax) and writes
+  a float32 partial output with its log2-sum-exp; :func:`_combine` merges the splits.
+* :func:`decode_attention_reference`: the same function in plain ``jnp`` (XLA), same signature.
+* :func:`decode_attention`: the dispatcher the model calls (``implementation`` = "auto" |
+  "pallas" | "reference").
+
+Why the kernel looks the way it does:
+
+* GQA: the program loads each block of its KV head once and multiplies it with all G query
+  heads of the group at once. The tensor-core instruction (``wgmma``) needs M = 64 rows, so the
+  G (<= 64) query rows sit at the top of a 64-row shared-memory tile; the rows below are zero
+  padding or never written, are never read back, and (every row of ``q k^T`` and ``p v``
+  depending on its own row only) cannot leak into the first G. Decode attention is memory bound (about G flops per byte),
+  so the 64/G-fold wasted tensor work is free; it is what makes one K/V read serve the group.
+* Blocks past a row's length are never loaded: each program loops over its own
+  ``[first, first + n)`` block range, computed in the kernel from ``lengths[b]``. The split of
+  a row's real blocks between ``num_splits`` programs is therefore by real length too: with 33
+  splits a 300-token row spreads its 5 blocks over 5 programs even when ``max_len`` is 128k.
+  ``num_splits`` itself is static (shapes only; :func:`choose_config`), so one long row in a
+  batch of short ones still gets only ``num_splits`` programs.
+* Cache entries at positions >= lengths[b] may hold anything (NaN): scores there are replaced
+  (not multiplied) by -inf, and the value rows of the one partial block are zeroed in shared
+  memory before ``p @ v`` (0 * NaN would be NaN).
+* bfloat16/float16 caches go through TMA (async bulk copies) into ``num_stages`` buffers,
+  with one mbarrier per K and per V buffer so ``q k^T`` starts before V has landed. ``p`` is
+  staged through shared memory as the left ``wgmma`` operand: the Mosaic GPU interpreter, which
+  runs the CPU tests, takes only shared-memory operands, and one 64 x block_kv bf16 store per
+  block costs little next to the 64 KiB of K/V it serves.
+* A copy into a tiled shared-memory buffer moves whole 8-row tiles, so G query rows that are not
+  a multiple of 8 (the 9B and 27B models: G = 4, 6) are zero-padded to 8 by XLA before the call.
+  Inside the model this pad fuses into RoPE; standing alone it is one extra ~1 us kernel.
+* The split combine is a few XLA fusions (3.5 us at small contexts, see benchmarks/RESULTS.md);
+  folding it into the kernel (the last split of a row merges) is the next step for batch 1.
+* float32 caches: ``wgmma`` takes float32 only as tf32 (10-bit mantissa) and cannot transpose
+  32-bit operands, which ``p @ v`` needs. So each float32 tile is split in registers into
+  bfloat16 ``hi + lo`` (exact to about 2**-17) and products use three bf16 ``wgmma`` terms
+  (hi*hi + lo*hi + hi*lo): float32-grade results (about 1e-5) at 3x the tensor work. K/V
+  tiles come through registers (plain loads, not TMA): correct and tested, not tuned.
+
+Sources: the online softmax of FlashAttention (Dao et al., 2022) and split-K "flash decoding"
+(Dao, Haziza, Massa, Sizov, 2023); the Pallas Mosaic GPU structure follows
+``jax/experimental/pallas/ops/gpu/attention_mgpu.py``.
 """
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
+import dataclasses
+import functools
+import math
+import warnings
 
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+LOG2E = math.log2(math.e)
+TILE_M = 64  # rows of one wgmma tile: query heads of one group, zero-padded
+NUM_SMS_H100 = 132  # H100/H200 SXM; used when the device does not say
+SMEM_LIMIT_BYTES = 227 * 1024  # the most shared memory one Hopper block may use
+SMEM_BUDGET_BYTES = 200 * 1024  # what choose_config fills with pipeline stages
+
+
+# ----- tuning knobs -----------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class DecodeAttentionConfig:
+    """Static tuning knobs of :func:`decode_attention_pallas`.
+
+    Attributes:
+      block_kv: keys per pipeline step; a multiple of 64 (the ``p @ v`` contraction tile).
+      num_stages: K/V blocks in flight per program (16-bit caches; float32 caches use 1).
+      num_splits: programs per (row, KV head) that share the row's sequence (split-K).
+    """
+    block_kv: int = 64
+    num_stages: int = 2
+    num_splits: int = 1
+
+    def __post_init__(self):
+        if self.block_kv <= 0 or self.block_kv % 64:
+            raise ValueError(f"{self.block_kv=} must be a positive multiple of 64")
+        if self.num_stages < 1:
+            raise ValueError(f"{self.num_stages=} must be >= 1")
+        if self.num_splits < 1:
+            raise ValueError(f"{self.num_splits=} must be >= 1")
+
+
+def _swizzle_bytes(minor_bytes: int) -> int:
+    """Largest wgmma swizzle (128, 64 or 32 bytes) dividing a row of ``minor_bytes``."""
+    for swizzle in (128, 64, 32):
+        if minor_bytes % swizzle == 0:
+            return swizzle
+    raise ValueError(f"{minor_bytes=} must be a multiple of 32 bytes")
+
+
+def _smem_bytes(head_dim: int, block_kv: int, num_stages: int, cache_dtype) -> int:
+    """Shared memory one program allocates (the kernels' scratch lists + 4 KiB for barriers,
+    alignment and Mosaic's reduction scratch)."""
+    fixed = 4096 + TILE_M * 4  # + lse staging
+    out = TILE_M * head_dim * 4  # f32 output staging (aliases the K/V buffers)
+    if jnp.dtype(cache_dtype).itemsize == 2:
+        kv = 2 * num_stages * block_kv * head_dim * 2
+        return fixed + TILE_M * head_dim * 2 + TILE_M * block_kv * 2 + max(kv, out)
+    hi_lo = 4 * block_kv * head_dim * 2
+    return fixed + 2 * TILE_M * head_dim * 2 + 2 * TILE_M * block_kv * 2 + max(hi_lo, out)
+
+
+def _num_sms() -> int:
+    try:
+        return int(getattr(jax.devices()[0], "core_count", NUM_SMS_H100)) or NUM_SMS_H100
+    except Exception:  # noqa: BLE001 - no device info is fine, it is only a heuristic
+        return NUM_SMS_H100
+
+
+def choose_config(batch: int, num_kv_heads: int, max_len: int, head_dim: int, cache_dtype,
+                  num_sms: int | None = None) -> DecodeAttentionConfig:
+    """Picks block size, pipeline depth and split count for one static shape.
+
+    * ``block_kv`` 128 where it divides ``max_len`` and head_dim <= 128, else 64; float32
+      caches always 64.
+    * ``num_stages``: as many K/V buffers (<= 4) as fit :data:`SMEM_BUDGET_BYTES` (at least 2).
+    * ``num_splits`` minimises the modelled time ``waves(s) * (blocks per split + 2)`` over
+      s = 1 .. number of blocks, with ``waves(s) = ceil(batch * num_kv_heads * s / num_sms)``
+      (one program per multiprocessor: every config uses > 113 KiB of shared memory) and 2
+      blocks' worth of fixed cost (prologue, epilogue, partial write). Ties go to fewer splits.
+      For the 9B shape this gives 33 splits at batch 1 and 1 split at batch 64.
+      The split is static (shapes only); which blocks each split reads is decided in the kernel
+      from the real lengths.
+    """
+    num_sms = num_sms or _num_sms()
+    itemsize = jnp.dtype(cache_dtype).itemsize
+    block_kv = 128 if (itemsize == 2 and head_dim <= 128 and max_len % 128 == 0) else 64
+    if itemsize == 2:
+        num_stages = 2
+        while num_stages < 4 and _smem_bytes(head_dim, block_kv, num_stages + 1,
+                                             cache_dtype) <= SMEM_BUDGET_BYTES:
+            num_stages += 1
+    else:
+        num_stages = 1
+    num_blocks = max(1, -(-max_len // block_kv))
+    pairs = batch * num_kv_heads
+    best, best_cost = 1, None
+    for s in range(1, min(num_blocks, 4 * num_sms) + 1):
+        cost = -(-pairs * s // num_sms) * (-(-num_blocks // s) + 2)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = s, cost
+    return DecodeAttentionConfig(block_kv=block_kv, num_stages=num_stages, num_splits=best)
+
+
+# ----- the kernel -------------------------------------------------------------------------------
+
+def _split_range(lengths_gmem, b, s, *, max_len, block_kv, num_splits):
+    """(length, first block, number of blocks) of split ``s`` of row ``b`` (all int32 scalars)."""
+    length = jnp.clip(lengths_gmem[b], 0, max_len)
+    num_blocks = lax.div(length + (block_kv - 1), block_kv)
+    per_split = lax.div(num_blocks + (num_splits - 1), num_splits)
+    first = s * per_split
+    return length, first, jnp.clip(num_blocks - first, 0, per_split)
+
+
+def _online_softmax_step(scores, start, length, m, l, *, scale, block_kv):
+    """Masks one [64, block_kv] score tile and updates the running max/sum (log2 domain).
+
+    Returns (p [64, block_kv] f32, alpha [64] rescale of the old accumulator, m, l).
+    """
+    key = start + plgpu.broadcasted_iota(jnp.int32, (TILE_M, block_kv), 1,
+                                         layout=plgpu.Layout.WGMMA)
+    scores = jnp.where(key < length, scores * scale, -jnp.inf)  # where, not *: NaN past length
+    m_new = jnp.maximum(m, scores.max(axis=1))  # finite: every loaded block has a valid key
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(scores - lax.broadcast_in_dim(m_new, scores.shape, [0]))
+    return p, alpha, m_new, l * alpha + p.sum(axis=1)
+
+
+def _accumulate(acc, mma, *, interpret):
+    """``acc`` plus what ``mma(acc_ref)`` (wgmma calls) adds; in place in registers on the GPU.
+
+    The Mosaic GPU interpreter has no ``run_state``, so there the product goes to a fresh
+    accumulator that is then added: the same math, but it would hold a second [64, D] float32
+    tile in registers (spills at D = 256), hence the compiled path's in-place form.
+    """
+    if interpret:
+        def fresh(acc_ref):
+            mma(acc_ref)
+            return acc_ref[...]
+        return acc + pl.run_scoped(fresh, plgpu.ACC(acc.shape, jnp.float32))
+    return pl.run_state(mma)(plgpu.ACC.init(acc))
+
+
+def _write_partial(acc, m, l, o_smem, lse_smem, o_gmem, lse_gmem, *, rows):
+    """Writes rows [0, rows) of the normalised partial output and its log2-sum-exp to GMEM.
+
+    An empty split (no keys) writes zeros and -inf, which the combine weights by 0.
+    """
+    inv_l = jnp.where(l > 0, 1.0 / l, 0.0)
+    o_smem[...] = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
+    lse_smem[...] = m + jnp.log2(l)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows)], o_gmem)
+    plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, rows)], lse_gmem)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _kernel_16bit(lengths_gmem,  # [B] int32
+                  q_gmem,        # [B, Hkv, Gp, D] cache dtype
+                  k_gmem,        # [B, Hkv, S, D]
+                  v_gmem,        # [B, Hkv, S, D]
+                  o_gmem,        # [B, Hkv, splits, Gp, D] f32
+                  lse_gmem,      # [B, Hkv, splits, Gp] f32
+                  q_smem,        # [64, D]
+                  p_smem,        # [64, block_kv]
+                  kvo_smem,      # union: ([stages, block_kv, D] x2) | [64, D] f32
+                  lse_smem,      # [64] f32
+                  q_barrier, k_barriers, v_barriers,
+                  *, max_len, block_kv, num_stages, num_splits, rows, scale, interpret):
+    (k_smem, v_smem), o_smem = kvo_smem
+    head_dim = q_smem.shape[-1]
+    b, h, s = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
+    # q first: its copy overlaps the latency of the lengths[b] load that the K/V copies wait on.
+    plgpu.copy_gmem_to_smem(q_gmem.at[b, h], q_smem.at[pl.ds(0, rows)], q_barrier)
+    length, first, n = _split_range(lengths_gmem, b, s, max_len=max_len, block_kv=block_kv,
+                                    num_splits=num_splits)
+
+    def fetch(i, slot):
+        keys = pl.ds((first + i) * block_kv, block_kv)
+        plgpu.copy_gmem_to_smem(k_gmem.at[b, h, keys], k_smem.at[slot], k_barriers.at[slot])
+        plgpu.copy_gmem_to_smem(v_gmem.at[b, h, keys], v_smem.at[slot], v_barriers.at[slot])
+
+    for i in range(num_stages):
+        pl.when(i < n)(functools.partial(fetch, i, i))
+    plgpu.barrier_wait(q_barrier)
+
+    def step(i, carry):
+        acc, m, l = carry
+        slot = lax.rem(i, num_stages)
+        start = (first + i) * block_kv
+        plgpu.barrier_wait(k_barriers.at[slot])
+
+        def qk(acc_ref):
+            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
+            return acc_ref[...]
+
+        scores = pl.run_scoped(qk, plgpu.ACC((TILE_M, block_kv), jnp.float32))
+        p, alpha, m, l = _online_softmax_step(scores, start, length, m, l, scale=scale,
+                                              block_kv=block_kv)
+        p_smem[...] = p.astype(p_smem.dtype)
+        plgpu.barrier_wait(v_barriers.at[slot])
+
+        @pl.when(start + block_kv > length)
+        def _zero_values_past_length():
+            row = start + plgpu.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0,
+                                                 layout=plgpu.Layout.WGMMA)
+            v = plgpu.load(v_smem.at[slot], layout=plgpu.Layout.WGMMA)
+            v_smem.at[slot][...] = jnp.where(row < length, v, jnp.zeros_like(v))
+
+        plgpu.commit_smem()  # p (and the zeroed values) visible to the tensor cores
+
+        def pv(acc_ref):
+            plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+
+        acc = _accumulate(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), pv,
+                          interpret=interpret)
+
+        @pl.when(i + num_stages < n)
+        def _refill():
+            fetch(i + num_stages, slot)
+
+        return acc, m, l
+
+    acc = plgpu.layout_cast(jnp.zeros((TILE_M, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+    m = plgpu.layout_cast(jnp.full((TILE_M,), -jnp.inf, jnp.float32),
+                          plgpu.Layout.WGMMA.reduce(1))
+    l = plgpu.layout_cast(jnp.zeros((TILE_M,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    acc, m, l = lax.fori_loop(0, n, step, (acc, m, l))
+    _write_partial(acc, m, l, o_smem, lse_smem, o_gmem.at[b, h, s], lse_gmem.at[b, h, s],
+                   rows=rows)
+
+
+def _split_hi_lo(x):
+    """float32 -> (hi, lo) bfloat16 with hi + lo == x to about 2**-17 relative."""
+    hi = x.astype(jnp.bfloat16)
+    return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+
+
+def _kernel_f32(lengths_gmem,  # [B] int32
+                q_gmem,        # [B, Hkv, Gp, D] f32
+                k_gmem,        # [B, Hkv, S, D] f32
+                v_gmem,        # [B, Hkv, S, D] f32
+                o_gmem,        # [B, Hkv, splits, Gp, D] f32
+                lse_gmem,      # [B, Hkv, splits, Gp] f32
+                q_hi, q_lo,    # [64, D] bf16 each
+                p_hi, p_lo,    # [64, block_kv] bf16 each
+                union_smem,    # [64, D] f32 q staging | 4 x [block_kv, D] bf16 | [64, D] f32 out
+                lse_smem,      # [64] f32
+                q_barrier,
+                *, max_len, block_kv, num_splits, rows, scale, interpret):
+    (q32_smem,), (k_hi, k_lo, v_hi, v_lo), (o_smem,) = union_smem
+    head_dim = q_hi.shape[-1]
+    chunk = min(64, head_dim)  # columns converted at a time (bounds register use)
+    wgmma_layout = plgpu.Layout.WGMMA
+    b, h, s = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
+    length, first, n = _split_range(lengths_gmem, b, s, max_len=max_len, block_kv=block_kv,
+                                    num_splits=num_splits)
+
+    plgpu.copy_gmem_to_smem(q_gmem.at[b, h], q32_smem.at[pl.ds(0, rows)], q_barrier)
+    plgpu.barrier_wait(q_barrier)
+    hi, lo = _split_hi_lo(plgpu.load(q32_smem, layout=wgmma_layout))
+    q_hi[...] = hi
+    q_lo[...] = lo
+
+    def step(i, carry):
+        acc, m, l = carry
+        start = (first + i) * block_kv
+        keys = pl.ds(start, block_kv)
+        row = start + plgpu.broadcasted_iota(jnp.int32, (block_kv, chunk), 0, layout=wgmma_layout)
+        for c in range(0, head_dim, chunk):  # plain loads GMEM -> registers (Mosaic: unoptimized)
+            cols = pl.ds(c, chunk)
+            k = plgpu.load(k_gmem.at[b, h, keys, cols], layout=wgmma_layout, optimized=False)
+            hi, lo = _split_hi_lo(k)
+            k_hi.at[:, cols][...] = hi
+            k_lo.at[:, cols][...] = lo
+            v = plgpu.load(v_gmem.at[b, h, keys, cols], layout=wgmma_layout, optimized=False)
+            hi, lo = _split_hi_lo(jnp.where(row < length, v, jnp.zeros_like(v)))
+            v_hi.at[:, cols][...] = hi
+            v_lo.at[:, cols][...] = lo
+        plgpu.commit_smem()
+
+        def qk(acc_ref):
+            plgpu.wgmma(acc_ref, q_hi, k_hi.T)
+            plgpu.wgmma(acc_ref, q_lo, k_hi.T)
+            plgpu.wgmma(acc_ref, q_hi, k_lo.T)
+            return acc_ref[...]
+
+        scores = pl.run_scoped(qk, plgpu.ACC((TILE_M, block_kv), jnp.float32))
+        p, alpha, m, l = _online_softmax_step(scores, start, length, m, l, scale=scale,
+                                              block_kv=block_kv)
+        hi, lo = _split_hi_lo(p)
+        p_hi[...] = hi
+        p_lo[...] = lo
+        plgpu.commit_smem()
+
+        def pv(acc_ref):
+            plgpu.wgmma(acc_ref, p_hi, v_hi)
+            plgpu.wgmma(acc_ref, p_lo, v_hi)
+            plgpu.wgmma(acc_ref, p_hi, v_lo)
+
+        acc = _accumulate(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), pv,
+                          interpret=interpret)
+        return acc, m, l
+
+    acc = plgpu.layout_cast(jnp.zeros((TILE_M, head_dim), jnp.float32), wgmma_layout)
+    m = plgpu.layout_cast(jnp.full((TILE_M,), -jnp.inf, jnp.float32), wgmma_layout.reduce(1))
+    l = plgpu.layout_cast(jnp.zeros((TILE_M,), jnp.float32), wgmma_layout.reduce(1))
+    acc, m, l = lax.fori_loop(0, n, step, (acc, m, l))
+    _write_partial(acc, m, l, o_smem, lse_smem, o_gmem.at[b, h, s], lse_gmem.at[b, h, s],
+                   rows=rows)
+
+
+def _smem_tile(shape, dtype):
+    """A shared-memory ref tiled and swizzled for wgmma along its minor dimension."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = _swizzle_bytes(shape[-1] * itemsize)
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // itemsize)),
+                                                plgpu.SwizzleTransform(swizzle)))
+
+
+def check_supported(q_shape, k_shape, cache_dtype) -> str | None:
+    """Why :func:`decode_attention_pallas` cannot take these shapes/dtype, or None if it can."""
+    batch, num_heads, head_dim = q_shape
+    _, num_kv_heads, _, _ = k_shape
+    if jnp.dtype(cache_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
+                                      jnp.dtype(jnp.float32)):
+        return f"cache dtype {jnp.dtype(cache_dtype)} (the kernel takes bfloat16, float16, float32)"
+    if head_dim % 64 or not 64 <= head_dim <= 256:
+        return f"{head_dim=} (the kernel takes multiples of 64 up to 256)"
+    group = num_heads // num_kv_heads
+    if -(-group // 8) * 8 > TILE_M:
+        return f"{group=} query heads per KV head (the kernel takes up to {TILE_M})"
+    return None
+
+
+def decode_attention_pallas(q, k_cache, v_cache, lengths, *,
+                            config: DecodeAttentionConfig | None = None,
+                            interpret: bool = False):
+    """Decode attention as a Pallas Mosaic GPU kernel (Hopper) plus an XLA split combine.
+
+    Args:
+      q: [B, Hq, D] query of the current token.
+      k_cache, v_cache: [B, Hkv, S, D] bfloat16, float16 or float32; Hq % Hkv == 0,
+        D a multiple of 64 up to 256, Hq // Hkv <= 64.
+      lengths: [B] int32 valid positions per row (clipped to [0, S]).
+      config: tuning knobs; None picks :func:`choose_config` for these shapes.
+      interpret: run in the Mosaic GPU interpreter (CPU) instead of compiling for the GPU.
+
+    Returns:
+      [B, Hq, D] in q.dtype, as :func:`decode_attention_reference`.
+
+    Raises:
+      ValueError: for shapes or dtypes the kernel does not take (see :func:`check_supported`).
+
+    q is cast to the cache dtype (the tensor-core operand type). If S is not a multiple of
+    ``block_kv`` the caches are zero-padded here, which copies them: allocate S as a multiple
+    of 128 to avoid that.
+    """
+    batch, num_heads, head_dim = q.shape
+    _, num_kv_heads, max_len, _ = k_cache.shape
+    if k_cache.shape != v_cache.shape or k_cache.shape[0] != batch or k_cache.shape[3] != head_dim:
+        raise ValueError(f"{q.shape=}, {k_cache.shape=}, {v_cache.shape=} do not match "
+                         "[B, Hq, D], [B, Hkv, S, D], [B, Hkv, S, D]")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"{k_cache.dtype=} != {v_cache.dtype=}")
+    if lengths.shape != (batch,):
+        raise ValueError(f"{lengths.shape=} must be ({batch},)")
+    if (why := check_supported(q.shape, k_cache.shape, k_cache.dtype)) is not None:
+        raise ValueError(f"decode_attention_pallas does not take {why}")
+    cache_dtype = k_cache.dtype
+    is_f32 = jnp.dtype(cache_dtype).itemsize == 4
+    if config is None:
+        config = choose_config(batch, num_kv_heads, max_len, head_dim, cache_dtype)
+    block_kv, num_splits = config.block_kv, config.num_splits
+    smem = _smem_bytes(head_dim, block_kv, config.num_stages, cache_dtype)
+    if smem > SMEM_LIMIT_BYTES:
+        raise ValueError(f"{config=} needs about {smem} bytes of shared memory for {head_dim=}, "
+                         f"over the {SMEM_LIMIT_BYTES} a Hopper block may use")
+    if max_len % block_kv:
+        pad = ((0, 0), (0, 0), (0, -max_len % block_kv), (0, 0))
+        k_cache, v_cache = jnp.pad(k_cache, pad), jnp.pad(v_cache, pad)
+
+    group = num_heads // num_kv_heads
+    rows = -(-group // 8) * 8  # TMA into the tiled q buffer moves whole 8-row tiles
+    qg = q.reshape(batch, num_kv_heads, group, head_dim).astype(cache_dtype)
+    if rows != group:  # a tiny copy; inside the model XLA fuses it into RoPE
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+
+    statics = dict(max_len=max_len, block_kv=block_kv, num_splits=num_splits, rows=rows,
+                   scale=head_dim**-0.5 * LOG2E, interpret=interpret)
+    out_f32 = lambda x: _smem_tile(x, jnp.float32)  # noqa: E731
+    if is_f32:
+        body = functools.partial(_kernel_f32, **statics)
+        scratch = (
+            *(_smem_tile((TILE_M, head_dim), jnp.bfloat16) for _ in range(2)),  # q hi, lo
+            *(_smem_tile((TILE_M, block_kv), jnp.bfloat16) for _ in range(2)),  # p hi, lo
+            plgpu.RefUnion((out_f32((TILE_M, head_dim)),),
+                           tuple(_smem_tile((block_kv, head_dim), jnp.bfloat16) for _ in range(4)),
+                           (out_f32((TILE_M, head_dim)),)),
+            plgpu.SMEM((TILE_M,), jnp.float32),
+            plgpu.Barrier(),
+        )
+    else:
+        stages = config.num_stages
+        body = functools.partial(_kernel_16bit, num_stages=stages, **statics)
+        kv_buffers = _smem_tile((stages, block_kv, head_dim), cache_dtype)
+        scratch = (
+            _smem_tile((TILE_M, head_dim), cache_dtype),
+            _smem_tile((TILE_M, block_kv), cache_dtype),
+            plgpu.RefUnion((kv_buffers, kv_buffers), out_f32((TILE_M, head_dim))),
+            plgpu.SMEM((TILE_M,), jnp.float32),
+            plgpu.Barrier(),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+        )
+    out_type = (
+        jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, rows, head_dim), jnp.float32),
+        jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, rows), jnp.float32),
+    )
+    kernel = plgpu.kernel(
+        body, out_type=out_type, scratch_types=scratch,
+        grid=(batch, num_kv_heads, num_splits), grid_names=("b", "h", "s"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+    o_part, lse = kernel(lengths.astype(jnp.int32), qg, k_cache, v_cache)
+    out = _combine(o_part[:, :, :, :group], lse[:, :, :, :group])
+    return out.reshape(batch, num_heads, head_dim).astype(q.dtype)
+
+
+def _combine(o_part, lse):
+    """Merges split partials: [B, Hkv, splits, G, D] f32 and [B, Hkv, splits, G] -> [B, Hkv, G, D].
+
+    Each split's output is already normalised by its own sum, so the merge weights are
+    2**(lse_s - max lse) / sum. Rows with no valid key (all lse = -inf) give zeros.
+    """
+    lse_max = jnp.max(lse, axis=2, keepdims=True)
+    lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
+    weight = jnp.exp2(lse - lse_max)  # [B, Hkv, splits, G]; 0 for empty splits
+    total = jnp.sum(weight, axis=2)
+    out = jnp.einsum("bksg,bksgd->bkgd", weight, o_part, precision=lax.Precision.HIGHEST)
+    return out / jnp.where(total == 0, 1.0, total)[..., None]
+
+
+# ----- the reference ----------------------------------------------------------------------------
 
 def decode_attention_reference(q, k_cache, v_cache, lengths):
     """Pure-JAX (XLA) decode attention.
@@ -49,12 +541,47 @@ def decode_attention_reference(q, k_cache, v_cache, lengths):
     return out.reshape(batch, num_heads, head_dim).astype(q.dtype)
 
 
+# ----- the dispatcher ---------------------------------------------------------------------------
+
+def _gpu_compute_capability() -> tuple[int, int] | None:
+    """(major, minor) of the default device if it is a GPU ((0, 0) if unknown), else None."""
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return None
+    try:
+        major, minor = str(device.compute_capability).split(".")[:2]
+        return int(major), int(minor)
+    except (AttributeError, ValueError):
+        return 0, 0
+
+
 def decode_attention(q, k_cache, v_cache, lengths, *, implementation: str = "auto"):
     """Decode attention dispatcher (see module docstring for shapes).
 
-    ``implementation``: "auto" | "pallas" | "reference". Until the Pallas kernel lands every
-    choice runs :func:`decode_attention_reference`.
+    ``implementation`` (a static Python string):
+      * "auto": the Pallas kernel on NVIDIA GPUs of compute capability 9.0+, the reference
+        elsewhere (CPU). On a GPU, falling back to the reference (older GPU, or a shape or dtype
+        the kernel does not take) raises one ``warnings.warn`` saying why, at trace time.
+      * "pallas": the kernel; on a machine without a GPU it runs in the Mosaic GPU interpreter
+        (slow; for tests). Unsupported shapes raise ValueError.
+      * "reference": :func:`decode_attention_reference`.
     """
     if implementation not in ("auto", "pallas", "reference"):
         raise ValueError(f"{implementation=} must be 'auto', 'pallas' or 'reference'")
-    return decode_attention_reference(q, k_cache, v_cache, lengths)
+    if implementation == "reference":
+        return decode_attention_reference(q, k_cache, v_cache, lengths)
+    cc = _gpu_compute_capability()
+    if implementation == "pallas":
+        return decode_attention_pallas(q, k_cache, v_cache, lengths, interpret=cc is None)
+    if cc is None:  # CPU (or TPU): the reference is the implementation, nothing to warn about
+        return decode_attention_reference(q, k_cache, v_cache, lengths)
+    if cc < (9, 0):
+        why = (f"the GPU ({jax.devices()[0].device_kind}, compute capability {cc[0]}.{cc[1]}) "
+               "is older than Hopper (compute capability 9.0)")
+    else:
+        why = check_supported(q.shape, k_cache.shape, k_cache.dtype)
+    if why is not None:
+        warnings.warn("decode_attention: using the XLA reference instead of the Pallas kernel: "
+                      f"{why}", stacklevel=2)
+        return decode_attention_reference(q, k_cache, v_cache, lengths)
+    return decode_attention_pallas(q, k_cache, v_cache, lengths)

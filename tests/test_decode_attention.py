@@ -1,0 +1,293 @@
+"""decode_attention: the Pallas Mosaic GPU kernel and the XLA reference against float64 numpy.
+
+Modes: "interpret" runs the kernel in the Mosaic GPU interpreter (CPU, CI); "gpu" compiles it
+(``@pytest.mark.gpu``: ``pytest -m gpu`` on an sm_90 machine; skipped without one).
+
+Grid pruning for the interpreter (the file must stay under ~3 minutes on 2 CPU cores):
+  * every (heads, kv heads) x head_dim pair runs once, with the lengths {1, 63, 64, 65, 300}
+    as the 5 rows of one batch (so one call covers every length);
+  * the ragged batch (0, 1, 1000) runs for 3 of the 12 pairs (one of each group size class:
+    G = 4, 1 and 16), float32 caches for 2 pairs, and explicit split/stage configs on the
+    smallest shape;
+  * the reference runs the full cross product (it is cheap).
+On the GPU everything runs compiled, plus contexts up to 128k and a repeat-run bit check.
+Inputs are fresh standard normals (jax.random, a new key per test); NaN is planted in the
+cache past every row's length.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxdecode.kernels import decode_attention as da
+
+HEADS = {"8x2": (8, 2), "16x4": (16, 4), "24x4": (24, 4), "32x2": (32, 2), "8x8": (8, 8),
+         "16x1": (16, 1)}
+HEAD_DIMS = (256, 128)
+LENGTHS = (1, 63, 64, 65, 300)  # one batch row each; 64 = one block, 65 and 300 ragged
+LENGTHS_MAX_LEN = 320
+RAGGED = (0, 1, 1000)  # an empty row, a single key and a long row in one batch
+RAGGED_MAX_LEN = 1024
+RAGGED_PAIRS = {"16x4-d256": ((16, 4), 256), "8x8-d128": ((8, 8), 128),
+                "16x1-d128": ((16, 1), 128)}
+F32_PAIRS = {"16x4-d128": ((16, 4), 128), "16x1-d256": ((16, 1), 256)}
+TOL = {jnp.bfloat16: 1e-2, jnp.float32: 1e-4}  # per (row, head) relative L2 error
+
+
+def _has_sm90_gpu() -> bool:
+    try:
+        return da._gpu_compute_capability() is not None and da._gpu_compute_capability() >= (9, 0)
+    except RuntimeError:
+        return False
+
+
+MODES = [
+    pytest.param("interpret", id="interpret"),
+    pytest.param("gpu", id="gpu", marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not _has_sm90_gpu(), reason="needs an NVIDIA GPU with sm_90+")]),
+]
+gpu_only = [pytest.mark.gpu,
+            pytest.mark.skipif(not _has_sm90_gpu(), reason="needs an NVIDIA GPU with sm_90+")]
+
+
+def make_inputs(seed, heads, head_dim, max_len, lengths, dtype):
+    """Random q [B, Hq, D], caches [B, Hkv, S, D] (NaN past each row's length), lengths [B]."""
+    num_heads, num_kv_heads = heads
+    batch = len(lengths)
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(kq, (batch, num_heads, head_dim), dtype)
+    k = jax.random.normal(kk, (batch, num_kv_heads, max_len, head_dim), dtype)
+    v = jax.random.normal(kv, (batch, num_kv_heads, max_len, head_dim), dtype)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    past = (jnp.arange(max_len)[None, :] >= lengths[:, None])[:, None, :, None]
+    return q, jnp.where(past, jnp.nan, k), jnp.where(past, jnp.nan, v), lengths
+
+
+def reference_f64(q, k, v, lengths):
+    """softmax(q k^T / sqrt(D)) v in float64 over each row's valid keys only."""
+    q, k, v = (np.asarray(jnp.asarray(x, jnp.float32)) for x in (q, k, v))
+    batch, num_heads, head_dim = q.shape
+    group = num_heads // k.shape[1]
+    out = np.zeros(q.shape, np.float64)
+    for b, length in enumerate(np.asarray(lengths)):
+        if length == 0:
+            continue
+        for kv_head in range(k.shape[1]):
+            heads = slice(kv_head * group, (kv_head + 1) * group)
+            keys = k[b, kv_head, :length].astype(np.float64)
+            values = v[b, kv_head, :length].astype(np.float64)
+            scores = q[b, heads].astype(np.float64) @ keys.T / math.sqrt(head_dim)
+            p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+            out[b, heads] = (p @ values) / p.sum(axis=-1, keepdims=True)
+    return out
+
+
+def assert_close(out, expected, lengths, tol):
+    """Relative L2 error <= tol per (row, head); rows with length 0 exactly zero; no NaN."""
+    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    assert out.shape == expected.shape, f"{out.shape=} != {expected.shape=}"
+    assert np.isfinite(out).all(), f"non-finite output at {np.argwhere(~np.isfinite(out))[:5]}"
+    lengths = np.asarray(lengths)
+    np.testing.assert_array_equal(out[lengths == 0], 0.0)
+    nonempty = lengths > 0
+    err = (np.linalg.norm(out[nonempty] - expected[nonempty], axis=-1)
+           / np.linalg.norm(expected[nonempty], axis=-1))
+    assert err.max() <= tol, f"max relative error {err.max():.3g} > {tol} (mean {err.mean():.3g})"
+    return err.max()
+
+
+def run_kernel(mode, q, k, v, lengths, config=None):
+    return jax.jit(lambda *a: da.decode_attention_pallas(
+        *a, config=config, interpret=(mode == "interpret")))(q, k, v, lengths)
+
+
+# ----- the kernel -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
+def test_kernel_lengths(mode, heads, head_dim):
+    q, k, v, lengths = make_inputs(0, heads, head_dim, LENGTHS_MAX_LEN, LENGTHS, jnp.bfloat16)
+    out = run_kernel(mode, q, k, v, lengths)
+    assert out.dtype == q.dtype
+    assert_close(out, reference_f64(q, k, v, lengths), lengths, TOL[jnp.bfloat16])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("heads, head_dim", RAGGED_PAIRS.values(), ids=RAGGED_PAIRS.keys())
+def test_kernel_ragged_batch(mode, heads, head_dim):
+    q, k, v, lengths = make_inputs(1, heads, head_dim, RAGGED_MAX_LEN, RAGGED, jnp.bfloat16)
+    out = run_kernel(mode, q, k, v, lengths)
+    assert_close(out, reference_f64(q, k, v, lengths), lengths, TOL[jnp.bfloat16])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("heads, head_dim", F32_PAIRS.values(), ids=F32_PAIRS.keys())
+def test_kernel_float32_cache(mode, heads, head_dim):
+    q, k, v, lengths = make_inputs(2, heads, head_dim, LENGTHS_MAX_LEN, LENGTHS, jnp.float32)
+    out = run_kernel(mode, q, k, v, lengths)
+    assert out.dtype == jnp.float32
+    assert_close(out, reference_f64(q, k, v, lengths), lengths, TOL[jnp.float32])
+
+
+CONFIGS = {
+    "3splits-2stages": da.DecodeAttentionConfig(block_kv=64, num_stages=2, num_splits=3),
+    "1split-wraps-stages": da.DecodeAttentionConfig(block_kv=64, num_stages=2, num_splits=1),
+    "3stages": da.DecodeAttentionConfig(block_kv=64, num_stages=3, num_splits=2),
+    "block128": da.DecodeAttentionConfig(block_kv=128, num_stages=2, num_splits=2),
+    "more-splits-than-blocks": da.DecodeAttentionConfig(block_kv=128, num_stages=2, num_splits=7),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+def test_kernel_configs(mode, config):
+    lengths = (700, 0, 129, 1)
+    q, k, v, lengths = make_inputs(3, (8, 2), 128, 768, lengths, jnp.bfloat16)
+    out = run_kernel(mode, q, k, v, lengths, config)
+    assert_close(out, reference_f64(q, k, v, lengths), lengths, TOL[jnp.bfloat16])
+
+
+def test_kernel_pads_odd_max_len():
+    lengths = (70, 5)
+    q, k, v, lengths = make_inputs(4, (8, 2), 64, 100, lengths, jnp.bfloat16)
+    out = run_kernel("interpret", q, k, v, lengths)
+    assert_close(out, reference_f64(q, k, v, lengths), lengths, TOL[jnp.bfloat16])
+
+
+def test_kernel_rejects_what_it_cannot_do():
+    q, k, v, lengths = make_inputs(0, (4, 2), 32, 64, (3, 3), jnp.bfloat16)
+    with pytest.raises(ValueError, match="head_dim=32"):
+        da.decode_attention_pallas(q, k, v, lengths, interpret=True)
+    with pytest.raises(ValueError, match="block_kv=96"):
+        da.DecodeAttentionConfig(block_kv=96)
+    q, k, v, lengths = make_inputs(0, (4, 2), 256, 128, (3, 3), jnp.bfloat16)
+    with pytest.raises(ValueError, match="shared memory"):
+        da.decode_attention_pallas(q, k, v, lengths, interpret=True,
+                                   config=da.DecodeAttentionConfig(block_kv=128, num_stages=2))
+
+
+# ----- GPU only: long contexts, bf16 tolerance at scale, determinism ---------------------------
+
+LONG = {"9b-128k": ((16, 4), 256, (131072, 100_003, 1)),
+        "27b-32k": ((24, 4), 256, (32768, 30_001)),
+        "16x1-d128-64k": ((16, 1), 128, (65536, 4097))}
+
+
+@pytest.mark.parametrize("heads, head_dim, lengths", LONG.values(), ids=LONG.keys())
+@pytest.mark.parametrize("_", [pytest.param(None, id="gpu", marks=gpu_only)])
+def test_kernel_long_context(_, heads, head_dim, lengths):
+    q, k, v, lengths_arr = make_inputs(5, heads, head_dim, max(lengths), lengths, jnp.bfloat16)
+    out = run_kernel("gpu", q, k, v, lengths_arr)
+    assert_close(out, reference_f64(q, k, v, lengths_arr), lengths_arr, TOL[jnp.bfloat16])
+
+
+@pytest.mark.parametrize("_", [pytest.param(None, id="gpu", marks=gpu_only)])
+def test_kernel_is_deterministic(_):
+    q, k, v, lengths = make_inputs(6, (16, 4), 256, 8192, (8192, 5000, 300, 0), jnp.bfloat16)
+    fn = jax.jit(da.decode_attention_pallas)
+    first = np.asarray(fn(q, k, v, lengths))
+    for _ in range(3):
+        np.testing.assert_array_equal(np.asarray(fn(q, k, v, lengths)), first)
+
+
+# ----- the reference ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("lengths, max_len", [(LENGTHS, LENGTHS_MAX_LEN), (RAGGED, RAGGED_MAX_LEN)],
+                         ids=["lengths", "ragged"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
+def test_reference(heads, head_dim, lengths, max_len, dtype):
+    q, k, v, lengths = make_inputs(7, heads, head_dim, max_len, lengths, dtype)
+    out = jax.jit(da.decode_attention_reference)(q, k, v, lengths)
+    assert out.dtype == q.dtype
+    assert_close(out, reference_f64(q, k, v, lengths), lengths, TOL[dtype])
+
+
+# ----- dispatcher and configuration -------------------------------------------------------------
+
+def test_dispatch_on_cpu():
+    q, k, v, lengths = make_inputs(8, (8, 2), 64, 128, (100, 3), jnp.float32)
+    expected = reference_f64(q, k, v, lengths)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # CPU "auto" is the reference, silently
+        auto = da.decode_attention(q, k, v, lengths)
+    if jax.devices()[0].platform == "cpu":
+        np.testing.assert_array_equal(auto, da.decode_attention_reference(q, k, v, lengths))
+    for impl in ("auto", "pallas", "reference"):
+        out = jax.jit(lambda *a, impl=impl: da.decode_attention(*a, implementation=impl))(
+            q, k, v, lengths)
+        assert_close(out, expected, lengths, TOL[jnp.float32])
+    with pytest.raises(ValueError, match="implementation='triton'"):
+        da.decode_attention(q, k, v, lengths, implementation="triton")
+
+
+@pytest.mark.parametrize("cc, why", [((9, 0), "head_dim=32"), ((8, 0), "compute capability")],
+                         ids=["unsupported-shape", "pre-hopper"])
+def test_auto_fallback_on_gpu_is_loud(monkeypatch, cc, why):
+    monkeypatch.setattr(da, "_gpu_compute_capability", lambda: cc)
+    q, k, v, lengths = make_inputs(9, (4, 2), 32 if cc >= (9, 0) else 64, 64, (10, 0),
+                                   jnp.float32)
+    with pytest.warns(UserWarning, match=why):
+        out = da.decode_attention(q, k, v, lengths)
+    np.testing.assert_array_equal(out, da.decode_attention_reference(q, k, v, lengths))
+
+
+def test_choose_config():
+    for heads, kv_heads in HEADS.values():
+        for head_dim in (64, 128, 256):
+            for dtype in (jnp.bfloat16, jnp.float32):
+                cfg = da.choose_config(1, kv_heads, 8192, head_dim, dtype, num_sms=132)
+                smem = da._smem_bytes(head_dim, cfg.block_kv, cfg.num_stages, dtype)
+                assert smem <= da.SMEM_LIMIT_BYTES, f"{cfg=} {head_dim=} {smem=}"
+    # Qwen3.5-9B attention (4 KV heads): one wave of 132 programs at batch 1 and 8 ...
+    assert da.choose_config(1, 4, 131072, 256, jnp.bfloat16, num_sms=132).num_splits == 33
+    cfg = da.choose_config(8, 4, 8192, 256, jnp.bfloat16, num_sms=132)
+    assert 32 * cfg.num_splits % 132 == 0 or 32 * cfg.num_splits <= 132, cfg
+    # ... and no split once the batch alone fills the chip.
+    assert da.choose_config(64, 4, 8192, 256, jnp.bfloat16, num_sms=132).num_splits == 1
+    # A short cache never asks for more splits than it has blocks.
+    assert da.choose_config(1, 4, 320, 256, jnp.bfloat16, num_sms=132).num_splits <= 5
+
+
+# ----- end to end: greedy decoding through the model --------------------------------------------
+
+E2E_MODES = [pytest.param("cpu", id="interpret-or-gpu"),
+             pytest.param("gpu", id="gpu", marks=gpu_only)]
+
+
+@pytest.mark.parametrize("mode", E2E_MODES)
+def test_greedy_decode_kernel_equals_reference(mode):
+    jd = pytest.importorskip("jaxdecode")
+    pytest.importorskip("jaxdecode.model")
+    base = jd.Config.from_preset("tiny")
+    config = base.__class__(**{**base.__dict__, "vocab_size": 1000})
+    params = jd.init_params(config, jax.random.key(0))
+    prompt = np.random.default_rng(10).integers(0, config.vocab_size, (2, 11)).astype(np.int32)
+    prompt_lengths = np.array([11, 6], np.int32)
+    steps = 6
+
+    def greedy(impl):
+        state = jd.init_state(config, batch_size=2, max_len=128)
+        logits, state = jd.prefill(params, state, prompt, prompt_lengths)
+        tokens, all_logits = [], []
+        for _ in range(steps):
+            token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            tokens.append(np.asarray(token))
+            logits, state = jd.decode_step(params, state, token, attention_impl=impl)
+            all_logits.append(np.asarray(logits))
+        return np.stack(tokens, 1), np.stack(all_logits, 1)
+
+    ref_tokens, ref_logits = greedy("reference")
+    kernel_tokens, kernel_logits = greedy("pallas")
+    np.testing.assert_array_equal(kernel_tokens, ref_tokens)
+    scale = np.abs(ref_logits).max()
+    assert np.abs(kernel_logits - ref_logits).max() <= 1e-4 * scale
