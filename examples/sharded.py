@@ -25,16 +25,27 @@ import sys
 import time
 
 
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mesh", default="2,4", metavar="DATA,MODEL",
                    help="mesh shape: data-parallel size, tensor-parallel size (default: 2,4)")
     p.add_argument("--checkpoint", metavar="DIR", help="Hugging Face checkpoint directory")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--batch", type=int, default=None,
+    p.add_argument("--batch", type=positive_int, default=None,
                    help="rows (default: 2 per data-parallel shard)")
-    p.add_argument("--prompt-len", type=int, default=16, help="tokens per prompt (default: 16)")
-    p.add_argument("--max-new-tokens", type=int, default=16, help="default: 16")
+    p.add_argument("--prompt-len", type=positive_int, default=16,
+                   help="tokens per prompt (default: 16)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=16, help="default: 16")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and random weights")
     p.add_argument("--check", action="store_true",
                    help="also run on one device and compare the tokens (exit 1 if they differ)")
@@ -47,6 +58,8 @@ def parse_args(argv):
         data, model = (int(x) for x in args.mesh.split(","))
     except ValueError:
         p.error(f"--mesh {args.mesh!r} must be DATA,MODEL, e.g. 2,4")
+    if data < 1 or model < 1:
+        p.error(f"--mesh {args.mesh!r}: both sizes must be >= 1")
     args.data, args.model = data, model
     args.batch = args.batch or 2 * data
     return args
@@ -149,4 +162,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except ValueError as e:  # sizes that do not fit the mesh, bad checkpoints: one line, exit 2
+        print(f"sharded.py: error: {e}", file=sys.stderr)
+        sys.exit(2)

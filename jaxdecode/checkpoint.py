@@ -45,7 +45,11 @@ def checkpoint_files(directory: str | os.PathLike) -> list[str]:
     index = os.path.join(directory, INDEX_FILE)
     if os.path.exists(index):
         with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
+            try:
+                weight_map = json.load(f)["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{index!r} is not a safetensors index with a 'weight_map' "
+                                 f"({type(e).__name__}: {e})") from None
         files = [os.path.join(directory, name) for name in dict.fromkeys(weight_map.values())]
         missing = [f for f in files if not os.path.exists(f)]
         if missing:
@@ -66,15 +70,32 @@ def canonical_name(name: str) -> str | None:
     return name
 
 
-def _index_tensors(files: list[str]) -> dict[str, tuple[str, str, tuple[int, ...]]]:
-    """{canonical name: (file, stored name, shape)} from the headers alone."""
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
+
+
+def _index_tensors(files: list[str], problems: list[str]):
+    """{canonical name: (file, stored name, shape)} from the headers alone.
+
+    Appends to ``problems`` every tensor stored twice (under both layouts, or in two shards) and
+    every tensor that is not floating point.
+    """
     found = {}
     for path in files:
         with safe_open(path, framework="np") as f:
             for stored in f.keys():
                 name = canonical_name(stored)
-                if name is not None:
-                    found[name] = (path, stored, tuple(f.get_slice(stored).get_shape()))
+                if name is None:
+                    continue
+                info = f.get_slice(stored)
+                if name in found:
+                    where = found[name]
+                    problems.append(f"tensor {name} is stored twice: {where[1]} in "
+                                    f"{os.path.basename(where[0])} and {stored} in "
+                                    f"{os.path.basename(path)}")
+                if info.get_dtype() not in FLOAT_DTYPES:
+                    problems.append(f"tensor {stored} has dtype {info.get_dtype()}, expected a "
+                                    f"float type {FLOAT_DTYPES}")
+                found[name] = (path, stored, tuple(info.get_shape()))
     return found
 
 
@@ -100,8 +121,9 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
 
     Raises:
       FileNotFoundError: missing ``config.json`` or safetensors files.
-      ValueError: unsupported config (see ``Config.from_hf_config``), or one message listing every
-        missing, unexpected or misshapen tensor (name, expected and stored shapes), or a config
+      ValueError: unsupported or malformed config (see ``Config.from_hf_config``), or one message
+        listing every missing, unexpected, misshapen, duplicated or non-float tensor (name,
+        expected and stored shapes), a malformed index file, or a config
         that cannot be split over ``mesh`` (``jaxdecode.sharding.check_mesh``), or both
         ``place`` and ``mesh``.
     """
@@ -118,11 +140,16 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
             raise ValueError("pass place or mesh to load_checkpoint, not both")
         place = sharding.checkpoint_placer(config, mesh)
     specs = param_specs(config)
-    found = _index_tensors(checkpoint_files(directory))
-    if config.tie_word_embeddings:
-        found.pop("lm_head.weight", None)
+    problems: list[str] = []
+    found = _index_tensors(checkpoint_files(directory), problems)
+    if config.tie_word_embeddings and "lm_head.weight" in found:
+        # Tied checkpoints may still store the (identical) LM head; it is not read, but a
+        # misshapen one means the file does not belong to this config.
+        stored_shape = found.pop("lm_head.weight")[2]
+        expected = (config.vocab_size, config.hidden_size)
+        if stored_shape != expected:
+            problems.append(f"tensor lm_head.weight has shape {stored_shape}, expected {expected}")
 
-    problems = []
     for name in specs.keys() - found.keys():
         problems.append(f"missing tensor {name} (expected shape {specs[name].shape})")
     for name in found.keys() - specs.keys():

@@ -38,6 +38,19 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _int_in(low: int, high: int):
+    """argparse type: an integer in [low, high] (so huge values fail here, not in numpy)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} must be in [{low}, {high}]")
+        return value
+    return parse
+
+
 def _default_cache_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "jaxdecode", "xla")
@@ -56,7 +69,8 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
                    help="token budget per sample (default: 32)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default), > 0 samples")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely (0 = off)")
+    p.add_argument("--top-k", type=_int_in(0, 2**31 - 1), default=0,
+                   help="keep the k most likely (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (1 = off)")
     p.add_argument("--min-p", type=float, default=0.0,
                    help="drop tokens below min_p x the top probability (0 = off)")
@@ -64,7 +78,8 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
                    help="CTRL penalty on generated tokens (1 = off)")
     p.add_argument("--presence-penalty", type=float, default=0.0,
                    help="subtracted from generated tokens' logits (0 = off)")
-    p.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling (default: 0)")
+    p.add_argument("--seed", type=_int_in(0, 2**63 - 1), default=0,
+                   help="PRNG seed for sampling (default: 0)")
     p.add_argument("--num-samples", type=_positive_int, default=1, metavar="N",
                    help="continuations of the prompt (the state is forked after the prefill)")
     p.add_argument("--stream", action="store_true",

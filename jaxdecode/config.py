@@ -26,6 +26,10 @@ MOE_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 class Config:
     """A Qwen3.5 dense text decoder's shape. Frozen and hashable, so valid as a ``jax.jit`` static.
 
+    Raises ``ValueError`` on construction for non-positive sizes, ``layer_types`` that do not
+    match ``num_hidden_layers`` or name unknown layer kinds, no full-attention layer, head counts
+    that do not divide, or odd rotary dims.
+
     Notation used in docstrings across jaxdecode: Hq = ``num_attention_heads``,
     Hkv = ``num_key_value_heads``, D = ``head_dim``, Hk = ``linear_num_key_heads``,
     Hv = ``linear_num_value_heads``, dk = ``linear_key_head_dim``, dv = ``linear_value_head_dim``,
@@ -143,7 +147,8 @@ class Config:
 
         Raises:
           ValueError: for model types or settings this code cannot run (MoE, biases, non-SiLU
-            activations, rope scaling), naming what is unsupported.
+            activations, rope scaling), naming what is unsupported; for a missing field or a
+            field of the wrong type.
         """
         top = dict(hf_config)
         text = dict(top.get("text_config") or top)
@@ -209,12 +214,22 @@ class Config:
             )
         except KeyError as e:
             raise ValueError(f"config.json is missing the required field {e.args[0]!r}") from None
+        except TypeError as e:  # e.g. "hidden_size": "128"
+            raise ValueError(f"config.json has a field of the wrong type: {e}") from None
 
     @classmethod
     def from_json_file(cls, path: str | os.PathLike) -> "Config":
-        """Reads a Hugging Face ``config.json`` file (see :meth:`from_hf_config`)."""
+        """Reads a Hugging Face ``config.json`` file (see :meth:`from_hf_config`).
+
+        Raises:
+          ValueError: malformed JSON (naming the file) or an unsupported config.
+        """
         with open(path) as f:
-            return cls.from_hf_config(json.load(f))
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{os.fspath(path)!r} is not valid JSON: {e}") from None
+        return cls.from_hf_config(data)
 
     @classmethod
     def from_preset(cls, name: str) -> "Config":
@@ -259,6 +274,8 @@ def _published(hidden, intermediate, layers, hq, hkv, hv, tie) -> Config:
         tie_word_embeddings=tie, max_position_embeddings=262_144, eos_token_id=(248_044,))
 
 
+# Name -> Config: the published Qwen3.5 dense text shapes (spec §4, shared/docs/configs) and
+# "tiny" (tests and the embedded demo). Use Config.from_preset(name).
 PRESETS: dict[str, Config] = {
     "qwen3.5-0.8b": _published(1024, 3584, 24, 8, 2, 16, True),
     "qwen3.5-2b": _published(2048, 6144, 24, 8, 2, 16, True),

@@ -373,7 +373,7 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
 
     if eos_token_ids is None:
         eos_token_ids = config.eos_token_id
-    eos = np.asarray(list(eos_token_ids), np.int64).ravel()
+    eos = np.atleast_1d(np.asarray(eos_token_ids, np.int64)).ravel()  # an int or a sequence
     bad = eos[(eos < 0) | (eos >= vocab)]
     if bad.size:
         raise ValueError(f"eos_token_ids {bad.tolist()} are outside [0, vocab_size={vocab})")

@@ -270,9 +270,18 @@ def _forward(params: Params, state: DecodeState, tokens: Array, n_new: Array, *,
     c = params.config
     batch, length = tokens.shape
     start = state.lengths
+    # In-graph guard for callers that skip host validation (inside their own jit): a row that
+    # would write past the cache is left untouched (no state change) and gets NaN logits, never
+    # a silently dropped or clamped write.
+    overflow = start + n_new > state.max_len
+    n_new = jnp.where(overflow, 0, n_new)
     valid = jnp.arange(length)[None, :] < n_new[:, None]  # [B, T]
 
-    x = jnp.take(params.embed_tokens, tokens, axis=0, mode="fill", fill_value=jnp.nan)
+    # Out-of-range ids (negative ones too: jnp.take would wrap them) embed as NaN, so unchecked
+    # bad ids poison their row's logits instead of reading another token's embedding.
+    in_vocab = (tokens >= 0) & (tokens < c.vocab_size)
+    x = jnp.take(params.embed_tokens, jnp.where(in_vocab, tokens, 0), axis=0)
+    x = jnp.where(in_vocab[..., None], x, jnp.nan)
     x = jnp.where(valid[..., None], x, 0).astype(params.dtype)  # no embedding scale (spec §1.1)
 
     conv_state, recurrent_state = list(state.conv_state), list(state.recurrent_state)
@@ -304,9 +313,6 @@ def _forward(params: Params, state: DecodeState, tokens: Array, n_new: Array, *,
     with jax.named_scope("lm_head"):
         logits = jnp.einsum("bti,vi->btv", x, params.lm_head_weight, preferred_element_type=f32)
     logits = jnp.where(valid[..., None], logits, 0.0)
-    # In-graph guard for callers that skip host validation (inside their own jit): rows that
-    # would have written past the cache get NaN logits instead of a silently dropped write.
-    overflow = start + n_new > state.max_len
     logits = jnp.where(overflow[:, None, None], jnp.nan, logits)
     if not return_all_logits:
         logits = logits[:, 0]
@@ -346,9 +352,18 @@ def _is_traced(*xs) -> bool:
     return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(xs))
 
 
-def _check_state(config: Config, state: DecodeState) -> None:
+def _check_state(config: Config, state: DecodeState, dtype) -> None:
     c = config
     problems = []
+    dtypes = {x.dtype for x in state.conv_state} | {x.dtype for kv in state.kv_cache
+                                                    for x in (kv.k, kv.v)}
+    if dtype is not None and dtypes != {jnp.dtype(dtype)}:
+        problems.append(f"conv_state/kv_cache dtype {sorted(map(str, dtypes))} != the params' "
+                        f"dtype {jnp.dtype(dtype)} (use init_state(..., dtype=params.dtype))")
+    if any(x.dtype != jnp.float32 for x in state.recurrent_state):
+        problems.append("recurrent_state must be float32")
+    if not jnp.issubdtype(state.lengths.dtype, jnp.integer):
+        problems.append(f"lengths must be integers, got {state.lengths.dtype}")
     if len(state.conv_state) != len(c.linear_attention_layers) or len(
             state.recurrent_state) != len(c.linear_attention_layers):
         problems.append(f"state has {len(state.conv_state)} conv / {len(state.recurrent_state)} "
@@ -384,15 +399,24 @@ def _check_tokens(config: Config, tokens: np.ndarray, mask: np.ndarray | None = 
                          f"{real[bad][:8].tolist()} ({int(bad.sum())} out of range)")
 
 
-def check_prefill_inputs(config: Config, state: DecodeState, tokens, lengths) -> None:
+def _read_lengths(state: DecodeState) -> np.ndarray:
+    cached = np.asarray(state.lengths)
+    if ((cached < 0) | (cached > state.max_len)).any():
+        raise ValueError(f"state.lengths must be in [0, max_len={state.max_len}]; got "
+                         f"{cached.tolist()}")
+    return cached
+
+
+def check_prefill_inputs(config: Config, state: DecodeState, tokens, lengths,
+                         dtype=None) -> None:
     """Validates prefill inputs on the host (reads ``state.lengths``: a device sync).
 
     Raises:
-      ValueError: mismatched batch sizes or state shapes, empty token arrays, ``lengths`` outside
-        ``[0, T]``, token ids outside ``[0, vocab_size)`` among the real tokens, or a row whose
-        ``state.lengths + lengths`` exceeds ``max_len``.
+      ValueError: mismatched batch sizes, state shapes or dtypes (``dtype`` is the params'),
+        empty token arrays, ``lengths`` outside ``[0, T]``, token ids outside ``[0, vocab_size)``
+        among the real tokens, or a row whose ``state.lengths + lengths`` exceeds ``max_len``.
     """
-    _check_state(config, state)
+    _check_state(config, state, dtype)
     tokens = np.asarray(tokens)
     lengths = np.asarray(lengths)
     if tokens.ndim != 2 or tokens.shape[1] == 0:
@@ -408,7 +432,7 @@ def check_prefill_inputs(config: Config, state: DecodeState, tokens, lengths) ->
     if (lengths < 0).any() or (lengths > tokens.shape[1]).any():
         raise ValueError(f"lengths must be in [0, T={tokens.shape[1]}]; got {lengths.tolist()}")
     _check_tokens(config, tokens, np.arange(tokens.shape[1])[None, :] < lengths[:, None])
-    cached = np.asarray(state.lengths)
+    cached = _read_lengths(state)
     over = cached + lengths > state.max_len
     if over.any():
         b = int(np.argmax(over))
@@ -416,14 +440,15 @@ def check_prefill_inputs(config: Config, state: DecodeState, tokens, lengths) ->
                          f"exceeds the cache's max_len={state.max_len}")
 
 
-def check_decode_inputs(config: Config, state: DecodeState, tokens, active=None) -> None:
+def check_decode_inputs(config: Config, state: DecodeState, tokens, active=None,
+                        dtype=None) -> None:
     """Validates decode-step inputs on the host (reads ``state.lengths``: a device sync).
 
     Raises:
-      ValueError: ``tokens`` not ``[B]`` for the state's B, ids outside ``[0, vocab_size)``, or a
-        row already at ``max_len``.
+      ValueError: state shapes or dtypes that do not match, ``tokens`` not ``[B]`` for the
+        state's B, ids outside ``[0, vocab_size)``, or a row already at ``max_len``.
     """
-    _check_state(config, state)
+    _check_state(config, state, dtype)
     tokens = np.asarray(tokens)
     if tokens.shape != (state.batch_size,):
         raise ValueError(f"tokens must be [B] with B = {state.batch_size} (the state's batch "
@@ -432,7 +457,7 @@ def check_decode_inputs(config: Config, state: DecodeState, tokens, active=None)
     if act.shape != tokens.shape:
         raise ValueError(f"active must be [B] like tokens; got {act.shape=}")
     _check_tokens(config, tokens, act)
-    cached = np.asarray(state.lengths)
+    cached = _read_lengths(state)
     full = (cached >= state.max_len) & act
     if full.any():
         b = int(np.argmax(full))
@@ -462,11 +487,16 @@ def prefill(params: Params, state: DecodeState, tokens, lengths, *,
       ValueError: see :func:`check_prefill_inputs` (checked on the host before any device work;
         skipped when called with traced values inside your own ``jax.jit``).
 
-    Math: Gated DeltaNet layers use the chunked gated delta rule (chunk 64) starting from the
-    state's recurrent state; attention layers attend causally over cache + new tokens.
+    Math: Gated DeltaNet layers use the chunked gated delta rule (chunk 64; HF
+    ``torch_chunk_gated_delta_rule``, spec §1.4) starting from the state's recurrent state;
+    attention layers attend causally over cache + new tokens (HF ``eager_attention_forward``).
+    Source: HF ``modeling_qwen3_5.py`` (transformers 5.24.0).
+
+    Compilation: one executable per distinct (B, T); pad prompts to a few bucket lengths (as
+    ``jaxdecode.generate`` does) to reuse them.
     """
     if not _is_traced(tokens, lengths, state):
-        check_prefill_inputs(params.config, state, tokens, lengths)
+        check_prefill_inputs(params.config, state, tokens, lengths, params.dtype)
     return prefill_jit(params, state, jnp.asarray(tokens, jnp.int32),
                        jnp.asarray(lengths, jnp.int32), return_all_logits=return_all_logits)
 
@@ -483,20 +513,27 @@ def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
       state: the current :class:`DecodeState`; donated.
       tokens: [B] int32 token ids.
       active: optional [B] bool; rows with False leave their state untouched (no cache writes,
-        lengths not advanced); their logits are computed but meaningless.
+        lengths not advanced) and get zero logits.
       attention_impl: "auto" | "pallas" | "reference" (see ``jaxdecode.kernels.decode_attention``).
       check_inputs: validate on the host first. Validation reads ``state.lengths`` back from the
         device (one sync per step); pass False in a hot loop whose bounds you checked up front.
-        Rows that would overflow the cache then get NaN logits instead of an error.
+        Unchecked, a row that would overflow the cache is left untouched and gets NaN logits,
+        and so does a row fed a token id outside the vocabulary.
 
     Returns:
       (logits [B, V] float32, new_state) with ``new_state.lengths = state.lengths + active``.
 
     Raises:
       ValueError: see :func:`check_decode_inputs`.
+
+    Math: one token of every layer (spec §1.3-§1.8): Gated DeltaNet layers run the one-token
+    gated delta rule from the cached conv window and recurrent state (Yang et al., "Gated Delta
+    Networks", ICLR 2025; HF ``torch_recurrent_gated_delta_rule``); attention layers write the new
+    key/value at ``lengths[b]`` and attend over positions ``0..lengths[b]`` through
+    ``decode_attention``. Source: HF ``modeling_qwen3_5.py`` (transformers 5.24.0).
     """
     if check_inputs and not _is_traced(tokens, active, state):
-        check_decode_inputs(params.config, state, tokens, active)
+        check_decode_inputs(params.config, state, tokens, active, params.dtype)
     tokens = jnp.asarray(tokens, jnp.int32)
     if active is not None:
         active = jnp.asarray(active, bool)

@@ -75,7 +75,12 @@ class DecoderLayerParams:
 
 @struct.dataclass
 class Params:
-    """All weights of a Qwen3.5 text decoder. ``config`` is static pytree metadata."""
+    """All weights of a Qwen3.5 text decoder (HF module names; PyTorch ``[out, in]`` layout).
+
+    Leaves are in the model dtype τ (float32 or bfloat16) except ``A_log`` and the gated-norm
+    weight (float32). ``config`` is static pytree metadata, so jitting over Params specialises on
+    the Config. Shapes: see the field comments and :func:`param_specs`.
+    """
     embed_tokens: Array  # [V, H]
     layers: tuple[DecoderLayerParams, ...]
     norm: Array  # [H]  (1 + w)
@@ -102,7 +107,12 @@ class ParamSpec:
 
 
 def param_specs(config: Config) -> dict[str, ParamSpec]:
-    """Every parameter of ``config`` keyed by its ``Qwen3_5ForCausalLM`` checkpoint name."""
+    """Every parameter of ``config`` keyed by its ``Qwen3_5ForCausalLM`` checkpoint name.
+
+    Returns:
+      ``{name: ParamSpec(name, shape, float32)}`` in a fixed order (embedding, final norm, LM head
+      unless tied, then layer by layer); shapes in PyTorch ``[out, in]`` layout (spec §3).
+    """
     c = config
     h, i, hq, hkv, d = (c.hidden_size, c.intermediate_size, c.num_attention_heads,
                         c.num_key_value_heads, c.head_dim)
@@ -220,6 +230,9 @@ def init_params(config: Config, key: Array, dtype="float32") -> Params:
     Returns:
       :class:`Params`. Use ``jax.eval_shape(lambda: init_params(config, key, dtype))`` for shapes
       without allocating.
+
+    Raises:
+      ValueError: for a dtype other than float32 / bfloat16.
     """
     dtype = jnp.dtype(dtype)
     if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
@@ -231,5 +244,6 @@ def init_params(config: Config, key: Array, dtype="float32") -> Params:
 
 
 def num_params(params: Params) -> int:
-    """Total number of parameters (the tied LM head counted once)."""
+    """Total number of parameter values (the tied LM head counted once), e.g. 0.75e9 for
+    ``qwen3.5-0.8b`` (its 248320 x 1024 embedding included)."""
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))

@@ -60,8 +60,8 @@ head-split recurrent state.
 Per decode step of the 9B model (compiled HLO, batch B): 65 all-reduces of [B, Hd] (one per
 mixer and per MLP, plus the vocab-split embedding lookup) and 3 (2-way TP) or 8 (4-way TP) small
 collective-permutes per DeltaNet layer (4096 or 5120 values per row per layer). No weight moves.
-With ``data`` > 1, each attention layer also all-gathers its new K/V rows ([B, 1, Hkv/m, D])
-over ``"data"``: the cache write in ``model.py`` is a scatter indexed by global row.
+The cache write in ``model.py`` is a per-row scatter, so with ``data`` > 1 no K/V rows move
+across ``"data"`` (the compiled step has no all-gather at data=2/model=4 or data=8).
 
 Requirements (checked, with one ``ValueError`` naming every size that fails):
 ``num_attention_heads``, ``num_key_value_heads``, ``linear_num_key_heads``,
@@ -414,7 +414,8 @@ def prefill(params: Params, state: DecodeState, tokens, lengths, *,
     """
     mesh = state_mesh(state)
     if state.lengths.is_fully_addressable and not model._is_traced(tokens, lengths):
-        model.check_prefill_inputs(params.config, _with_host_lengths(state), tokens, lengths)
+        model.check_prefill_inputs(params.config, _with_host_lengths(state), tokens, lengths,
+                                   params.dtype)
     tokens = shard_batch(tokens, mesh, jnp.int32)
     lengths = shard_batch(lengths, mesh, jnp.int32)
     return jit_prefill(params.config, mesh, return_all_logits)(params, state, tokens, lengths)
@@ -433,7 +434,8 @@ def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
     mesh = state_mesh(state)
     if (check_inputs and state.lengths.is_fully_addressable
             and not model._is_traced(tokens, active)):
-        model.check_decode_inputs(params.config, _with_host_lengths(state), tokens, active)
+        model.check_decode_inputs(params.config, _with_host_lengths(state), tokens, active,
+                                  params.dtype)
     tokens = shard_batch(tokens, mesh, jnp.int32)
     if active is not None:
         active = shard_batch(active, mesh, jnp.bool_)

@@ -11,6 +11,8 @@ used columns (as vLLM does) and the KV cache laid out ``[B, Hkv, S, D]`` for the
 
 from __future__ import annotations
 
+import operator
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -22,7 +24,13 @@ Array = jax.Array
 
 @struct.dataclass
 class KVCache:
-    """Keys (after ``k_norm`` and RoPE) and values of one full-attention layer."""
+    """Keys (after ``k_norm`` and RoPE) and values of one full-attention layer.
+
+    Attributes:
+      k: [B, num_key_value_heads, max_len, head_dim] in the model dtype; position s of row b holds
+        the key of that row's token s (valid for s < lengths[b]).
+      v: same shape and dtype, the values.
+    """
     k: Array  # [B, Hkv, max_len, D], model dtype
     v: Array  # [B, Hkv, max_len, D], model dtype
 
@@ -62,21 +70,25 @@ def init_state(config: Config, batch_size: int, max_len: int, dtype="float32") -
       config: model shape.
       batch_size: rows B.
       max_len: KV cache capacity per row in tokens (prompt + generated).
-      dtype: dtype of the conv windows and KV caches (normally the model dtype); the recurrent
-        state is always float32.
+      dtype: dtype of the conv windows and KV caches: "float32" or "bfloat16", and it must be the
+        params' dtype (``params.dtype``; ``prefill``/``decode_step`` check). The recurrent state
+        is always float32.
+
+    Returns:
+      A :class:`DecodeState` of zeros (memory: see :func:`state_bytes`).
 
     Raises:
-      ValueError: for a non-positive ``batch_size``/``max_len`` or ``max_len`` above
-        ``config.max_position_embeddings``.
+      ValueError: for a non-positive ``batch_size``/``max_len``, ``max_len`` above
+        ``config.max_position_embeddings``, or another dtype.
     """
-    if not isinstance(batch_size, int) or batch_size <= 0:
-        raise ValueError(f"{batch_size=} must be a positive int")
-    if not isinstance(max_len, int) or max_len <= 0:
-        raise ValueError(f"{max_len=} must be a positive int")
+    batch_size = _positive_int("batch_size", batch_size)
+    max_len = _positive_int("max_len", max_len)
     if max_len > config.max_position_embeddings:
         raise ValueError(f"{max_len=} exceeds the model's max_position_embeddings="
                          f"{config.max_position_embeddings}")
     dtype = jnp.dtype(dtype)
+    if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"state dtype={dtype} must be float32 or bfloat16 (the params' dtype)")
     c = config
     conv = tuple(jnp.zeros((batch_size, c.linear_conv_kernel_dim - 1, c.linear_conv_dim), dtype)
                  for _ in c.linear_attention_layers)
@@ -91,13 +103,32 @@ def init_state(config: Config, batch_size: int, max_len: int, dtype="float32") -
 
 
 def fork(state: DecodeState, n: int) -> DecodeState:
-    """Repeats each row ``n`` times (rows ``b*n .. b*n + n - 1`` are copies of row ``b``).
+    """Repeats each row ``n`` times, for parallel sampling, best-of-n and RL rollouts: prefill
+    once, fork, then decode.
 
-    For parallel sampling, best-of-n and RL rollouts: prefill once, fork, then decode.
+    Args:
+      state: a state of batch B (not donated: it stays valid).
+      n: copies per row.
+
+    Returns:
+      A new state of batch ``B * n`` (``n`` times the memory); rows ``b*n .. b*n + n - 1`` are
+      copies of row ``b``.
+
+    Raises:
+      ValueError: if ``n`` is not a positive integer.
     """
-    if not isinstance(n, int) or n <= 0:
-        raise ValueError(f"{n=} must be a positive int")
+    n = _positive_int("n", n)
     return jax.tree.map(lambda x: jnp.repeat(x, n, axis=0), state)
+
+
+def _positive_int(name: str, value) -> int:
+    try:
+        value = operator.index(value)  # accepts numpy integers, rejects floats
+    except TypeError:
+        raise ValueError(f"{name}={value!r} must be a positive int") from None
+    if value <= 0:
+        raise ValueError(f"{name}={value!r} must be a positive int")
+    return value
 
 
 def state_bytes(state: DecodeState) -> int:

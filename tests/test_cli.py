@@ -79,7 +79,9 @@ def test_example_samples_several_continuations_from_ids(checkpoint):
 @pytest.mark.parametrize("argv, message", [
     (["--temperature", "-1"], "temperature"),
     (["--top-p", "0"], "top_p"),
-    (["--top-k", "-3"], "top_k"),
+    (["--top-k", "-3"], "--top-k"),
+    (["--top-k", "99999999999"], "--top-k"),
+    (["--seed", "99999999999999999999"], "--seed"),
     (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--num-samples", "x"], "--num-samples"),
     (["--checkpoint", "/nonexistent/dir"], "not a directory"),

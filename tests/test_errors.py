@@ -90,9 +90,35 @@ def test_decode_rejects_bad_tokens_and_full_cache(params):
 
 def test_unchecked_overflow_inside_jit_gives_nan_not_a_silent_clamp(params):
     _, state = jd.prefill(params, fresh(max_len=4), np.ones((2, 4), np.int32), np.array([4, 1]))
-    logits, _ = jax.jit(jd.decode_step)(params, state, np.array([0, 1], np.int32))
+    before = jax.tree.map(lambda x: np.asarray(x).copy(), state)
+    logits, state = jax.jit(jd.decode_step)(params, state, np.array([0, 1], np.int32))
     logits = np.asarray(logits)
     assert np.isnan(logits[0]).all() and np.isfinite(logits[1]).all()
+    np.testing.assert_array_equal(np.asarray(state.lengths), [4, 2])  # the full row did not move
+    for old, new in zip(jax.tree.leaves(before), jax.tree.leaves(state)):
+        np.testing.assert_array_equal(np.asarray(new)[0], old[0])
+
+
+@pytest.mark.parametrize("bad", [-1, -300, 300])
+def test_unchecked_bad_token_ids_give_nan_not_another_embedding(params, bad):
+    _, state = jd.prefill(params, fresh(), np.ones((2, 3), np.int32), np.array([3, 3]))
+    logits, _ = jax.jit(jd.decode_step)(params, state, np.array([bad, 5], np.int32))
+    logits = np.asarray(logits)
+    assert np.isnan(logits[0]).all() and np.isfinite(logits[1]).all()
+
+
+def test_state_dtype_and_lengths_are_checked(params):
+    bf16 = jd.init_state(CONFIG, batch_size=2, max_len=16, dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"dtype \['bfloat16'\] != the params' dtype float32"):
+        jd.decode_step(params, bf16, np.array([0, 1]))
+    with pytest.raises(ValueError, match=r"state dtype=int32 must be float32 or bfloat16"):
+        jd.init_state(CONFIG, batch_size=2, max_len=16, dtype="int32")
+    bad = fresh().replace(lengths=np.array([-1, 2], np.int32))
+    with pytest.raises(ValueError, match=r"state.lengths must be in \[0, max_len=16\]"):
+        jd.decode_step(params, bad, np.array([0, 1]))
+    # numpy integers are integers
+    assert jd.init_state(CONFIG, np.int64(2), np.int32(8)).max_len == 8
+    assert jd.fork(fresh(), np.int64(2)).batch_size == 4
 
 
 def test_state_for_another_config(params):
@@ -135,11 +161,9 @@ def test_config_round_trip_and_multimodal_layout():
 
 
 def test_presets_match_published_configs():
-    """The presets equal the reconstructed published configs in shared/docs/configs."""
+    """The presets equal the reconstructed published configs (copied from shared/docs/configs)."""
     import pathlib
-    docs = pathlib.Path(__file__).resolve().parents[2] / "shared" / "docs" / "configs"
-    if not docs.exists():
-        pytest.skip(f"{docs} not present")
+    docs = pathlib.Path(__file__).resolve().parent / "data" / "configs"
     for name in ("qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-4b", "qwen3.5-9b", "qwen3.5-27b"):
         published = jd.Config.from_json_file(docs / f"{name}.json")
         assert published == jd.Config.from_preset(name), name
@@ -198,6 +222,42 @@ def test_checkpoint_problems_are_listed_together(tmp_path, params):
     assert f"missing tensor {a} (expected shape (4,))" in msg
     assert f"tensor {q} has shape (7, 5), expected (512, 128)" in msg
     assert "unexpected tensor model.layers.0.mlp.bias with shape (3,)" in msg
+
+
+def test_checkpoint_duplicates_and_non_float_tensors(tmp_path, params):
+    emb = "model.embed_tokens.weight"
+    extra = {"model.language_model.embed_tokens.weight": np.zeros((300, 128), np.float32)}
+    path = write_checkpoint(tmp_path / "dup", params, extra=extra)
+    with pytest.raises(ValueError, match=rf"tensor {emb} is stored twice"):
+        load_checkpoint(path)
+    a = "model.layers.0.linear_attn.A_log"
+    path = write_checkpoint(tmp_path / "int", params, extra={a: np.ones(4, np.int32)})
+    with pytest.raises(ValueError, match=rf"tensor {a} has dtype I32, expected a float type"):
+        load_checkpoint(path)
+
+
+def test_checkpoint_tied_lm_head_of_the_wrong_shape(tmp_path, params):
+    assert params.config.tie_word_embeddings
+    path = write_checkpoint(tmp_path / "tied", params,
+                            extra={"lm_head.weight": np.ones((3, 3), np.float32)})
+    with pytest.raises(ValueError, match=r"tensor lm_head.weight has shape \(3, 3\), expected "
+                                         r"\(300, 128\)"):
+        load_checkpoint(path)
+
+
+def test_checkpoint_malformed_files(tmp_path, params):
+    path = write_checkpoint(tmp_path / "cfg", params)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "hidden_size": "128"}))
+    with pytest.raises(ValueError, match=r"wrong type"):
+        load_checkpoint(path)
+    (path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"config.json' is not valid JSON"):
+        load_checkpoint(path)
+    path = write_checkpoint(tmp_path / "idx", params)
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(ValueError, match=r"is not a safetensors index with a 'weight_map'"):
+        load_checkpoint(path)
 
 
 def test_checkpoint_missing_files(tmp_path):

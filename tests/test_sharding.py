@@ -191,3 +191,12 @@ def test_example_runs_and_matches_one_device():
         capture_output=True, text=True, timeout=240, env=_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "check: sharded tokens == single-device tokens" in proc.stdout
+
+
+def test_example_reports_bad_mesh_in_one_line():
+    proc = subprocess.run(
+        [sys.executable, str(HERE.parent / "examples" / "sharded.py"), "--mesh", "3,3"],
+        capture_output=True, text=True, timeout=240, env=_env())
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "num_key_value_heads=8 must be divisible by the 'model' mesh axis size 3" in proc.stderr
