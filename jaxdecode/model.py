@@ -232,13 +232,15 @@ def gated_attention(p: AttentionParams, x: Array, cache: KVCache, start: Array, 
     return linear(o, p.o_proj), cache
 
 
-def causal_attention(q: Array, k_cache: Array, v_cache: Array, positions: Array,
-                     end: Array) -> Array:
+def causal_attention(q: Array, k_cache: Array, v_cache: Array, positions: Array, end: Array,
+                     *, query_block: int = 512) -> Array:
     """Prefill attention of T new queries over the whole cache (HF ``eager_attention_forward``).
 
     Args:
       q: [B, T, Hq, D]; k_cache, v_cache: [B, Hkv, S, D]; positions: [B, T] query positions;
       end: [B] number of valid cache positions.
+      query_block: queries per step when T is larger, so the float32 scores stay
+        [B, Hq, query_block, S] (a 32k-token prompt would otherwise need B·Hq·T·S·4 bytes).
 
     Query at position p sees keys ``s <= p`` and ``s < end``; scores in float32 scaled by
     D**-0.5, probabilities cast to the model dtype before ``@ V`` (as HF).
@@ -246,6 +248,21 @@ def causal_attention(q: Array, k_cache: Array, v_cache: Array, positions: Array,
     Returns:
       [B, T, Hq, D] in q's dtype.
     """
+    batch, length, hq, d = q.shape
+    if length <= query_block:
+        return _attend(q, k_cache, v_cache, positions, end)
+    pad = (-length) % query_block
+    n = (length + pad) // query_block
+    q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    positions = jnp.pad(positions, ((0, 0), (0, pad)))  # padded queries are cropped below
+    q_blocks = jnp.moveaxis(q.reshape(batch, n, query_block, hq, d), 1, 0)
+    pos_blocks = jnp.moveaxis(positions.reshape(batch, n, query_block), 1, 0)
+    out = jax.lax.map(lambda qp: _attend(qp[0], k_cache, v_cache, qp[1], end),
+                      (q_blocks, pos_blocks))  # [N, B, block, Hq, D]
+    return jnp.moveaxis(out, 0, 1).reshape(batch, n * query_block, hq, d)[:, :length]
+
+
+def _attend(q, k_cache, v_cache, positions, end):
     batch, length, hq, d = q.shape
     hkv, max_len = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv

@@ -137,3 +137,23 @@ def test_init_params_shapes_follow_param_specs():
     assert shapes.layers[3].self_attn.q_proj.dtype == jnp.bfloat16
     n = sum(int(np.prod(s.shape)) for s in specs.values())
     assert n == sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
+
+
+def test_query_blocked_prefill_attention_equals_one_block():
+    """Long prompts attend in query blocks (bounded score memory); same result as one block."""
+    rng = np.random.default_rng(3)
+    b, t, hq, hkv, s, d = 2, 37, 4, 2, 48, 8
+    q = jnp.asarray(rng.standard_normal((b, t, hq, d)), jnp.float32)
+    k = rng.standard_normal((b, hkv, s, d)).astype(np.float32)
+    k[:, :, 45:] = np.nan  # unwritten slots
+    v = rng.standard_normal((b, hkv, s, d)).astype(np.float32)
+    v[:, :, 45:] = np.nan
+    start = np.array([3, 8])
+    positions = jnp.asarray(start[:, None] + np.arange(t)[None], jnp.int32)
+    end = jnp.asarray(start + np.array([37, 30]), jnp.int32)
+    one = model.causal_attention(q, jnp.asarray(k), jnp.asarray(v), positions, end,
+                                 query_block=64)
+    blocked = model.causal_attention(q, jnp.asarray(k), jnp.asarray(v), positions, end,
+                                     query_block=8)
+    assert np.isfinite(np.asarray(one)[1, :30]).all()
+    np.testing.assert_allclose(np.asarray(blocked), np.asarray(one), rtol=1e-6, atol=1e-6)
