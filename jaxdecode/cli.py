@@ -218,12 +218,13 @@ def _generate(args) -> int:
     chunk = args.chunk_size or 8
     progress = _Progress(args.max_new_tokens * args.num_samples) if sys.stderr.isatty() else None
     t = time.perf_counter()
-    precompile(params, [prompt_ids], chunk_size=chunk, progress=progress, **kwargs)
+    executables = precompile(params, [prompt_ids], chunk_size=chunk, progress=progress, **kwargs)
     compile_s = time.perf_counter() - t
     if progress is not None:
         progress.start = time.perf_counter()
     t = time.perf_counter()
-    out = generate(params, [prompt_ids], chunk_size=chunk, progress=progress, **kwargs)
+    out = generate(params, [prompt_ids], chunk_size=chunk, progress=progress,
+                   executables=executables, **kwargs)
     jax.block_until_ready(out)
     run_s = time.perf_counter() - t
     if progress is not None:
@@ -271,7 +272,7 @@ def _stream(params, prompts, kwargs, chunk, tokenizer, cache) -> int:
     from jaxdecode.tokenizer import StreamDecoder
 
     t = time.perf_counter()
-    precompile(params, prompts, stream=True, chunk_size=chunk, **kwargs)
+    executables = precompile(params, prompts, stream=True, chunk_size=chunk, **kwargs)
     compile_s = time.perf_counter() - t
     decoder = StreamDecoder(tokenizer) if tokenizer is not None else None
     ids: list[int] = []
@@ -279,7 +280,8 @@ def _stream(params, prompts, kwargs, chunk, tokenizer, cache) -> int:
     t_start = time.perf_counter()
     t_first = t_prefill = None
     last = None
-    for piece in generate_stream(params, prompts, chunk_size=chunk, **kwargs):
+    for piece in generate_stream(params, prompts, chunk_size=chunk, executables=executables,
+                                 **kwargs):
         now = time.perf_counter()
         if t_prefill is None:
             t_prefill = now - t_start  # the first chunk: prefill + first sample, on the host

@@ -461,10 +461,17 @@ def _chunk_args(params: Params, plan: _Plan, loop):
     return args, dict(chunk_size=plan.chunk_size, attention_impl=plan.attention_impl)
 
 
-# Executables compiled ahead of time by precompile(), keyed by everything jit would key on.
-# Calling them directly skips jit's re-tracing and lowering on the first call (tens of ms on CPU),
-# which would otherwise land in the measured prefill / time to first token.
-_EXECUTABLES: dict = {}
+@dataclasses.dataclass(frozen=True)
+class Executables:
+    """Executables compiled ahead of time by :func:`precompile`, keyed by everything ``jit``
+    would key on. Pass them to :func:`generate` / :func:`generate_stream` (``executables=``):
+    a call whose signature matches runs them directly, skipping jit's tracing and lowering on the
+    first call (tens of ms on CPU, which would otherwise land in the measured prefill / time to
+    first token); any other call goes through ``jit`` as usual."""
+    by_signature: tuple[tuple[tuple, Callable], ...] = ()
+
+    def get(self, signature: tuple):
+        return dict(self.by_signature).get(signature)
 
 
 def _signature(fn, args, static) -> tuple:
@@ -474,10 +481,8 @@ def _signature(fn, args, static) -> tuple:
     return fn, treedef, avals, tuple(sorted(static.items(), key=lambda kv: kv[0]))
 
 
-def _compile(fn, args, static, abstract_args=None) -> None:
-    key = _signature(fn, args, static)
-    if key not in _EXECUTABLES:
-        _EXECUTABLES[key] = fn.lower(*(abstract_args or args), **static).compile()
+def _compile(fn, args, static) -> tuple[tuple, Callable]:
+    return _signature(fn, args, static), fn.lower(*args, **static).compile()
 
 
 def _params_sharding(params: Params):
@@ -488,8 +493,8 @@ def _params_sharding(params: Params):
     return None  # sharded params: the chunk signature will not match; jit compiles on first call
 
 
-def _call(fn, args, static):
-    executable = _EXECUTABLES.get(_signature(fn, args, static))
+def _call(fn, args, static, executables: Executables | None):
+    executable = executables.get(_signature(fn, args, static)) if executables else None
     return executable(*args) if executable is not None else fn(*args, **static)
 
 
@@ -509,6 +514,7 @@ _DOC_ARGS = """
       chunk_size: decode steps per jitted chunk / scan iteration.
       pad_id: id written after a row stops.
       attention_impl: passed to :func:`jaxdecode.model.decode_step_fn`.
+      executables: from :func:`precompile` for the same arguments (optional).
 
     Raises:
       ValueError: before any device work, for empty prompts, ids outside ``[0, vocab_size)``,
@@ -521,7 +527,8 @@ def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParam
              key=None, eos_token_ids: Sequence[int] | None = None, *, max_len: int | None = None,
              num_samples: int = 1, chunk_size: int = 8, pad_id: int = -1,
              attention_impl: str = "auto",
-             progress: Callable[[np.ndarray], None] | None = None) -> GenerateOutput:
+             progress: Callable[[np.ndarray], None] | None = None,
+             executables: Executables | None = None) -> GenerateOutput:
     """Generates continuations with the whole loop on device (one jitted call, no per-token sync).
 
     ``progress``, if given, is called on the host after every chunk with ``num_generated [R]``
@@ -534,14 +541,15 @@ def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParam
                  num_samples=num_samples, chunk_size=chunk_size, pad_id=pad_id,
                  attention_impl=attention_impl)
     args, static = _generate_args(params, plan, progress)
-    return _call(_generate_jit, args, static)
+    return _call(_generate_jit, args, static, executables)
 
 
 def generate_stream(params: Params, prompts, max_new_tokens=64,
                     sampling: SamplingParams | None = None, key=None,
                     eos_token_ids: Sequence[int] | None = None, *, max_len: int | None = None,
                     num_samples: int = 1, chunk_size: int = 1, pad_id: int = -1,
-                    attention_impl: str = "auto") -> Iterator[StreamChunk]:
+                    attention_impl: str = "auto",
+                    executables: Executables | None = None) -> Iterator[StreamChunk]:
     """Generates continuations, yielding tokens to the host as they are produced.
 
     The first chunk holds each row's first token (prefill + one sample: its arrival is the time to
@@ -556,10 +564,10 @@ def generate_stream(params: Params, prompts, max_new_tokens=64,
                  num_samples=num_samples, chunk_size=chunk_size, pad_id=pad_id,
                  attention_impl=attention_impl)
     args, static = _start_args(params, plan)
-    loop, first = _call(_start_jit, args, static)
+    loop, first = _call(_start_jit, args, static, executables)
     yield _stream_chunk(first[:, None], loop)
     while not bool(np.all(np.asarray(loop.done))):
-        loop, emitted = _call(_chunk_jit, *_chunk_args(params, plan, loop))
+        loop, emitted = _call(_chunk_jit, *_chunk_args(params, plan, loop), executables)
         yield _stream_chunk(emitted, loop)
 
 
@@ -577,24 +585,28 @@ def precompile(params: Params, prompts, max_new_tokens=64, sampling: SamplingPar
                key=None, eos_token_ids: Sequence[int] | None = None, *, stream: bool = False,
                max_len: int | None = None, num_samples: int = 1, chunk_size: int | None = None,
                pad_id: int = -1, attention_impl: str = "auto",
-               progress: Callable[[np.ndarray], None] | None = None) -> None:
+               progress: Callable[[np.ndarray], None] | None = None) -> Executables:
     """Compiles (without running) what :func:`generate` (or, with ``stream``,
     :func:`generate_stream`) will run for these arguments, so its compile time can be measured
-    apart; the later call reuses the executables. Arguments as those functions."""
+    apart. Arguments as those functions.
+
+    Returns:
+      :class:`Executables`; pass them as ``executables=`` to the later call, which then runs them
+      without tracing again.
+    """
     if chunk_size is None:
         chunk_size = 1 if stream else 8
     plan = _plan(params, prompts, max_new_tokens, sampling, key, eos_token_ids, max_len=max_len,
                  num_samples=num_samples, chunk_size=chunk_size, pad_id=pad_id,
                  attention_impl=attention_impl)
     if not stream:
-        _compile(_generate_jit, *_generate_args(params, plan, progress))
-        return
+        return Executables((_compile(_generate_jit, *_generate_args(params, plan, progress)),))
     args, static = _start_args(params, plan)
-    _compile(_start_jit, args, static)
+    start = _compile(_start_jit, args, static)
     loop_shape = jax.eval_shape(lambda: _start_jit(*args, **static))[0]
     # The chunk's signature is that of the loop _start_jit returns (device arrays).
     loop_like = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type,
                                        sharding=_params_sharding(params)), loop_shape)
     chunk_args, chunk_static = _chunk_args(params, plan, loop_like)
-    _compile(_chunk_jit, chunk_args, chunk_static)
+    return Executables((start, _compile(_chunk_jit, chunk_args, chunk_static)))

@@ -236,3 +236,19 @@ def test_invalid_sampling_values_raise(params, bad):
     raw = raw.replace(**{k: np.asarray(v) for k, v in bad.items()})
     with pytest.raises(ValueError, match=next(iter(bad))):
         gen.generate(params, [[1, 2]], 4, raw)
+
+
+def test_precompiled_executables_are_used_and_give_the_same_tokens(params):
+    prompts = [[5, 6, 7], [8, 9]]
+    kw = dict(max_new_tokens=6, key=jax.random.key(3), eos_token_ids=(),
+              sampling=SamplingParams.create(temperature=0.8, top_k=20))
+    executables = gen.precompile(params, prompts, **kw)
+    before = gen._generate_jit._cache_size()
+    out = gen.generate(params, prompts, executables=executables, **kw)
+    assert gen._generate_jit._cache_size() == before  # ran the precompiled executable, no jit
+    want = gen.generate(params, prompts, **kw)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(want.tokens))
+    stream_ex = gen.precompile(params, prompts, stream=True, **kw)
+    streamed = np.concatenate([c.tokens for c in gen.generate_stream(
+        params, prompts, executables=stream_ex, **kw)], axis=1)
+    np.testing.assert_array_equal(streamed[:, :6], np.asarray(want.tokens)[:, :6])
