@@ -17,8 +17,9 @@ Sampling randomness: row ``r`` draws its ``i``-th token with ``fold_in(row_key[r
 not depend on the chunking, the mode, or the other rows.
 
 Compilation: prompts are right-padded to a power-of-two length (at least 16) and the token
-buffer to a power-of-two budget, and the state's ``max_len`` derives from those two buckets, so
-prompts of different lengths reuse a few executables. Sampling values, budgets below the bucket,
+buffer to a power-of-two budget, and the state's ``max_len`` derives from those two buckets
+(rounded up to a multiple of 64, the decode kernel's block), so prompts of different lengths
+reuse a few executables. Sampling values, budgets below the bucket,
 keys and EOS ids (up to 8 of them) are traced values: changing them never recompiles. Turning
 penalties on or off does (the per-row token counts ``[B, V]`` int32 exist only when needed).
 """
@@ -37,6 +38,7 @@ from flax import struct
 from jax import lax
 
 from jaxdecode import sampling as sampling_lib
+from jaxdecode.kernels.decode_attention import MAX_LEN_ALIGN
 from jaxdecode.model import decode_step_fn, prefill_fn
 from jaxdecode.params import Params
 from jaxdecode.sampling import SamplingParams
@@ -344,8 +346,9 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
         raise ValueError(f"prompt {i}: {lengths[i]} prompt tokens + max_new_tokens={budgets[i]} "
                          f"exceeds the model's max_position_embeddings={limit}")
     if max_len is not None:
-        if not isinstance(max_len, int) or max_len < 1:
+        if isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len < 1:
             raise ValueError(f"{max_len=} must be a positive int")
+        max_len = int(max_len)
         if max_len > limit:
             raise ValueError(f"{max_len=} exceeds the model's max_position_embeddings={limit}")
         if (need > max_len).any():
@@ -354,8 +357,9 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
                              f"{budgets[i]} exceeds {max_len=}")
     t_bucket = bucket(int(lengths.max()), MIN_PROMPT_BUCKET)
     n_bucket = bucket(int(budgets.max()), MIN_TOKEN_BUCKET)
-    if max_len is None:
-        max_len = min(t_bucket + n_bucket, limit)
+    if max_len is None:  # a multiple of the decode kernel's block, so it never pads the cache
+        align = MAX_LEN_ALIGN
+        max_len = min(-(-(t_bucket + n_bucket) // align) * align, limit)
     padded = np.zeros((num_prompts, t_bucket), np.int32)
     for i, p in enumerate(prompt_list):
         padded[i, :len(p)] = p

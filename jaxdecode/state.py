@@ -69,7 +69,9 @@ def init_state(config: Config, batch_size: int, max_len: int, dtype="float32") -
     Args:
       config: model shape.
       batch_size: rows B.
-      max_len: KV cache capacity per row in tokens (prompt + generated).
+      max_len: KV cache capacity per row in tokens (prompt + generated). On GPU use a multiple
+        of 64 (``kernels.decode_attention.MAX_LEN_ALIGN``): the decode kernel otherwise pads
+        (copies) the caches on every step.
       dtype: dtype of the conv windows and KV caches: "float32" or "bfloat16", and it must be the
         params' dtype (``params.dtype``; ``prefill``/``decode_step`` check). The recurrent state
         is always float32.

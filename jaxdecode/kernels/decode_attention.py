@@ -71,6 +71,9 @@ import jax.numpy as jnp
 from jax import lax
 
 LOG2E = math.log2(math.e)
+# A KV cache whose max_len is a multiple of this is read in whole blocks; any other max_len makes
+# decode_attention_pallas zero-pad (copy) the caches on every call.
+MAX_LEN_ALIGN = 64
 TILE_M = 64  # rows of one wgmma tile: query heads of one group, zero-padded
 NUM_SMS_H100 = 132  # H100/H200 SXM; used when the device does not say
 SMEM_LIMIT_BYTES = 227 * 1024  # the most shared memory one Hopper block may use
