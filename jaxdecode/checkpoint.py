@@ -26,7 +26,7 @@ from safetensors import safe_open
 
 from jaxdecode import sharding
 from jaxdecode.config import Config
-from jaxdecode.params import Params, leaf_dtype, param_specs, params_from_flat
+from jaxdecode.params import Params, hf_to_internal, leaf_dtype, param_specs, params_from_flat
 
 TEXT_PREFIX = "model.language_model."
 SKIPPED_PREFIXES = ("mtp.", "model.visual.", "visual.")
@@ -166,7 +166,8 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
     flat = {}
     for name, array in _iter_tensors(found):
         target = leaf_dtype(specs[name], dtype)
-        flat[name] = place(name, array.astype(target, copy=False))
+        array = hf_to_internal(config, name, array.astype(target, copy=False))
+        flat[name] = place(name, array)
     return params_from_flat(config, flat)
 
 

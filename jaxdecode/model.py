@@ -124,7 +124,7 @@ def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurre
     kc = c.linear_conv_kernel_dim
     valid = jnp.arange(length)[None, :] < n_new[:, None]  # [B, T]
 
-    mixed = linear(x, p.in_proj_qkv)  # [B, T, C]  pre-conv q|k|v
+    mixed = linear(x, p.in_proj_qkv)  # [B, T, C]  pre-conv q, k, v (grouped per key head)
     z = linear(x, p.in_proj_z).reshape(batch, length, hv, dv)
     b = linear(x, p.in_proj_b)  # [B, T, Hv]
     a = linear(x, p.in_proj_a)  # [B, T, Hv]
@@ -144,10 +144,12 @@ def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurre
         new_conv_state = jnp.take_along_axis(hist, idx[:, :, None], axis=1)
     new_conv_state = new_conv_state.astype(conv_state.dtype)
 
-    ck = c.linear_key_dim
-    q = conv[..., :ck].reshape(batch, length, hk, dk).astype(f32)
-    k = conv[..., ck:2 * ck].reshape(batch, length, hk, dk).astype(f32)
-    v = conv[..., 2 * ck:].reshape(batch, length, hv, dv).astype(f32)
+    # Channels are grouped per key head, [q_i | k_i | v of its r value heads] (params.py,
+    # conv_channel_order), so each head's q, k and v sit together.
+    grouped = conv.reshape(batch, length, hk, 2 * dk + (hv // hk) * dv)
+    q = grouped[..., :dk].astype(f32)
+    k = grouped[..., dk:2 * dk].astype(f32)
+    v = grouped[..., 2 * dk:].reshape(batch, length, hv, dv).astype(f32)
     beta = jax.nn.sigmoid(b).astype(f32)  # sigmoid in the model dtype, as HF
     # Log-space decay g = -exp(A_log) * softplus(a + dt_bias) <= 0, in float32 (spec §7 item 6).
     g = -jnp.exp(p.A_log.astype(f32)) * jax.nn.softplus(a.astype(f32) + p.dt_bias.astype(f32))

@@ -7,7 +7,11 @@
 :func:`params_from_flat` turns ``{hf_name: array}`` into the typed tree. Leaf names are HF's module
 names, so the checkpoint map is the identity up to the ``.weight`` suffix.
 
-Weights keep the PyTorch ``nn.Linear`` layout ``[out, in]``.
+Weights keep the PyTorch ``nn.Linear`` layout ``[out, in]``. One layout change from the checkpoint:
+the C channels of ``in_proj_qkv`` (rows) and ``conv1d`` are held *grouped per key head*
+(:func:`conv_channel_order`), not HF's ``[all q | all k | all v]``: a contiguous split of the
+channels (tensor parallelism) then holds whole heads. :func:`hf_to_internal` /
+:func:`internal_to_hf` convert one tensor; :func:`params_to_flat` returns the HF layout.
 """
 
 from __future__ import annotations
@@ -41,11 +45,12 @@ class MLPParams:
 @struct.dataclass
 class GatedDeltaNetParams:
     """Gated DeltaNet mixer (HF ``Qwen3_5GatedDeltaNet``)."""
-    in_proj_qkv: Array  # [C, H]  channels [q (Hk·dk) | k (Hk·dk) | v (Hv·dv)], head-major
+    in_proj_qkv: Array  # [C, H]  channels grouped per key head (conv_channel_order)
     in_proj_z: Array  # [Hv·dv, H]  output gate
     in_proj_b: Array  # [Hv, H]  beta = sigmoid(b)
     in_proj_a: Array  # [Hv, H]  decay input
-    conv1d: Array  # [C, 1, Kc]  depthwise causal conv, w[..., Kc-1] hits the current token
+    conv1d: Array  # [C, 1, Kc]  depthwise causal conv, w[..., Kc-1] hits the current token;
+    #                 channels in the same grouped order as in_proj_qkv
     dt_bias: Array  # [Hv]
     A_log: Array  # [Hv] float32
     norm: Array  # [dv] float32, plain gain w (not 1 + w)
@@ -191,10 +196,48 @@ def params_from_flat(config: Config, flat: dict[str, Any]) -> Params:
 
 
 def params_to_flat(params: Params) -> dict[str, Array]:
-    """Inverse of :func:`params_from_flat`: ``{hf_name: array}`` in :func:`param_specs` order."""
+    """``{hf_name: array}`` in :func:`param_specs` order and in the checkpoint (HF) layout, so
+    ``load_checkpoint`` of these tensors gives ``params`` back."""
     tree = params_from_flat(params.config, {name: name for name in param_specs(params.config)})
     names = jax.tree.leaves(tree)
-    return dict(zip(names, jax.tree.leaves(params)))
+    return {name: internal_to_hf(params.config, name, x)
+            for name, x in zip(names, jax.tree.leaves(params))}
+
+
+# The leaves whose axis 0 runs over the C conv channels.
+CONV_CHANNEL_LEAVES = ("linear_attn.in_proj_qkv.weight", "linear_attn.conv1d.weight")
+
+
+def conv_channel_order(config: Config) -> np.ndarray:
+    """Internal order of the C = 2·Hk·dk + Hv·dv conv channels, as indices into HF's order.
+
+    HF orders them ``[q (Hk·dk) | k (Hk·dk) | v (Hv·dv)]``; jaxdecode groups them per key head:
+    ``[q_i (dk) | k_i (dk) | v_{i·r} .. v_{i·r+r-1} (r·dv)]`` for i = 0 .. Hk-1 (r = Hv/Hk; the
+    value heads of key head i are its repeat_interleave group, spec §1.4). This is the Qwen3-Next
+    grouping (spec §1.5); the math is unchanged (depthwise conv, per-channel), but a contiguous
+    split of C over m devices (m dividing Hk) now holds whole heads, so tensor parallelism moves
+    no conv activations between devices.
+    """
+    hk, dk, dv = config.linear_num_key_heads, config.linear_key_head_dim, config.linear_value_head_dim
+    r, ck = config.linear_num_value_heads_per_key_head, config.linear_key_dim
+    order = []
+    for i in range(hk):
+        order += range(i * dk, (i + 1) * dk)
+        order += range(ck + i * dk, ck + (i + 1) * dk)
+        order += range(2 * ck + i * r * dv, 2 * ck + (i + 1) * r * dv)
+    return np.asarray(order)
+
+
+def hf_to_internal(config: Config, name: str, x):
+    """One checkpoint tensor (HF layout) -> jaxdecode's layout (numpy or jax array)."""
+    return x[conv_channel_order(config)] if name.endswith(CONV_CHANNEL_LEAVES) else x
+
+
+def internal_to_hf(config: Config, name: str, x):
+    """Inverse of :func:`hf_to_internal`."""
+    if name.endswith(CONV_CHANNEL_LEAVES):
+        return x[np.argsort(conv_channel_order(config))]
+    return x
 
 
 def _init_leaf(spec: ParamSpec, key: Array, dtype, config: Config) -> Array:

@@ -24,13 +24,13 @@ axes and ``-`` means not split):
     self_attn.q_proj                   [2·Hq·D, Hd]        (model, -)             query heads
     self_attn.k_proj, v_proj           [Hkv·D, Hd]         (model, -)             KV heads
     self_attn.o_proj                   [Hd, Hq·D]          (-, model)             query heads
-    linear_attn.in_proj_qkv            [C, Hd]             (model, -)             m blocks of C
-    linear_attn.conv1d                 [C, 1, Kc]          (model, -, -)          the same C blocks
+    linear_attn.in_proj_qkv            [C, Hd]             (model, -)             key-head groups
+    linear_attn.conv1d                 [C, 1, Kc]          (model, -, -)          key-head groups
     linear_attn.in_proj_z              [Hv·dv, Hd]         (model, -)             value heads
     linear_attn.in_proj_a, in_proj_b   [Hv, Hd]            (model, -)             value heads
     linear_attn.dt_bias, A_log         [Hv]                (model,)               value heads
     linear_attn.out_proj               [Hd, Hv·dv]         (-, model)             value heads
-    state.conv_state[i]                [B, Kc-1, C]        (data, -, model)       rows; the C blocks
+    state.conv_state[i]                [B, Kc-1, C]        (data, -, model)       rows; key-head groups
     state.recurrent_state[i]           [B, Hv, dk, dv]     (data, model, -, -)    rows; value heads
     state.kv_cache[i].k, .v            [B, Hkv, S, D]      (data, model, -, -)    rows; KV heads
     state.lengths                      [B]                 (data,)                rows
@@ -45,21 +45,17 @@ mixer and each MLP ends with one all-reduce of the [B, T, Hd] residual update. C
 recurrent state live with the heads that read and write them. The vocabulary split leaves the
 logits split too (an argmax or sampler reduces across ``"model"``, on [B, V] floats).
 
-The Gated DeltaNet conv is the one place where heads do not line up: its C channels are the
-concatenation ``[q (Hk·dk) | k (Hk·dk) | v (Hv·dv)]``, so ``m`` contiguous blocks of C do not
-hold whole heads. We split ``in_proj_qkv`` rows, ``conv1d`` channels and the conv window's
-channel axis into the *same* contiguous blocks anyway: the projection, the depthwise conv and
-the window update are then purely local, and the partitioner moves only the small post-conv
-activation ([B, T, C/m] pieces) to the head-aligned split that ``q``/``k``/``v`` and the
-recurrent state use. The alternatives cost more: replicating ``in_proj_qkv`` (9% of the 9B
-weights) makes every device stream all of it every step, and a batch-only conv window (replicated
-over ``"model"``) makes the partitioner all-gather the new window every step. Both keep the
-permutes too: propagation splits the conv by channel either way, as it works back from the
-head-split recurrent state.
+The Gated DeltaNet conv channels: in the checkpoint they are ``[q (Hk·dk) | k (Hk·dk) |
+v (Hv·dv)]``, whose contiguous blocks do not hold whole heads (splitting them cost 3-8
+collective-permutes of the post-conv activation per DeltaNet layer and step). jaxdecode holds
+them grouped per key head instead (``jaxdecode.params.conv_channel_order``: ``[q_i | k_i | the
+r value heads of key head i]``, applied to ``in_proj_qkv`` rows and ``conv1d`` channels at load
+time), so ``m`` contiguous blocks (``m`` dividing Hk) are whole key-head groups: projection,
+conv, window update and delta rule are all local to a device.
 
-Per decode step of the 9B model (compiled HLO, batch B): 65 all-reduces of [B, Hd] (one per
-mixer and per MLP, plus the vocab-split embedding lookup) and 3 (2-way TP) or 8 (4-way TP) small
-collective-permutes per DeltaNet layer (4096 or 5120 values per row per layer). No weight moves.
+Per decode step of the 9B model (compiled HLO for 8 CPU devices, batch 8, meshes (1,2), (1,4)
+and (2,4)): 65 all-reduces of [B, Hd] (one per mixer and per MLP, plus the vocab-split
+embedding lookup) and no other collective. No weight moves.
 The cache write in ``model.py`` is a per-row scatter, so with ``data`` > 1 no K/V rows move
 across ``"data"`` (the compiled step has no all-gather at data=2/model=4 or data=8).
 
@@ -124,7 +120,8 @@ PARAM_RULES: dict[str, P] = {
     "self_attn.k_proj.weight": P(MODEL, None),  # [Hkv·D, Hd]
     "self_attn.v_proj.weight": P(MODEL, None),  # [Hkv·D, Hd]
     "self_attn.o_proj.weight": P(None, MODEL),  # [Hd, Hq·D]
-    # Contiguous channel blocks, not head-aligned; the same blocks as conv1d and conv_state.
+    # Channels grouped per key head (params.conv_channel_order): contiguous blocks are whole
+    # key-head groups, the same blocks as conv1d and conv_state.
     "linear_attn.in_proj_qkv.weight": P(MODEL, None),  # [C, Hd]
     "linear_attn.conv1d.weight": P(MODEL, None, None),  # [C, 1, Kc]
     "linear_attn.in_proj_z.weight": P(MODEL, None),  # [Hv·dv, Hd]
@@ -137,7 +134,7 @@ PARAM_RULES: dict[str, P] = {
 
 # DecodeState field -> spec of each of its arrays.
 STATE_RULES: dict[str, P] = {
-    "conv_state": P(DATA, None, MODEL),  # [B, Kc-1, C]: the in_proj_qkv channel blocks
+    "conv_state": P(DATA, None, MODEL),  # [B, Kc-1, C]: key-head groups, as in_proj_qkv
     "recurrent_state": P(DATA, MODEL, None, None),  # [B, Hv, dk, dv]
     "kv_cache": P(DATA, MODEL, None, None),  # [B, Hkv, S, D] (k and v)
     "lengths": P(DATA),  # [B]

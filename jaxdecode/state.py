@@ -41,7 +41,8 @@ class DecodeState:
 
     Attributes:
       conv_state: one ``[B, Kc - 1, C]`` array per Gated DeltaNet layer (in layer order): the last
-        ``Kc - 1`` pre-conv ``in_proj_qkv`` outputs, oldest first (zeros before the first token).
+        ``Kc - 1`` pre-conv ``in_proj_qkv`` outputs, oldest first (zeros before the first token);
+        channels grouped per key head (``jaxdecode.params.conv_channel_order``).
       recurrent_state: one ``[B, Hv, dk, dv]`` float32 array per Gated DeltaNet layer: the delta
         rule state S (key dim first, as HF).
       kv_cache: one :class:`KVCache` per full-attention layer (in layer order).

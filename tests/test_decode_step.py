@@ -157,3 +157,24 @@ def test_query_blocked_prefill_attention_equals_one_block():
                                      query_block=8)
     assert np.isfinite(np.asarray(one)[1, :30]).all()
     np.testing.assert_allclose(np.asarray(blocked), np.asarray(one), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("r", [1, 2, 3])
+def test_conv_channel_order_groups_each_key_head(r):
+    """in_proj_qkv/conv1d channels are held grouped per key head; the maps are inverse."""
+    from jaxdecode.params import conv_channel_order, hf_to_internal, internal_to_hf
+    c = jd.Config.from_preset("tiny").__class__(**{
+        **jd.Config.from_preset("tiny").__dict__, "linear_num_value_heads": 2 * r})
+    order = conv_channel_order(c)
+    hk, dk, dv, ck = 2, c.linear_key_head_dim, c.linear_value_head_dim, c.linear_key_dim
+    assert sorted(order.tolist()) == list(range(c.linear_conv_dim))
+    group = 2 * dk + r * dv
+    # key head 1's group: its q rows, its k rows, then the v rows of value heads r .. 2r-1
+    np.testing.assert_array_equal(order[group:group + dk], np.arange(dk, 2 * dk))
+    np.testing.assert_array_equal(order[group + dk:group + 2 * dk], ck + np.arange(dk, 2 * dk))
+    np.testing.assert_array_equal(order[group + 2 * dk:2 * group],
+                                  2 * ck + np.arange(r * dv, 2 * r * dv))
+    x = np.random.default_rng(0).standard_normal((c.linear_conv_dim, 3))
+    name = "model.layers.0.linear_attn.in_proj_qkv.weight"
+    np.testing.assert_array_equal(internal_to_hf(c, name, hf_to_internal(c, name, x)), x)
+    assert hf_to_internal(c, "model.layers.0.mlp.up_proj.weight", x) is x
