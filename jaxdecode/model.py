@@ -226,7 +226,10 @@ def gated_attention(p: AttentionParams, x: Array, cache: KVCache, start: Array, 
     end = start + n_new  # [B] valid cache length after this call
 
     if decode:
-        o = decode_attention(q[:, 0], cache.k, cache.v, end, implementation=attention_impl)
+        if callable(attention_impl):  # e.g. sharding.sharded_decode_attention(mesh)
+            o = attention_impl(q[:, 0], cache.k, cache.v, end)
+        else:
+            o = decode_attention(q[:, 0], cache.k, cache.v, end, implementation=attention_impl)
         o = o[:, None]  # [B, 1, Hq, D]
     else:
         o = causal_attention(q, cache.k, cache.v, positions, end)
@@ -533,7 +536,9 @@ def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
       tokens: [B] int32 token ids.
       active: optional [B] bool; rows with False leave their state untouched (no cache writes,
         lengths not advanced) and get zero logits.
-      attention_impl: "auto" | "pallas" | "reference" (see ``jaxdecode.kernels.decode_attention``).
+      attention_impl: "auto" | "pallas" | "reference" (see ``jaxdecode.kernels.decode_attention``),
+        or a hashable callable with ``decode_attention``'s signature (a jit static), such as
+        ``jaxdecode.sharding.sharded_decode_attention(mesh)``.
       check_inputs: validate on the host first. Validation reads ``state.lengths`` back from the
         device (one sync per step); pass False in a hot loop whose bounds you checked up front.
         Unchecked, a row that would overflow the cache is left untouched and gets NaN logits,

@@ -53,6 +53,13 @@ r value heads of key head i]``, applied to ``in_proj_qkv`` rows and ``conv1d`` c
 time), so ``m`` contiguous blocks (``m`` dividing Hk) are whole key-head groups: projection,
 conv, window update and delta rule are all local to a device.
 
+Decode attention runs per device under ``shard_map`` (:func:`sharded_decode_attention`, used by
+:func:`jit_decode_step` / :func:`decode_step`): the Pallas kernel is a custom call the SPMD
+partitioner cannot split, and would otherwise get an all-gathered KV cache every step. (Plain
+``jaxdecode.decode_step`` on sharded arrays keeps the layout but lacks this on GPU. Checked on
+CPU with the reference attention inside ``shard_map``; the Mosaic GPU interpreter cannot run on
+several virtual devices, so the kernel under ``shard_map`` awaits a multi-GPU run.)
+
 Per decode step of the 9B model (compiled HLO for 8 CPU devices, batch 8, meshes (1,2), (1,4)
 and (2,4)): 65 all-reduces of [B, Hd] (one per mixer and per MLP, plus the vocab-split
 embedding lookup) and no other collective. No weight moves.
@@ -99,6 +106,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdecode import model
+from jaxdecode.kernels.decode_attention import decode_attention
 from jaxdecode.config import Config
 from jaxdecode.params import Params, param_specs, params_from_flat
 from jaxdecode.state import DecodeState, KVCache, init_state
@@ -367,11 +375,33 @@ def jit_prefill(config: Config, mesh: Mesh, return_all_logits: bool = False):
 
 
 @functools.cache
+def sharded_decode_attention(mesh: Mesh, implementation: str = "auto"):
+    """``decode_attention`` run per device under ``jax.shard_map``: rows over ``"data"``, query
+    and KV heads over ``"model"`` (a contiguous head split keeps every GQA group on one device).
+
+    The Pallas kernel is a custom call that XLA's SPMD partitioner cannot split: left to the
+    partitioner it would all-gather the KV caches every step. Under ``shard_map`` each device
+    runs the kernel on its own rows and heads, with no communication. Cached per (mesh,
+    implementation), so the returned function is a stable jit static.
+    """
+    q_spec, kv_spec = P(DATA, MODEL, None), P(DATA, MODEL, None, None)
+
+    def local(q, k_cache, v_cache, lengths):
+        return decode_attention(q, k_cache, v_cache, lengths, implementation=implementation)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P(DATA)),
+                         out_specs=q_spec, check_vma=False)
+
+
+@functools.cache
 def jit_decode_step(config: Config, mesh: Mesh, attention_impl: str = "auto"):
     """``model.decode_step_fn`` jitted like :func:`jit_prefill`; call as
-    ``f(params, state, tokens, active)`` (``active`` may be None)."""
+    ``f(params, state, tokens, active)`` (``active`` may be None). Decode attention runs per
+    device (:func:`sharded_decode_attention`)."""
     out = (NamedSharding(mesh, logits_partition_spec()), state_shardings(config, mesh))
-    fn = functools.partial(model.decode_step_fn, attention_impl=attention_impl)
+    attend = (sharded_decode_attention(mesh, attention_impl) if isinstance(attention_impl, str)
+              else attention_impl)
+    fn = functools.partial(model.decode_step_fn, attention_impl=attend)
     return jax.jit(fn, donate_argnums=1, out_shardings=out)
 
 

@@ -148,7 +148,8 @@ def test_tensor_parallel_step_moves_activations_only(meshes):
     weight is ever gathered (every collective is on [B, ·] activations, see sharding.py)."""
     for mesh in ("1,8", "2,4", "4,2"):
         ops = meshes["meshes"][mesh]["collectives"]
-        # The conv channels are grouped per key head, so nothing but these all-reduces moves.
+        # The conv channels are grouped per key head and decode attention runs per device
+        # (sharding.sharded_decode_attention), so nothing but these all-reduces moves.
         assert ops == {"all-reduce": 2 * 4 + 1}, (mesh, ops)
     assert meshes["meshes"]["8,1"]["collectives"] == {}
 
