@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 
 import jaxdecode as jd  # noqa: E402
 from jaxdecode import model  # noqa: E402
-from jaxdecode.params import params_to_flat  # noqa: E402
+from jaxdecode.params import params_to_hf  # noqa: E402
 
 GRIDS = {
     # model: [(batch, context), ...]
@@ -173,7 +173,7 @@ def hf_decode(params, config: jd.Config, batch: int, context: int, steps: int = 
     hf_cfg = Qwen3_5TextConfig(**fields)
     with torch.device("cuda"):
         m = Qwen3_5ForCausalLM._from_config(hf_cfg, dtype=torch.bfloat16)
-    flat = {k: torch.from_dlpack(v) for k, v in params_to_flat(params).items()}
+    flat = {k: torch.from_dlpack(v) for k, v in params_to_hf(params).items()}
     if config.tie_word_embeddings:
         flat["lm_head.weight"] = flat["model.embed_tokens.weight"]
     missing, unexpected = m.load_state_dict(flat, strict=False)

@@ -110,7 +110,9 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
       dtype: model dtype τ of the returned params ("bfloat16" or "float32"). ``A_log`` and the
         gated-norm weight are kept in float32 (the published checkpoints store them F32).
       place: optional ``(name, host_array) -> jax.Array`` that puts each tensor on device(s)
-        (e.g. with a sharding); default ``jnp.asarray`` on the default device.
+        (e.g. with a sharding); default ``jnp.asarray`` on the default device. It receives each
+        tensor already cast and in jaxdecode's layout (``in_proj_qkv``/``conv1d`` channels
+        grouped per key head, ``jaxdecode.params.conv_channel_order``).
       mesh: a ``("data", "model")`` mesh (``jaxdecode.sharding.make_mesh``): each tensor goes
         straight into its tensor-parallel sharding as it is read (every device receives only its
         slice; ``jaxdecode.sharding.checkpoint_placer``). Not together with ``place``.

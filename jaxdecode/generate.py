@@ -511,13 +511,14 @@ _DOC_ARGS = """
         num_samples]); None = greedy.
       key: one PRNG key (row r uses ``fold_in(key, r)``) or one per output row; None = key(0).
       eos_token_ids: ids that stop a row; None = ``params.config.eos_token_id``; () = none.
-      max_len: state capacity per row; None = prompt bucket + budget bucket (capped at
-        ``max_position_embeddings``).
+      max_len: state capacity per row; None = prompt bucket + budget bucket, rounded up to a
+        multiple of 64 (the decode kernel's block) and capped at ``max_position_embeddings``.
       num_samples: continuations per prompt (the state is forked after the prefill; output row
         ``p * num_samples + j`` continues prompt ``p``).
       chunk_size: decode steps per jitted chunk / scan iteration.
       pad_id: id written after a row stops.
-      attention_impl: passed to :func:`jaxdecode.model.decode_step_fn`.
+      attention_impl: passed to :func:`jaxdecode.model.decode_step_fn`; with sharded params use
+        ``jaxdecode.sharding.sharded_decode_attention(mesh)``.
       executables: from :func:`precompile` for the same arguments (optional).
 
     Raises:

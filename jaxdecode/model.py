@@ -292,18 +292,18 @@ def _forward(params: Params, state: DecodeState, tokens: Array, n_new: Array, *,
     c = params.config
     batch, length = tokens.shape
     start = state.lengths
-    # In-graph guard for callers that skip host validation (inside their own jit): a row that
-    # would write past the cache is left untouched (no state change) and gets NaN logits, never
-    # a silently dropped or clamped write.
-    overflow = start + n_new > state.max_len
-    n_new = jnp.where(overflow, 0, n_new)
+    # In-graph guard for callers that skip host validation (inside their own jit): a row with a
+    # bad request (n_new outside [0, T], a write past the cache, a real token id outside the
+    # vocabulary; negative ids too, which jnp.take would wrap) is left untouched (no state change,
+    # lengths not advanced) and gets NaN logits, never a silently dropped, clamped or wrapped op.
+    in_vocab = (tokens >= 0) & (tokens < c.vocab_size)
+    requested = jnp.arange(length)[None, :] < n_new[:, None]  # [B, T]
+    rejected = ((n_new < 0) | (n_new > length) | (start + n_new > state.max_len)
+                | jnp.any(requested & ~in_vocab, axis=1))
+    n_new = jnp.where(rejected, 0, n_new)
     valid = jnp.arange(length)[None, :] < n_new[:, None]  # [B, T]
 
-    # Out-of-range ids (negative ones too: jnp.take would wrap them) embed as NaN, so unchecked
-    # bad ids poison their row's logits instead of reading another token's embedding.
-    in_vocab = (tokens >= 0) & (tokens < c.vocab_size)
     x = jnp.take(params.embed_tokens, jnp.where(in_vocab, tokens, 0), axis=0)
-    x = jnp.where(in_vocab[..., None], x, jnp.nan)
     x = jnp.where(valid[..., None], x, 0).astype(params.dtype)  # no embedding scale (spec §1.1)
 
     conv_state, recurrent_state = list(state.conv_state), list(state.recurrent_state)
@@ -335,7 +335,7 @@ def _forward(params: Params, state: DecodeState, tokens: Array, n_new: Array, *,
     with jax.named_scope("lm_head"):
         logits = jnp.einsum("bti,vi->btv", x, params.lm_head_weight, preferred_element_type=f32)
     logits = jnp.where(valid[..., None], logits, 0.0)
-    logits = jnp.where(overflow[:, None, None], jnp.nan, logits)
+    logits = jnp.where(rejected[:, None, None], jnp.nan, logits)
     if not return_all_logits:
         logits = logits[:, 0]
     new_state = DecodeState(conv_state=tuple(conv_state), recurrent_state=tuple(recurrent_state),
@@ -541,8 +541,8 @@ def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
         ``jaxdecode.sharding.sharded_decode_attention(mesh)``.
       check_inputs: validate on the host first. Validation reads ``state.lengths`` back from the
         device (one sync per step); pass False in a hot loop whose bounds you checked up front.
-        Unchecked, a row that would overflow the cache is left untouched and gets NaN logits,
-        and so does a row fed a token id outside the vocabulary.
+        Unchecked, a row that would overflow the cache, or is fed a token id outside the
+        vocabulary, is left untouched (state and lengths unchanged) and gets NaN logits.
 
     Returns:
       (logits [B, V] float32, new_state) with ``new_state.lengths = state.lengths + active``.

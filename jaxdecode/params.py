@@ -3,9 +3,10 @@
 :func:`param_specs` lists every parameter leaf by its Hugging Face checkpoint name
 (``Qwen3_5ForCausalLM`` layout) with its shape and dtype class. Random initialisation
 (:func:`init_params`), checkpoint loading (``jaxdecode.checkpoint``) and abstract shapes
-(``jax.eval_shape(init_params, ...)``) all derive from that one description, and
-:func:`params_from_flat` turns ``{hf_name: array}`` into the typed tree. Leaf names are HF's module
-names, so the checkpoint map is the identity up to the ``.weight`` suffix.
+(``jax.eval_shape(init_params, ...)``) all derive from that one description. Leaf names are HF's
+module names. :func:`params_from_flat` / :func:`params_to_flat` map ``{hf_name: array}`` to the
+typed tree and back in jaxdecode's layout; :func:`params_from_hf` / :func:`params_to_hf` do the
+same for tensors in the checkpoint (HF) layout, e.g. a transformers state dict.
 
 Weights keep the PyTorch ``nn.Linear`` layout ``[out, in]``. One layout change from the checkpoint:
 the C channels of ``in_proj_qkv`` (rows) and ``conv1d`` are held *grouped per key head*
@@ -196,12 +197,25 @@ def params_from_flat(config: Config, flat: dict[str, Any]) -> Params:
 
 
 def params_to_flat(params: Params) -> dict[str, Array]:
-    """``{hf_name: array}`` in :func:`param_specs` order and in the checkpoint (HF) layout, so
-    ``load_checkpoint`` of these tensors gives ``params`` back."""
+    """Inverse of :func:`params_from_flat`: ``{hf_name: array}`` in :func:`param_specs` order, in
+    jaxdecode's layout (conv channels grouped per key head)."""
     tree = params_from_flat(params.config, {name: name for name in param_specs(params.config)})
-    names = jax.tree.leaves(tree)
+    return dict(zip(jax.tree.leaves(tree), jax.tree.leaves(params)))
+
+
+def params_to_hf(params: Params) -> dict[str, Array]:
+    """``{hf_name: array}`` in the checkpoint (HF) layout: what ``save_pretrained`` would write,
+    so ``load_checkpoint`` of these tensors (or :func:`params_from_hf`) gives ``params`` back."""
     return {name: internal_to_hf(params.config, name, x)
-            for name, x in zip(names, jax.tree.leaves(params))}
+            for name, x in params_to_flat(params).items()}
+
+
+def params_from_hf(config: Config, flat: dict[str, Any]) -> Params:
+    """:class:`Params` from ``{hf_name: array}`` in the checkpoint (HF) layout (e.g. a
+    transformers ``state_dict`` converted to arrays); inverse of :func:`params_to_hf`. No shape
+    checks: ``jaxdecode.load_checkpoint`` validates files."""
+    return params_from_flat(config, {name: hf_to_internal(config, name, x)
+                                     for name, x in flat.items()})
 
 
 # The leaves whose axis 0 runs over the C conv channels.

@@ -160,12 +160,12 @@ def check_checkpoint(params) -> dict:
 
     from safetensors.numpy import save_file
 
-    from jaxdecode.params import params_to_flat
+    from jaxdecode.params import params_to_hf
     mesh = sharding.make_mesh(2, 4)
     with tempfile.TemporaryDirectory() as tmp:
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(CONFIG.to_hf_config(), f)
-        save_file({k: np.asarray(v) for k, v in params_to_flat(params).items()},
+        save_file({k: np.asarray(v) for k, v in params_to_hf(params).items()},
                   os.path.join(tmp, "model.safetensors"))
         loaded = jd.load_checkpoint(tmp, "float32", mesh=mesh)
     same = all(np.array_equal(np.asarray(a), np.asarray(b))

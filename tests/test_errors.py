@@ -12,7 +12,7 @@ from safetensors.numpy import save_file
 
 import jaxdecode as jd
 from jaxdecode.checkpoint import load_checkpoint
-from jaxdecode.params import params_to_flat
+from jaxdecode.params import params_to_hf
 
 CONFIG = dataclasses.replace(jd.Config.from_preset("tiny"), vocab_size=300)
 
@@ -100,11 +100,26 @@ def test_unchecked_overflow_inside_jit_gives_nan_not_a_silent_clamp(params):
 
 
 @pytest.mark.parametrize("bad", [-1, -300, 300])
-def test_unchecked_bad_token_ids_give_nan_not_another_embedding(params, bad):
+def test_unchecked_bad_token_ids_give_nan_and_leave_the_row_untouched(params, bad):
     _, state = jd.prefill(params, fresh(), np.ones((2, 3), np.int32), np.array([3, 3]))
-    logits, _ = jax.jit(jd.decode_step)(params, state, np.array([bad, 5], np.int32))
+    before = jax.tree.map(lambda x: np.asarray(x).copy(), state)
+    logits, state = jax.jit(jd.decode_step)(params, state, np.array([bad, 5], np.int32))
     logits = np.asarray(logits)
     assert np.isnan(logits[0]).all() and np.isfinite(logits[1]).all()
+    for old, new in zip(jax.tree.leaves(before), jax.tree.leaves(state)):
+        np.testing.assert_array_equal(np.asarray(new)[0], old[0])  # no NaN written, no advance
+    np.testing.assert_array_equal(np.asarray(state.lengths), [3, 4])
+
+
+def test_unchecked_prefill_lengths_outside_the_tokens_are_rejected_in_graph(params):
+    from jaxdecode import model
+    state = fresh(batch=3)
+    logits, state = jax.jit(model.prefill_fn)(params, state, np.ones((3, 4), np.int32),
+                                              np.array([6, -2, 4], np.int32))
+    logits = np.asarray(logits)
+    assert np.isnan(logits[:2]).all() and np.isfinite(logits[2]).all()
+    np.testing.assert_array_equal(np.asarray(state.lengths), [0, 0, 4])
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state))
 
 
 def test_state_dtype_and_lengths_are_checked(params):
@@ -182,7 +197,7 @@ def write_checkpoint(path, params, *, prefix="", drop=(), extra=None, reshape=No
     """Writes params as an HF-style directory with numpy/safetensors only (no jaxdecode code)."""
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(params.config.to_hf_config()))
-    leaves = params_to_flat(params)
+    leaves = params_to_hf(params)
     tensors = {}
     for name in leaves:
         if name in drop:
@@ -195,6 +210,17 @@ def write_checkpoint(path, params, *, prefix="", drop=(), extra=None, reshape=No
     tensors.update(extra or {})
     save_file(tensors, str(path / "model.safetensors"))
     return path
+
+
+def test_hf_layout_round_trip(params):
+    from jaxdecode.params import params_from_flat, params_from_hf, params_to_flat
+    for back in (params_from_hf(params.config, params_to_hf(params)),
+                 params_from_flat(params.config, params_to_flat(params))):
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(back)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    qkv = "model.layers.0.linear_attn.in_proj_qkv.weight"
+    assert not np.array_equal(np.asarray(params_to_hf(params)[qkv]),
+                              np.asarray(params_to_flat(params)[qkv]))  # the layouts differ
 
 
 def test_checkpoint_round_trip_skips_mtp_and_vision(tmp_path, params):

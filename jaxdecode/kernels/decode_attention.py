@@ -419,7 +419,7 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *,
 
     q is cast to the cache dtype (the tensor-core operand type). If S is not a multiple of
     ``block_kv`` the caches are zero-padded here, which copies them: allocate S as a multiple
-    of 128 to avoid that.
+    of ``MAX_LEN_ALIGN`` (64) to avoid that.
     """
     batch, num_heads, head_dim = q.shape
     _, num_kv_heads, max_len, _ = k_cache.shape
