@@ -178,3 +178,16 @@ def test_conv_channel_order_groups_each_key_head(r):
     name = "model.layers.0.linear_attn.in_proj_qkv.weight"
     np.testing.assert_array_equal(internal_to_hf(c, name, hf_to_internal(c, name, x)), x)
     assert hf_to_internal(c, "model.layers.0.mlp.up_proj.weight", x) is x
+
+
+def test_rollout_example_scans_decode_steps():
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "rollout.py"
+    spec = importlib.util.spec_from_file_location("rollout_example", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    tokens, state = mod.main(["--batch", "3", "--steps", "5"])
+    assert tokens.shape == (3, 5)
+    assert ((np.asarray(tokens) >= 0) & (np.asarray(tokens) < 248_320)).all()
+    np.testing.assert_array_equal(np.asarray(state.lengths), [13, 13, 13])
