@@ -207,6 +207,9 @@ def main():
     ap.add_argument("--hf", action="store_true")
     ap.add_argument("--no-prefill", action="store_true")
     ap.add_argument("--attention-impl", default="auto")
+    ap.add_argument("--compare-attention", action="store_true",
+                    help="also time every cell with attention_impl='reference' (XLA) in the "
+                         "same run: ms/step of the whole step with and without the kernel")
     ap.add_argument("--json", default=None, help="write all rows to this file")
     args = ap.parse_args()
 
@@ -235,6 +238,11 @@ def main():
                        weights_gb=nbytes["weights"] / 1e9, kv_gb=nbytes["kv"] / 1e9,
                        state_gb=nbytes["state"] / 1e9, gb_per_s=total / dt / 1e9,
                        pct_copy_bw=100 * total / dt / 1e9 / bw)
+            if args.compare_attention:
+                state = _randomize_state(jd.init_state(config, batch, context + 256,
+                                                       dtype="bfloat16"), context)
+                dt_ref, _, _ = time_decode(params, state, batch, attention_impl="reference")
+                row["ms_per_step_xla_attention"] = dt_ref * 1e3
             rows.append(row)
             print("  " + json.dumps({k: round(v, 3) if isinstance(v, float) else v
                                      for k, v in row.items()}), flush=True)
@@ -270,14 +278,16 @@ def main():
                       indent=1)
     print(f"\n## Decode step ({dev.device_kind}, jax {jax.__version__}, copy bandwidth "
           f"{bw:.0f} GB/s)\n")
+    compare = args.compare_attention
     print("| model | batch | context | ms/step | tok/s/row | tok/s | GB moved | GB/s | % copy bw "
-          "| compile s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| compile s |" + (" ms/step, XLA attention |" if compare else ""))
+    print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if compare else ""))
     for r in rows:
         moved = r["weights_gb"] + r["kv_gb"] + r["state_gb"]
         print(f"| {r['model']} | {r['batch']} | {r['context']} | {r['ms_per_step']:.3f} | "
               f"{r['tok_per_s_per_row']:.0f} | {r['tok_per_s']:.0f} | {moved:.2f} | "
-              f"{r['gb_per_s']:.0f} | {r['pct_copy_bw']:.0f}% | {r['compile_s']:.1f} |")
+              f"{r['gb_per_s']:.0f} | {r['pct_copy_bw']:.0f}% | {r['compile_s']:.1f} |"
+              + (f" {r['ms_per_step_xla_attention']:.3f} |" if compare else ""))
     if prefill_rows:
         print("\n| model | prompt | prefill ms | prefill tok/s | compile s |\n|---|---|---|---|---|")
         for r in prefill_rows:
