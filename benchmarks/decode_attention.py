@@ -266,13 +266,8 @@ def sweep(copy_gbs):
         for name, cfg in configs.items():
             row = dict(model=model, batch=batch, context=context, impl=f"kernel {name}",
                        note=f"bk={cfg.block_kv} stages={cfg.num_stages} splits={cfg.num_splits}")
-            try:
-                us, _, _ = measure(lambda *a, cfg=cfg: _kernel(*a, config=cfg), sets, 10)
-                gbs = moved / (us * 1e-6) / 1e9
-                row.update(us=us, gbs=gbs, pct=100 * gbs / copy_gbs)
-            except Exception as e:  # noqa: BLE001
-                row["note"] += f" {type(e).__name__}: {str(e).splitlines()[0][:80]}"
-            rows.append(row)
+            rows.append(_timed(row, lambda *a, cfg=cfg: _kernel(*a, config=cfg), sets, moved,
+                               copy_gbs))
         del sets
         gc.collect()
     # Blocks past a row's length are skipped: short rows in a 128k cache cost what short rows do.
@@ -284,17 +279,23 @@ def sweep(copy_gbs):
         for impl, fn in (("kernel", _kernel), ("xla", da.decode_attention_reference)):
             row = dict(model="9B", batch=batch, context=context, impl=impl,
                        note=f"lengths={sorted(set(lengths))}")
-            try:
-                us, _, _ = measure(fn, sets, 10)
-                gbs = moved / (us * 1e-6) / 1e9
-                row.update(us=us, gbs=gbs, pct=100 * gbs / copy_gbs)
-            except Exception as e:  # noqa: BLE001
-                row["note"] += f" {type(e).__name__}: {str(e).splitlines()[0][:80]}"
-            rows.append(row)
+            rows.append(_timed(row, fn, sets, moved, copy_gbs))
         del sets
         gc.collect()
     return rows
 
+
+
+def _timed(row: dict, fn, sets, moved: int, copy_gbs: float) -> dict:
+    """Times ``fn`` over ``sets`` (10 repeats) into ``row``: us, GB/s, % of copy bandwidth; a
+    failure is recorded in the row's note, not raised (a failing config is a result)."""
+    try:
+        us, _, _ = measure(fn, sets, 10)
+        gbs = moved / (us * 1e-6) / 1e9
+        row.update(us=us, gbs=gbs, pct=100 * gbs / copy_gbs)
+    except Exception as e:  # noqa: BLE001
+        row["note"] += f" {type(e).__name__}: {str(e).splitlines()[0][:80]}"
+    return row
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
