@@ -39,6 +39,11 @@ GRIDS = {
     # model: [(batch, context), ...]
     "smoke": {"tiny": [(1, 64), (2, 64)]},  # CPU check of the script itself
     "quick": {"qwen3.5-0.8b": [(1, 1024)], "qwen3.5-9b": [(1, 1024)]},
+    # the target cells plus one cell of each other model (fits one 10-minute call)
+    "targets": {"qwen3.5-0.8b": [(1, 1024), (64, 1024)],
+                "qwen3.5-9b": [(1, 1024), (8, 1024), (64, 8192)],
+                "qwen3.5-2b": [(1, 1024)], "qwen3.5-4b": [(1, 1024)],
+                "qwen3.5-27b": [(1, 1024)]},
     "full": {
         "qwen3.5-0.8b": [(1, 1024), (8, 1024), (64, 1024), (256, 1024), (1, 8192), (64, 8192)],
         "qwen3.5-9b": [(1, 1024), (1, 8192), (1, 32768), (8, 1024), (8, 8192), (64, 1024),
@@ -96,11 +101,13 @@ def _randomize_state(state, context):
     return state.replace(lengths=jnp.full_like(state.lengths, context))
 
 
-def time_decode(params, state, batch, steps=50, repeats=3, attention_impl="auto"):
+def time_decode(params, state, batch, steps=50, repeats=3, attention_impl="auto",
+                compiler_options=None):
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 1000, batch), jnp.int32)
     t0 = time.perf_counter()
     compiled = model.decode_step_jit.lower(params, state, tokens, None,
-                                           attention_impl=attention_impl).compile()
+                                           attention_impl=attention_impl).compile(
+                                               compiler_options=compiler_options)
     compile_s = time.perf_counter() - t0
     for _ in range(5):
         logits, state = compiled(params, state, tokens, None)
@@ -206,6 +213,8 @@ def main():
     ap.add_argument("--grid", choices=sorted(GRIDS), default="full")
     ap.add_argument("--hf", action="store_true")
     ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--no-anatomy", action="store_true",
+                    help="skip the 4-layer twin that splits the batch-1 step into parts")
     ap.add_argument("--attention-impl", default="auto")
     ap.add_argument("--compare-attention", action="store_true",
                     help="also time every cell with attention_impl='reference' (XLA) in the "
@@ -246,7 +255,8 @@ def main():
             rows.append(row)
             print("  " + json.dumps({k: round(v, 3) if isinstance(v, float) else v
                                      for k, v in row.items()}), flush=True)
-            if batch == 1 and context == 1024 and name in ("qwen3.5-0.8b", "qwen3.5-9b"):
+            if (batch == 1 and context == 1024 and name in ("qwen3.5-0.8b", "qwen3.5-9b")
+                    and not args.no_anatomy):
                 anatomy[name] = dict(kernels=hlo_kernel_count(compiled), ms=dt * 1e3,
                                      **layer_cost(config, dt))
             del state, compiled

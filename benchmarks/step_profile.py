@@ -1,0 +1,189 @@
+"""Anatomy of one decode step on the GPU: every kernel it launches, with its CUPTI time.
+
+    python benchmarks/step_profile.py [--cells 0.8b:1:1024,9b:1:1024] [--attention auto,reference]
+
+Per cell (model:batch:context) and attention implementation: wall ms per step (the same timing
+as ``benchmarks/decode.py``), the sum of kernel times of one step (CUPTI through
+``jax.experimental.mosaic.gpu``; CUDA-graph kernels included), the difference (time the GPU
+sits between kernels: launch gaps and host work), the number of kernels, the copy ops left in
+the compiled step (a copy of a state buffer means an update was not done in place), and the kernels grouped by family and by the layer kind they come from
+(read off the named scopes in the optimised HLO's metadata). The largest kernels are listed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jaxdecode as jd  # noqa: E402
+from jaxdecode import model as jd_model  # noqa: E402
+from decode import _randomize_state, time_decode  # noqa: E402
+from deltanet_variants import VARIANTS  # noqa: E402
+
+
+def parse_options(text: str) -> dict:
+    """'name=value,name=value' -> XLA compiler options (true/false -> bool, digits -> int)."""
+    options = {}
+    for item in filter(None, text.split(",")):
+        key, value = item.split("=", 1)
+        low = value.lower()
+        options[key] = (low == "true" if low in ("true", "false")
+                        else int(value) if value.lstrip("-").isdigit() else value)
+    return options
+
+
+def cupti_kernels(fn):
+    """Runs ``fn()`` once under CUPTI; returns [(kernel name, ms)] in launch order."""
+    try:
+        from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
+    except ImportError:  # CPU: no CUPTI; the wall time and HLO parts still run
+        jax.block_until_ready(fn())
+        return []
+    ext = mosaic_gpu_lib._mosaic_gpu_ext
+    ext._cupti_init()
+    try:
+        jax.block_until_ready(fn())
+    finally:
+        timings = ext._cupti_get_timings(True)
+    return list(timings or [])
+
+
+def scope_of(hlo_text: str) -> dict[str, str]:
+    """Instruction name -> the named scope (``layer3_deltanet`` ...) in its metadata."""
+    out = {}
+    for m in re.finditer(r"%?([\w.\-]+) = [^\n]*?op_name=\"([^\"]*)\"", hlo_text):
+        scope = re.search(r"(layer\d+_\w+?|lm_head)(?:/|$)", m.group(2))
+        if scope:
+            kind = re.sub(r"layer\d+_", "", scope.group(1))
+            out[m.group(1)] = out[m.group(1).replace(".", "_")] = kind
+    return out
+
+
+def family(name: str) -> str:
+    n = name.lower()
+    if "gemv" in n:
+        return "cuBLAS gemv"
+    if "gemm" in n or "xmma" in n or "cutlass" in n or "sm90" in n:
+        return "cuBLAS gemm"
+    if "triton" in n:
+        return "triton (XLA)"
+    if "mosaic" in n or "decode_attention" in n or "pallas" in n:
+        return "Pallas Mosaic GPU"
+    if "reduce" in n:
+        return "XLA reduction fusion"
+    if "fusion" in n:
+        return "XLA loop fusion"
+    return "other: " + name[:30]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cells", default="0.8b:1:1024,9b:1:1024")
+    ap.add_argument("--attention", default="auto")
+    ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--options", default="",
+                    help="';'-separated XLA compiler-option variants to compare, each "
+                         "'name=value,name=value' ('' = defaults), e.g. "
+                         "';xla_gpu_enable_triton_gemm=false'")
+    ap.add_argument("--deltanet-steps", default="library",
+                    help="comma-separated one-token delta-rule forms from "
+                         f"benchmarks/deltanet_variants.py ({', '.join(VARIANTS)}), each timed "
+                         "in the same process")
+    ap.add_argument("--dump-hlo", default=None, help="write each cell's optimised HLO here")
+    args = ap.parse_args()
+    print(f"# {jax.devices()[0].device_kind}; jax {jax.__version__}; "
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
+    summary = []
+    params_cache = {}
+    for cell in args.cells.split(","):
+        name, batch, context = cell.split(":")
+        batch, context = int(batch), int(context)
+        preset = name if name == "tiny" else f"qwen3.5-{name}"
+        if preset not in params_cache:
+            params_cache.clear()
+            params_cache[preset] = jd.init_params(jd.Config.from_preset(preset),
+                                                  jax.random.key(0), "bfloat16")
+        params = params_cache[preset]
+        config = params.config
+        variants = [(impl, opts, form) for impl in args.attention.split(",")
+                    for opts in args.options.split(";")
+                    for form in args.deltanet_steps.split(",")]
+        for impl, opts, form in variants:
+            options = parse_options(opts)
+            jd_model.gated_delta_rule_step = VARIANTS[form]  # read when the step is traced
+            jax.clear_caches()
+            state = _randomize_state(jd.init_state(config, batch, context + 256,
+                                                   dtype="bfloat16"), context)
+            dt, compile_s, compiled = time_decode(params, state, batch, attention_impl=impl,
+                                                  compiler_options=options or None)
+            hlo = compiled.as_text()
+            if args.dump_hlo:
+                os.makedirs(args.dump_hlo, exist_ok=True)
+                with open(os.path.join(args.dump_hlo, f"{name}_b{batch}_{impl}.hlo.txt"),
+                          "w") as f:
+                    f.write(hlo)
+            scopes = scope_of(hlo)
+            tokens = jnp.asarray(np.random.default_rng(0).integers(0, 1000, batch), jnp.int32)
+            state = _randomize_state(jd.init_state(config, batch, context + 256,
+                                                   dtype="bfloat16"), context)
+            box = {"state": state}
+
+            def one_step():
+                logits, box["state"] = compiled(params, box["state"], tokens, None)
+                return logits
+
+            one_step()
+            kernels = cupti_kernels(one_step)
+            total = sum(ms for _, ms in kernels)
+            by_family = collections.defaultdict(lambda: [0, 0.0])
+            by_scope = collections.defaultdict(lambda: [0, 0.0])
+            by_name = collections.defaultdict(lambda: [0, 0.0])
+            scope = "?"
+            for kname, ms in kernels:
+                # Kernels XLA names after their HLO instruction carry its scope; library
+                # kernels (cuBLAS) inherit the scope of the kernel launched before them.
+                scope = scopes.get(kname, scope)
+                f = by_family[family(kname)]
+                f[0] += 1
+                f[1] += ms
+                s = by_scope[scope]
+                s[0] += 1
+                s[1] += ms
+                key = re.sub(r"[._]\d+$", "", kname)[:60] + f" [{scope}]"
+                by_name[key][0] += 1
+                by_name[key][1] += ms
+            entry = hlo[hlo.index("ENTRY"):]
+            copies = re.findall(r"= (\S+) copy\(", entry[:entry.index("\n}\n")])
+            n_cmd = len(copies)
+            tag = (f"{name} b{batch} ctx{context} attention={impl}" + (f" {opts}" if opts else "")
+                   + (f" deltanet={form}" if form != "library" else ""))
+            print(f"\n## {tag}\nwall {dt * 1e3:.3f} ms/step; kernels {len(kernels)}, kernel sum "
+                  f"{total:.3f} ms; between kernels {dt * 1e3 - total:.3f} ms; compile "
+                  f"{compile_s:.1f} s; copies in the step: {collections.Counter(copies)}")
+            print("family: " + "; ".join(f"{k} {v[0]}x {v[1] * 1e3:.0f}us" for k, v in
+                                          sorted(by_family.items(), key=lambda kv: -kv[1][1])))
+            print("scope: " + "; ".join(f"{k} {v[0]}x {v[1] * 1e3:.0f}us" for k, v in
+                                         sorted(by_scope.items(), key=lambda kv: -kv[1][1])))
+            for key, (count, ms) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:args.top]:
+                print(f"  {ms * 1e3:8.1f} us  {count:4d}x  {key}")
+            summary.append((tag, dt * 1e3, total, len(kernels), n_cmd))
+            del state, box, compiled
+    print("\n| cell | wall ms/step | kernel sum ms | gap ms | kernels | copy ops |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for tag, wall, total, n, n_cmd in summary:
+        print(f"| {tag} | {wall:.3f} | {total:.3f} | {wall - total:.3f} | {n} | {n_cmd} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
