@@ -547,6 +547,10 @@ def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
     Returns:
       (logits [B, V] float32, new_state) with ``new_state.lengths = state.lengths + active``.
 
+    A state sharded over a ``("data", "model")`` mesh (``jaxdecode.sharding``) goes through
+    ``jaxdecode.sharding.decode_step``: same results, decode attention per device, output state
+    pinned to the input layout.
+
     Raises:
       ValueError: see :func:`check_decode_inputs`.
 
@@ -556,6 +560,11 @@ def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
     key/value at ``lengths[b]`` and attend over positions ``0..lengths[b]`` through
     ``decode_attention``. Source: HF ``modeling_qwen3_5.py`` (transformers 5.24.0).
     """
+    if isinstance(attention_impl, str):
+        from jaxdecode import sharding  # imports this module
+        if sharding.is_on_mesh(state):  # attention per device; same validation and results
+            return sharding.decode_step(params, state, tokens, active,
+                                        attention_impl=attention_impl, check_inputs=check_inputs)
     if check_inputs and not _is_traced(tokens, active, state):
         check_decode_inputs(params.config, state, tokens, active, params.dtype)
     tokens = jnp.asarray(tokens, jnp.int32)

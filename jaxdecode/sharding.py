@@ -55,10 +55,13 @@ conv, window update and delta rule are all local to a device.
 
 Decode attention runs per device under ``shard_map`` (:func:`sharded_decode_attention`, used by
 :func:`jit_decode_step` / :func:`decode_step`): the Pallas kernel is a custom call the SPMD
-partitioner cannot split, and would otherwise get an all-gathered KV cache every step. (Plain
-``jaxdecode.decode_step`` on sharded arrays keeps the layout but lacks this on GPU. Checked on
-CPU with the reference attention inside ``shard_map``; the Mosaic GPU interpreter cannot run on
-several virtual devices, so the kernel under ``shard_map`` awaits a multi-GPU run.)
+partitioner cannot split, and would otherwise get an all-gathered KV cache every step.
+``jaxdecode.decode_step`` given a state on such a mesh (:func:`is_on_mesh`) calls
+:func:`decode_step` here; inside your own ``jax.jit`` call ``jit_decode_step``'s function, or
+pass ``attention_impl=sharded_decode_attention(mesh)`` to ``model.decode_step_fn``. On 2 x H200
+the compiled TP2 step with the kernel under ``shard_map`` has only the residual all-reduces
+(benchmarks/RESULTS.md, "Sharded decode step"); on CPU the tests run the reference attention
+inside ``shard_map``, since the Mosaic GPU interpreter cannot run on several virtual devices.
 
 Per decode step of the 9B model (compiled HLO for 8 CPU devices, batch 8, meshes (1,2), (1,4)
 and (2,4)): 65 all-reduces of [B, Hd] (one per mixer and per MLP, plus the vocab-split
@@ -417,6 +420,15 @@ def state_mesh(state: DecodeState) -> Mesh:
         raise ValueError(f"the state is not sharded over a {AXIS_NAMES} mesh ({sharding=}); "
                          "create it with init_state_sharded or shard_state")
     return sharding.mesh
+
+
+def is_on_mesh(state: DecodeState) -> bool:
+    """Whether ``state`` lives on a ``("data", "model")`` mesh of more than one device (as made by
+    :func:`init_state_sharded` / :func:`shard_state`); False for traced or single-device states."""
+    sharding = getattr(state.lengths, "sharding", None)
+    return (not isinstance(state.lengths, jax.core.Tracer)
+            and isinstance(sharding, NamedSharding)
+            and tuple(sharding.mesh.axis_names) == AXIS_NAMES and sharding.mesh.size > 1)
 
 
 def _with_host_lengths(state: DecodeState) -> DecodeState:

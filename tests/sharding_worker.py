@@ -26,7 +26,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxdecode as jd  # noqa: E402
-from jaxdecode import sharding  # noqa: E402
+from jaxdecode import model, sharding  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -130,6 +130,7 @@ def run_meshes() -> dict:
     out["errors"] = check_errors(params)
     out["checkpoint"] = check_checkpoint(params)
     out["unpinned_decode_mismatches"] = check_unpinned(params, tokens)
+    out["public_decode_step"] = check_public_decode_step_routes(params, tokens)
     return out
 
 
@@ -175,13 +176,36 @@ def check_checkpoint(params) -> dict:
 
 
 def check_unpinned(params, tokens) -> list[str]:
-    """Whether jaxdecode.decode_step (no out_shardings) also keeps the state layout."""
+    """Whether model.decode_step_jit (no out_shardings) also keeps the state layout."""
     mesh = sharding.make_mesh(2, 4)
     sp = sharding.shard_params(params, mesh)
     state = sharding.init_state_sharded(CONFIG, mesh, BATCH, MAX_LEN)
     _, state = sharding.prefill(sp, state, tokens, PROMPT_LENGTHS)
-    _, state = jd.decode_step(sp, state, sharding.shard_batch(tokens[:, 0], mesh))
+    _, state = model.decode_step_jit(sp, state, sharding.shard_batch(tokens[:, 0], mesh), None)
     return spec_mismatches(state, sharding.state_partition_specs(CONFIG), mesh)
+
+
+def check_public_decode_step_routes(params, tokens) -> dict:
+    """jaxdecode.decode_step on a sharded state runs sharding.decode_step (per-device attention,
+    pinned layout) and gives its logits."""
+    mesh = sharding.make_mesh(2, 4)
+    sp = sharding.shard_params(params, mesh)
+    out = {}
+    for name, step in (("public", jd.decode_step), ("sharding", sharding.decode_step)):
+        state = sharding.init_state_sharded(CONFIG, mesh, BATCH, MAX_LEN)
+        _, state = sharding.prefill(sp, state, tokens, PROMPT_LENGTHS)
+        hits = sharding.jit_decode_step.cache_info().hits + sharding.jit_decode_step.cache_info(
+            ).misses
+        logits, state = step(sp, state, tokens[:, 0])
+        used = (sharding.jit_decode_step.cache_info().hits
+                + sharding.jit_decode_step.cache_info().misses) - hits
+        out[name] = {"logits": np.asarray(logits), "used_jit_decode_step": used,
+                     "mismatches": spec_mismatches(state, sharding.state_partition_specs(CONFIG),
+                                                   mesh)}
+    return {"used_jit_decode_step": out["public"]["used_jit_decode_step"],
+            "mismatches": out["public"]["mismatches"],
+            "logits_equal": bool(np.array_equal(out["public"]["logits"],
+                                                out["sharding"]["logits"]))}
 
 
 def run_process(process_id: int, port: int) -> dict:

@@ -158,6 +158,11 @@ def test_unsharded_model_decode_step_keeps_the_layout_too(meshes):
     assert meshes["unpinned_decode_mismatches"] == []
 
 
+def test_public_decode_step_on_a_sharded_state_runs_attention_per_device(meshes):
+    assert meshes["public_decode_step"] == {"used_jit_decode_step": 1, "mismatches": [],
+                                            "logits_equal": True}
+
+
 def test_load_checkpoint_places_each_tensor_in_its_sharding(meshes):
     assert meshes["checkpoint"] == {"mismatches": [], "values_equal": True}
 
