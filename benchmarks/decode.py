@@ -1,6 +1,10 @@
 """Whole decode-step benchmark on one GPU, against the memory roofline and Hugging Face.
 
-    XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/decode.py [--grid quick|full] [--hf]
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/decode.py [--grid quick|targets|full] [--hf]
+
+Each (model, batch, max_len) compiles its own step (13-36 s on the H200), so the full grid does
+not fit one 10-minute device call: ``targets`` (8 cells) does. Per-kernel anatomy of a step:
+``benchmarks/step_profile.py``; several GPUs: ``benchmarks/sharded_decode.py``.
 
 Per cell (model, batch, context already in the cache): median ms per decode step (50 steps per
 repeat, 3 repeats, after warm-up; compile time apart), tokens/s (per row and total), bytes moved
