@@ -82,11 +82,25 @@ def main():
                     help="XLA compiler options (JSON object) for every compile of the step, "
                          "to A/B them against a run without")
     args = ap.parse_args()
-    options = json.loads(args.options) or None
-    setups = SETUPS if args.setups is None else [
-        s for s in SETUPS if f"{s[0]}:{s[3]}" in args.setups.split(",")]
-    if args.setups is not None and not any(s[0] == "TP1" for s in setups):
-        raise SystemExit("--setups must include the TP1 row of each batch (the reference)")
+    try:
+        options = json.loads(args.options)
+    except json.JSONDecodeError as e:
+        ap.error(f"--options is not JSON ({e}): {args.options!r}")
+    if not isinstance(options, dict):
+        ap.error(f"--options must be a JSON object of XLA option names to values, got "
+                 f"{args.options!r}")
+    options = options or None
+    setups = SETUPS
+    if args.setups is not None:
+        known = {f"{s[0]}:{s[3]}": s for s in SETUPS}
+        asked = [x for x in args.setups.split(",") if x]
+        unknown = [x for x in asked if x not in known]
+        if unknown:
+            ap.error(f"--setups: unknown {unknown}; choose from {sorted(known)}")
+        setups = [s for s in SETUPS if f"{s[0]}:{s[3]}" in asked]
+        missing = sorted({f"TP1:{s[3]}" for s in setups} - set(asked))
+        if missing:
+            ap.error(f"--setups needs the one-GPU reference of each batch: add {missing}")
     devices = jax.devices()
     print(f"# {len(devices)} x {devices[0].device_kind}; jax {jax.__version__}; "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; compiler options {options}", flush=True)

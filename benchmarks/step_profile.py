@@ -36,6 +36,8 @@ def parse_options(text: str) -> dict:
     """'name=value,name=value' -> XLA compiler options (true/false -> bool, digits -> int)."""
     options = {}
     for item in filter(None, text.split(",")):
+        if "=" not in item:
+            raise SystemExit(f"--options: {item!r} is not name=value (in {text!r})")
         key, value = item.split("=", 1)
         low = value.lower()
         options[key] = (low == "true" if low in ("true", "false")
@@ -102,6 +104,11 @@ def main():
                          "in the same process")
     ap.add_argument("--dump-hlo", default=None, help="write each cell's optimised HLO here")
     args = ap.parse_args()
+    unknown = [f for f in args.deltanet_steps.split(",") if f not in VARIANTS]
+    if unknown:
+        ap.error(f"--deltanet-steps: unknown {unknown}; choose from {list(VARIANTS)}")
+    for opts in args.options.split(";"):
+        parse_options(opts)  # fail on a malformed option before any device work
     print(f"# {jax.devices()[0].device_kind}; jax {jax.__version__}; "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
     summary = []
@@ -130,8 +137,9 @@ def main():
             hlo = compiled.as_text()
             if args.dump_hlo:
                 os.makedirs(args.dump_hlo, exist_ok=True)
-                with open(os.path.join(args.dump_hlo, f"{name}_b{batch}_{impl}.hlo.txt"),
-                          "w") as f:
+                variant = re.sub(r"[^\w.=-]+", "_", f"{opts}_{form}" if opts else form)
+                path = os.path.join(args.dump_hlo, f"{name}_b{batch}_{impl}_{variant}.hlo.txt")
+                with open(path, "w") as f:
                     f.write(hlo)
             scopes = scope_of(hlo)
             tokens = jnp.asarray(np.random.default_rng(0).integers(0, 1000, batch), jnp.int32)

@@ -547,9 +547,13 @@ def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
     Returns:
       (logits [B, V] float32, new_state) with ``new_state.lengths = state.lengths + active``.
 
-    A state sharded over a ``("data", "model")`` mesh (``jaxdecode.sharding``) goes through
+    A concrete (not traced) state sharded over a ``("data", "model")`` mesh of more than one
+    device (``jaxdecode.sharding.is_on_mesh``), with ``attention_impl`` a string, goes through
     ``jaxdecode.sharding.decode_step``: same results, decode attention per device, output state
-    pinned to the input layout.
+    pinned to the input layout. Inside your own ``jax.jit`` that dispatch cannot see the mesh:
+    there, call ``model.decode_step_fn(..., attention_impl=sharding.sharded_decode_attention(
+    mesh))`` or the function from ``sharding.jit_decode_step``, or on GPU the Pallas kernel gets
+    an all-gathered KV cache.
 
     Raises:
       ValueError: see :func:`check_decode_inputs`.

@@ -409,7 +409,9 @@ def jit_decode_step(config: Config, mesh: Mesh, attention_impl: str = "auto"):
 
 
 def state_mesh(state: DecodeState) -> Mesh:
-    """The mesh a sharded state lives on.
+    """The mesh a sharded state lives on (not for traced states: inside your own ``jax.jit`` use
+    :func:`jit_decode_step`'s function, or ``model.decode_step_fn`` with
+    ``attention_impl=sharded_decode_attention(mesh)``).
 
     Raises:
       ValueError: if the state is not laid out with a ``NamedSharding`` (use
@@ -431,6 +433,18 @@ def is_on_mesh(state: DecodeState) -> bool:
             and tuple(sharding.mesh.axis_names) == AXIS_NAMES and sharding.mesh.size > 1)
 
 
+def _check_params_mesh(params: Params, mesh: Mesh) -> None:
+    """Params placed on another mesh (or on one device) would be moved onto the state's mesh by
+    every call; say so instead."""
+    leaf = params.embed_tokens
+    where = getattr(leaf, "sharding", None)
+    if isinstance(leaf, jax.Array) and not (isinstance(where, NamedSharding)
+                                            and where.mesh == mesh):
+        raise ValueError(f"params are not on the state's mesh {dict(mesh.shape)} (embed_tokens "
+                         f"sharding: {where}); place them with sharding.shard_params(params, "
+                         f"mesh) or load_checkpoint(..., mesh=mesh)")
+
+
 def _with_host_lengths(state: DecodeState) -> DecodeState:
     """The state with ``lengths`` read back to the host, for validation. Read from a copy: on CPU
     ``np.asarray`` of a multi-device array keeps zero-copy views of its buffers, and a buffer
@@ -449,9 +463,11 @@ def prefill(params: Params, state: DecodeState, tokens, lengths, *,
     (one process); across processes it is skipped (every process would need every row).
 
     Raises:
-      ValueError: see ``jaxdecode.model.check_prefill_inputs`` and :func:`state_mesh`.
+      ValueError: see ``jaxdecode.model.check_prefill_inputs`` and :func:`state_mesh`; params
+        not placed on the state's mesh.
     """
     mesh = state_mesh(state)
+    _check_params_mesh(params, mesh)
     if state.lengths.is_fully_addressable and not model._is_traced(tokens, lengths):
         model.check_prefill_inputs(params.config, _with_host_lengths(state), tokens, lengths,
                                    params.dtype)
@@ -468,9 +484,11 @@ def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
     input's shardings, so one executable serves every step.
 
     Raises:
-      ValueError: see ``jaxdecode.model.check_decode_inputs`` and :func:`state_mesh`.
+      ValueError: see ``jaxdecode.model.check_decode_inputs`` and :func:`state_mesh`; params
+        not placed on the state's mesh.
     """
     mesh = state_mesh(state)
+    _check_params_mesh(params, mesh)
     if (check_inputs and state.lengths.is_fully_addressable
             and not model._is_traced(tokens, active)):
         model.check_decode_inputs(params.config, _with_host_lengths(state), tokens, active,

@@ -202,7 +202,17 @@ def check_public_decode_step_routes(params, tokens) -> dict:
         out[name] = {"logits": np.asarray(logits), "used_jit_decode_step": used,
                      "mismatches": spec_mismatches(state, sharding.state_partition_specs(CONFIG),
                                                    mesh)}
-    return {"used_jit_decode_step": out["public"]["used_jit_decode_step"],
+    errors = []
+    state = sharding.init_state_sharded(CONFIG, mesh, BATCH, MAX_LEN)
+    other = sharding.shard_params(params, sharding.make_mesh(1, 8))
+    for wrong in (params, other):  # one device; another mesh
+        try:
+            jd.decode_step(wrong, state, tokens[:, 0])
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+    return {"wrong_params_errors": errors,
+            "used_jit_decode_step": out["public"]["used_jit_decode_step"],
             "mismatches": out["public"]["mismatches"],
             "logits_equal": bool(np.array_equal(out["public"]["logits"],
                                                 out["sharding"]["logits"]))}
