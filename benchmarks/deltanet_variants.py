@@ -9,13 +9,17 @@ them into the decode step one after the other in one process, so their times are
   library   the library's form: decay S, S^T k, write, then o = S'^T q from the new state
   stacked   one reduction of S over [k | q], then o = d S^T q + (k.q) delta (no read of S')
   two_sums  as stacked, with two separate reductions (sum of products) over the same S
+  pallas    jaxdecode.kernels.gated_delta_decode: one Pallas Mosaic GPU kernel, S read once and
+            written once in place (the Mosaic GPU interpreter where there is no GPU)
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from jaxdecode.gated_delta import gated_delta_rule_step
+from jaxdecode.kernels.gated_delta_decode import gated_delta_decode_pallas
 
 
 def stacked(q, k, v, g, beta, state):
@@ -39,4 +43,10 @@ def two_sums(q, k, v, g, beta, state):
     return o, state
 
 
-VARIANTS = {"library": gated_delta_rule_step, "stacked": stacked, "two_sums": two_sums}
+def pallas(q, k, v, g, beta, state):
+    return gated_delta_decode_pallas(q, k, v, g, beta, state,
+                                     interpret=jax.default_backend() != "gpu")
+
+
+VARIANTS = {"library": gated_delta_rule_step, "stacked": stacked, "two_sums": two_sums,
+            "pallas": pallas}
