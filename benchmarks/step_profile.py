@@ -109,6 +109,13 @@ def main():
         ap.error(f"--deltanet-steps: unknown {unknown}; choose from {list(VARIANTS)}")
     for opts in args.options.split(";"):
         parse_options(opts)  # fail on a malformed option before any device work
+    if "pallas" in args.deltanet_steps.split(","):
+        for cell in args.cells.split(","):
+            name = cell.split(":")[0]
+            c = jd.Config.from_preset(name if name == "tiny" else f"qwen3.5-{name}")
+            if c.linear_key_head_dim % 64:
+                ap.error(f"--deltanet-steps pallas needs linear_key_head_dim % 64 == 0; "
+                         f"{name} has {c.linear_key_head_dim}")
     print(f"# {jax.devices()[0].device_kind}; jax {jax.__version__}; "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
     summary = []

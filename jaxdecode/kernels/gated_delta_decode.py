@@ -18,8 +18,13 @@ tile and writes it back; the state output aliases the input, so the update is in
 form of the same step makes three to four passes over S (benchmarks/RESULTS.md).
 
 Status: tested against a float64 recurrence in the Mosaic GPU interpreter on CPU, and its lowering
-for the GPU is checked on CPU; **not yet compiled or timed on a GPU**, so the model does not use
-it unless asked (``jaxdecode.model`` keeps the XLA form by default).
+for CUDA (with the state aliased in place) is checked on CPU (tests/test_gpu_lowering.py); **not
+yet compiled or timed on a GPU**, so the model does not use it (``jaxdecode.model`` keeps the XLA
+form; ``benchmarks/step_profile.py --deltanet-steps library,pallas`` swaps it in to time it).
+
+Differences from the XLA form: not ``jax.vmap``-able (``pl.run_state`` has no batching rule; fold
+extra batch dimensions into B); with non-finite inputs some outputs are inf where the XLA form
+gives NaN (both non-finite).
 """
 
 from __future__ import annotations
@@ -96,6 +101,8 @@ def gated_delta_decode_pallas(q, k, v, g, beta, state, *, block_v: int | None = 
     if dk % TILE_ROWS or dv % block_v or block_v % 8:
         raise ValueError(f"need dk % {TILE_ROWS} == 0 and dv % block_v == 0 with block_v % 8 == "
                          f"0; got {dk=}, {dv=}, {block_v=}")
+    if batch * heads == 0:
+        return jnp.zeros((batch, heads, dv), jnp.float32), state
     decay = jnp.exp(g)
     kq = jnp.sum(k * q, axis=-1)
     kernel = plgpu.kernel(
