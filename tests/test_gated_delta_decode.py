@@ -98,6 +98,6 @@ def test_empty_batch():
 
 
 def test_block_v_choice():
-    assert choose_block_v(1, 16, 128) == 64      # 32 programs instead of 16 at batch 1
-    assert choose_block_v(64, 32, 128) == 128    # plenty of programs: whole columns
-    assert choose_block_v(1, 2, 64) == 64
+    assert choose_block_v(128) == 64
+    assert choose_block_v(192) == 64
+    assert choose_block_v(48) == 48

@@ -40,12 +40,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 TILE_ROWS = 64  # the wgmma register layout covers rows in multiples of 64
 
 
-def choose_block_v(batch: int, heads: int, dv: int, num_sms: int = 132) -> int:
-    """Columns of S per program: 64 when that gives more programs than multiprocessors would
-    otherwise get (small batch), else the whole dv (fewer, larger copies)."""
-    if dv % 64 or dv == 64:
-        return dv
-    return 64 if batch * heads < num_sms else dv
+def choose_block_v(dv: int) -> int:
+    """Columns of S per program: 64 when dv allows (a [dk, 64] float32 tile is 64 registers per
+    thread at dk = 128, leaving room for the products; and it doubles the programs at small
+    batch), else the whole dv."""
+    return 64 if dv % 64 == 0 else dv
 
 
 def _kernel(k_gmem, q_gmem, v_gmem, decay_gmem, beta_gmem, kq_gmem, o_gmem, state_gmem,
@@ -97,7 +96,7 @@ def gated_delta_decode_pallas(q, k, v, g, beta, state, *, block_v: int | None = 
     wrong = {n: (tuple(arrays[n].shape), s) for n, s in want.items() if arrays[n].shape != s}
     if wrong:
         raise ValueError(f"shapes (got, expected from state {state.shape}): {wrong}")
-    block_v = block_v or choose_block_v(batch, heads, dv)
+    block_v = block_v or choose_block_v(dv)
     if dk % TILE_ROWS or dv % block_v or block_v % 8:
         raise ValueError(f"need dk % {TILE_ROWS} == 0 and dv % block_v == 0 with block_v % 8 == "
                          f"0; got {dk=}, {dv=}, {block_v=}")
