@@ -94,8 +94,7 @@ def step_bytes(config: jd.Config, params, batch: int, context: int) -> dict[str,
     return {"weights": weights, "kv": kv, "state": rec + conv}
 
 
-@jax.jit
-def _randomize_state(state, context):
+def randomize_state(state, context):
     """Random caches/states and lengths = context (so timings never run on zeros)."""
     leaves, tree = jax.tree.flatten(state)
     keys = jax.random.split(jax.random.key(1), len(leaves))
@@ -103,6 +102,9 @@ def _randomize_state(state, context):
            if jnp.issubdtype(x.dtype, jnp.floating) else x for k, x in zip(keys, leaves)]
     state = jax.tree.unflatten(tree, out)
     return state.replace(lengths=jnp.full_like(state.lengths, context))
+
+
+_randomize_state = jax.jit(randomize_state)
 
 
 def time_decode(params, state, batch, steps=50, repeats=3, attention_impl="auto",

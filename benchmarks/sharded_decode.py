@@ -38,6 +38,9 @@ import numpy as np  # noqa: E402
 import jaxdecode as jd  # noqa: E402
 from jaxdecode import sharding  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from decode import randomize_state  # noqa: E402
+
 SETUPS = (("TP1", 1, 1, 1), ("TP1", 1, 1, 64), ("TP2", 1, 2, 1), ("TP2", 1, 2, 64),
           ("DP2", 2, 1, 64))
 
@@ -52,16 +55,9 @@ def config_for(name: str) -> jd.Config:
 
 def random_state(config, mesh, batch, context, max_len):
     state = sharding.init_state_sharded(config, mesh, batch, max_len, dtype="bfloat16")
-
-    def fill(state):
-        leaves, tree = jax.tree.flatten(state)
-        keys = jax.random.split(jax.random.key(1), len(leaves))
-        out = [jax.random.normal(k, x.shape, jnp.float32).astype(x.dtype) * 0.1
-               if jnp.issubdtype(x.dtype, jnp.floating) else x for k, x in zip(keys, leaves)]
-        return jax.tree.unflatten(tree, out).replace(
-            lengths=jnp.full((batch,), context, jnp.int32))
-
-    return jax.jit(fill, out_shardings=sharding.state_shardings(config, mesh))(state)
+    fill = jax.jit(randomize_state, static_argnums=1,
+                   out_shardings=sharding.state_shardings(config, mesh))
+    return fill(state, context)
 
 
 def collectives(hlo: str) -> dict[str, int]:

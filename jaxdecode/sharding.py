@@ -417,20 +417,29 @@ def state_mesh(state: DecodeState) -> Mesh:
       ValueError: if the state is not laid out with a ``NamedSharding`` (use
         :func:`init_state_sharded` or :func:`shard_state`).
     """
-    sharding = getattr(state.lengths, "sharding", None)
-    if not isinstance(sharding, NamedSharding) or tuple(sharding.mesh.axis_names) != AXIS_NAMES:
+    mesh = _mesh_of(state)
+    if mesh is None:
+        sharding = getattr(state.lengths, "sharding", None)
         raise ValueError(f"the state is not sharded over a {AXIS_NAMES} mesh ({sharding=}); "
                          "create it with init_state_sharded or shard_state")
-    return sharding.mesh
+    return mesh
+
+
+def _mesh_of(state: DecodeState) -> Mesh | None:
+    """The ``("data", "model")`` mesh of ``state.lengths``' NamedSharding, else None."""
+    sharding = getattr(state.lengths, "sharding", None)
+    if isinstance(sharding, NamedSharding) and tuple(sharding.mesh.axis_names) == AXIS_NAMES:
+        return sharding.mesh
+    return None
 
 
 def is_on_mesh(state: DecodeState) -> bool:
     """Whether ``state`` lives on a ``("data", "model")`` mesh of more than one device (as made by
     :func:`init_state_sharded` / :func:`shard_state`); False for traced or single-device states."""
-    sharding = getattr(state.lengths, "sharding", None)
-    return (not isinstance(state.lengths, jax.core.Tracer)
-            and isinstance(sharding, NamedSharding)
-            and tuple(sharding.mesh.axis_names) == AXIS_NAMES and sharding.mesh.size > 1)
+    if isinstance(state.lengths, jax.core.Tracer):
+        return False
+    mesh = _mesh_of(state)
+    return mesh is not None and mesh.size > 1
 
 
 def _check_params_mesh(params: Params, mesh: Mesh) -> None:

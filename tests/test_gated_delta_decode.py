@@ -13,25 +13,10 @@ import numpy as np
 import pytest
 
 from jaxdecode.gated_delta import gated_delta_rule_step
-from jaxdecode.kernels import decode_attention as da
 from jaxdecode.kernels.gated_delta_decode import choose_block_v, gated_delta_decode_pallas
+from test_decode_attention import MODES  # interpret / gpu (skipped without an sm_90 GPU)
 from test_gated_delta import numpy_recurrence, random_inputs
 
-
-def _has_sm90_gpu() -> bool:
-    try:
-        cc = da._gpu_compute_capability()
-        return cc is not None and cc >= (9, 0)
-    except RuntimeError:
-        return False
-
-
-MODES = [
-    pytest.param("interpret", id="interpret"),
-    pytest.param("gpu", id="gpu", marks=[
-        pytest.mark.gpu,
-        pytest.mark.skipif(not _has_sm90_gpu(), reason="needs an NVIDIA GPU with sm_90+")]),
-]
 CASES = {
     # name: (batch, heads, dk, dv, block_v, decay_scale)
     "published-heads-split-v": (2, 3, 128, 128, 64, 2.0),
