@@ -27,17 +27,20 @@ def lower_for_cuda(fn, *shapes, donate_argnums=()):
         lowering_platforms=("cuda",)).as_text()
 
 
-def delta_rule_shapes(batch, heads, dk, dv):
-    return (((batch, heads, dk), f32), ((batch, heads, dk), f32), ((batch, heads, dv), f32),
-            ((batch, heads), f32), ((batch, heads), f32), ((batch, heads, dk, dv), f32))
+def delta_rule_shapes(batch, key_heads, heads, dk, dv):
+    return (((batch, key_heads, dk), f32), ((batch, key_heads, dk), f32),
+            ((batch, heads, dv), f32), ((batch, heads), f32), ((batch, heads), f32),
+            ((batch, heads, dk, dv), f32))
 
 
-@pytest.mark.parametrize("batch,heads,dv,block_v", [(1, 16, 128, 64), (64, 32, 128, 128),
-                                                    (2, 3, 192, 64)])
-def test_gated_delta_decode_lowers_and_updates_the_state_in_place(batch, heads, dv, block_v):
+@pytest.mark.parametrize("batch,key_heads,heads,dv,block_v", [
+    (1, 16, 16, 128, 16), (1, 16, 32, 128, 32), (64, 16, 32, 128, 64), (64, 32, 32, 128, 128),
+    (2, 1, 3, 192, 64)])
+def test_gated_delta_decode_lowers_and_updates_the_state_in_place(batch, key_heads, heads, dv,
+                                                                 block_v):
     text = lower_for_cuda(
         lambda q, k, v, g, b, s: gated_delta_decode_pallas(q, k, v, g, b, s, block_v=block_v),
-        *delta_rule_shapes(batch, heads, 128, dv), donate_argnums=5)
+        *delta_rule_shapes(batch, key_heads, heads, 128, dv), donate_argnums=5)
     # the kernel call writes its state operand in place (output aliased to that operand) ...
     assert re.search(r"output_operand_alias<output_tuple_indices = \[1\]", text), text[-3000:]
     # ... and the donated state argument is aliased to the function's state output

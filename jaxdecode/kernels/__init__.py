@@ -3,6 +3,6 @@
 * ``decode_attention``: GQA decode attention (Pallas Mosaic GPU) and
   ``decode_attention_reference`` beside it; the model dispatches to it.
 * ``gated_delta_decode``: the one-token gated delta rule in one pass over the state (Pallas
-  Mosaic GPU); its reference is ``jaxdecode.gated_delta.gated_delta_rule_step``. Not used by the
-  model until it has been timed on a GPU (benchmarks/RESULTS.md).
+  Mosaic GPU) and ``gated_delta_decode_reference`` (XLA) beside it; the model's decode step
+  dispatches to it (the kernel on Hopper GPUs from batch 16; benchmarks/RESULTS.md).
 """

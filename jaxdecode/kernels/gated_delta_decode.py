@@ -1,26 +1,25 @@
 """One-token gated delta rule as a Pallas Mosaic GPU kernel: the state read once, written once.
 
-Same inputs and result as ``jaxdecode.gated_delta.gated_delta_rule_step``:
+The same step as ``jaxdecode.gated_delta.gated_delta_rule_step``, with GQA done in the kernel:
 
-  q, k   [B, H, dk]      float32 (L2-normalised, q scaled by dk**-0.5, repeated to value heads)
-  v      [B, H, dv]      float32
-  g, beta [B, H]         float32 (log-space decay, write strength)
-  state  [B, H, dk, dv]  float32
+  q, k    [B, Hk, dk]      float32 (L2-normalised, q scaled by dk**-0.5), per KEY head
+  v       [B, Hv, dv]      float32
+  g, beta [B, Hv]          float32 (log-space decay, write strength)
+  state   [B, Hv, dk, dv]  float32;  value head h reads key head h // (Hv // Hk)
 
-  d = exp(g);  u_k = S^T k, u_q = S^T q  (one pass over the old S)
-  delta = beta (v - d u_k);  S' = d S + k delta^T;  o = S'^T q = d u_q + (k . q) delta
+  S <- exp(g) S;  delta = beta (v - S^T k);  S <- S + k delta^T;  o = S^T q
 
 (Yang, Kautz, Hatamizadeh, "Gated Delta Networks", ICLR 2025, eq. 10; HF
-``torch_recurrent_gated_delta_rule``.) Program (b, h, j) holds columns ``[j*block_v,
-(j+1)*block_v)`` of S[b, h] in registers (a [dk, block_v] float32 tile in the wgmma register
-layout), reduces over dk for both products (across warps through shared memory), updates the
-tile and writes it back; the state output aliases the input, so the update is in place. XLA's
-form of the same step makes three to four passes over S (benchmarks/RESULTS.md).
+``torch_recurrent_gated_delta_rule``; the same operation order as the library's XLA form.)
+Program (b, h, j) holds columns ``[j*block_v, (j+1)*block_v)`` of S[b, h] in registers (a
+[dk, block_v] float32 tile in the wgmma register layout), reduces over dk (across warps through
+shared memory) for S^T k and S'^T q, and writes the tile back; the state output aliases the
+input, so the update is in place. XLA's form of the same step makes three to four passes over S
+(benchmarks/RESULTS.md).
 
-Status: tested against a float64 recurrence in the Mosaic GPU interpreter on CPU, and its lowering
-for CUDA (with the state aliased in place) is checked on CPU (tests/test_gpu_lowering.py); **not
-yet compiled or timed on a GPU**, so the model does not use it (``jaxdecode.model`` keeps the XLA
-form; ``benchmarks/step_profile.py --deltanet-steps library,pallas`` swaps it in to time it).
+Tested against a float64 recurrence in the Mosaic GPU interpreter on CPU and compiled on an H200
+(``pytest -m gpu``); its CUDA lowering, with the state aliased in place, is checked on CPU in CI
+(tests/test_gpu_lowering.py). :func:`gated_delta_decode` is the dispatcher the model calls.
 
 Differences from the XLA form: not ``jax.vmap``-able (``pl.run_state`` has no batching rule; fold
 extra batch dimensions into B); with non-finite inputs some outputs are inf where the XLA form
@@ -30,6 +29,7 @@ gives NaN (both non-finite).
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -37,32 +37,58 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxdecode.gated_delta import gated_delta_rule_step
+from jaxdecode.kernels.decode_attention import _gpu_compute_capability
+
 TILE_ROWS = 64  # the wgmma register layout covers rows in multiples of 64
+TARGET_PROGRAMS = 264  # two per SM of an H100/H200 (132 SMs)
+# "auto" takes the kernel from this batch up. On an H200 (benchmarks/RESULTS.md, session 4) the
+# kernel alone beats XLA's form at every batch (2.1 vs 5.3 us at batch 1), but the custom call
+# splits XLA's fusions around it (about 4 more kernels per layer): the whole 0.8B / 9B step at
+# batch 1 took 0.09 / 0.05 ms more kernel time with it, at batch 64 0.72 / 1.47 ms less.
+MIN_BATCH_AUTO = 16
 
 
-def choose_block_v(dv: int) -> int:
-    """Columns of S per program: 64 when dv allows (a [dk, 64] float32 tile is 64 registers per
-    thread at dk = 128, leaving room for the products; and it doubles the programs at small
-    batch), else the whole dv."""
-    return 64 if dv % 64 == 0 else dv
+def choose_block_v(batch: int, heads: int, dv: int) -> int:
+    """Columns of S per program: 32 when that still gives at least ``TARGET_PROGRAMS``
+    programs, else 16 (small batches spread the state over more programs), else the whole dv
+    when 16 does not divide it. On an H200 (benchmarks/RESULTS.md, session 4) 32 columns were
+    fastest at batch 64 (5-10% ahead of 64) and 16 at batches 1 and 8."""
+    for bv in (32, 16):
+        if dv % bv == 0 and batch * heads * (dv // bv) >= TARGET_PROGRAMS:
+            return bv
+    return 16 if dv % 16 == 0 else dv
 
 
-def _kernel(k_gmem, q_gmem, v_gmem, decay_gmem, beta_gmem, kq_gmem, o_gmem, state_gmem,
-            s_smem, o_smem, *, block_v):
+def check_supported(q_shape, state_shape) -> str | None:
+    """Why the kernel cannot take these shapes (None if it can)."""
+    _, hk, dk = q_shape
+    _, hv, _, dv = state_shape
+    if dk % TILE_ROWS:
+        return f"linear_key_head_dim={dk} is not a multiple of {TILE_ROWS}"
+    if dv % 8:
+        return f"linear_value_head_dim={dv} is not a multiple of 8"
+    if hk == 0 or hv % hk:
+        return f"{hv} value heads are not a multiple of {hk} key heads"
+    return None
+
+
+def _kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, o_gmem, state_gmem, s_smem, o_smem, *,
+            block_v, r):
     b, h, j = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("j")
     cols = pl.ds(j * block_v, block_v)
     layout = plgpu.Layout.WGMMA
     s = plgpu.load(state_gmem.at[b, h, :, cols], layout=layout, optimized=False)  # [dk, bv]
-    k = plgpu.load(k_gmem.at[b, h], layout=layout.reduce(1), optimized=False)  # [dk]
-    q = plgpu.load(q_gmem.at[b, h], layout=layout.reduce(1), optimized=False)
+    k = plgpu.load(k_gmem.at[b, h // r], layout=layout.reduce(1), optimized=False)  # [dk]
+    q = plgpu.load(q_gmem.at[b, h // r], layout=layout.reduce(1), optimized=False)
     v = plgpu.load(v_gmem.at[b, h, cols], layout=layout.reduce(0), optimized=False)  # [bv]
-    decay, beta, kq = decay_gmem[b, h], beta_gmem[b, h], kq_gmem[b, h]
+    decay, beta = jnp.exp(g_gmem[b, h]), beta_gmem[b, h]
     k_rows = lax.broadcast_in_dim(k, s.shape, [0])
-    u_k = jnp.sum(s * k_rows, axis=0)  # [bv]
-    u_q = jnp.sum(s * lax.broadcast_in_dim(q, s.shape, [0]), axis=0)
-    delta = beta * (v - decay * u_k)
-    s_smem[...] = decay * s + k_rows * lax.broadcast_in_dim(delta, s.shape, [1])
-    o_smem[...] = decay * u_q + kq * delta
+    s = decay * s
+    delta = beta * (v - jnp.sum(s * k_rows, axis=0))  # [bv]
+    s = s + k_rows * lax.broadcast_in_dim(delta, s.shape, [1])
+    s_smem[...] = s
+    o_smem[...] = jnp.sum(s * lax.broadcast_in_dim(q, s.shape, [0]), axis=0)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(s_smem, state_gmem.at[b, h, :, cols])
     plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[b, h, cols])
@@ -74,38 +100,40 @@ def gated_delta_decode_pallas(q, k, v, g, beta, state, *, block_v: int | None = 
     """The one-token gated delta rule in one pass over the state (see the module docstring).
 
     Args:
-      q, k: [B, H, dk] float32; v: [B, H, dv] float32; g, beta: [B, H] float32;
-      state: [B, H, dk, dv] float32 (donate it under jit and the update is in place).
+      q, k: [B, Hk, dk] float32 (per key head); v: [B, Hv, dv] float32; g, beta: [B, Hv]
+        float32; state: [B, Hv, dk, dv] float32 (donate it under jit and the update is in
+        place). Hv must be a multiple of Hk; value head h reads key head h // (Hv // Hk).
       block_v: state columns per program (default :func:`choose_block_v`).
       interpret: run in the Mosaic GPU interpreter (CPU) instead of compiling for the GPU.
 
     Returns:
-      (o [B, H, dv] float32, new state [B, H, dk, dv] float32).
+      (o [B, Hv, dv] float32, new state [B, Hv, dk, dv] float32).
 
     Raises:
-      ValueError: inputs not float32, shapes that disagree, dk not a multiple of 64, or dv not
-        a multiple of ``block_v`` (itself a multiple of 8).
+      ValueError: inputs not float32, shapes that disagree, dk not a multiple of 64, Hv not a
+        multiple of Hk, or dv not a multiple of ``block_v`` (itself a multiple of 8).
     """
     batch, heads, dk, dv = state.shape
     arrays = dict(q=q, k=k, v=v, g=g, beta=beta, state=state)
     bad = {n: x.dtype for n, x in arrays.items() if x.dtype != jnp.float32}
     if bad:
         raise ValueError(f"gated_delta_decode_pallas takes float32 inputs; got {bad}")
-    want = dict(q=(batch, heads, dk), k=(batch, heads, dk), v=(batch, heads, dv),
+    key_heads = q.shape[1] if q.ndim == 3 else -1
+    want = dict(q=(batch, key_heads, dk), k=(batch, key_heads, dk), v=(batch, heads, dv),
                 g=(batch, heads), beta=(batch, heads))
     wrong = {n: (tuple(arrays[n].shape), s) for n, s in want.items() if arrays[n].shape != s}
     if wrong:
         raise ValueError(f"shapes (got, expected from state {state.shape}): {wrong}")
-    block_v = block_v or choose_block_v(dv)
-    if dk % TILE_ROWS or dv % block_v or block_v % 8:
-        raise ValueError(f"need dk % {TILE_ROWS} == 0 and dv % block_v == 0 with block_v % 8 == "
-                         f"0; got {dk=}, {dv=}, {block_v=}")
+    why = check_supported(q.shape, state.shape)
+    block_v = block_v or choose_block_v(batch, heads, dv)
+    if why is None and (dv % block_v or block_v % 8):
+        why = f"dv={dv} is not a multiple of block_v={block_v}, or block_v not of 8"
+    if why is not None:
+        raise ValueError(f"gated_delta_decode_pallas: {why}")
     if batch * heads == 0:
         return jnp.zeros((batch, heads, dv), jnp.float32), state
-    decay = jnp.exp(g)
-    kq = jnp.sum(k * q, axis=-1)
     kernel = plgpu.kernel(
-        functools.partial(_kernel, block_v=block_v),
+        functools.partial(_kernel, block_v=block_v, r=heads // key_heads),
         out_type=(),
         scratch_types=(plgpu.SMEM((dk, block_v), jnp.float32),
                        plgpu.SMEM((block_v,), jnp.float32)),
@@ -114,10 +142,51 @@ def gated_delta_decode_pallas(q, k, v, g, beta, state, *, block_v: int | None = 
     )
 
     # o and the state are passed as mutable refs: the kernel writes them, and JAX turns the
-    # writes into outputs aliased to those inputs (the state is updated in place).
+    # writes into outputs aliased to those inputs (the state is updated in place; o starts
+    # uninitialised, lax.empty, since every element is written).
     def run(refs):
         o_ref, state_ref = refs
-        kernel(k, q, v, decay, beta, kq, o_ref, state_ref)
+        kernel(q, k, v, g, beta, o_ref, state_ref)
 
-    o, new_state = pl.run_state(run)((jnp.zeros((batch, heads, dv), jnp.float32), state))
-    return o, new_state
+    return pl.run_state(run)((lax.empty((batch, heads, dv), jnp.float32), state))
+
+
+def gated_delta_decode_reference(q, k, v, g, beta, state):
+    """The XLA form: q, k repeated to the value heads, then
+    :func:`jaxdecode.gated_delta.gated_delta_rule_step`. Same arguments and result as
+    :func:`gated_delta_decode_pallas`."""
+    r = state.shape[1] // q.shape[1]
+    return gated_delta_rule_step(jnp.repeat(q, r, axis=1), jnp.repeat(k, r, axis=1), v, g, beta,
+                                 state)
+
+
+def gated_delta_decode(q, k, v, g, beta, state, *, implementation: str = "auto"):
+    """One-token gated delta rule dispatcher (shapes as :func:`gated_delta_decode_pallas`).
+
+    ``implementation`` (a static Python string):
+      * "auto": the Pallas kernel on NVIDIA GPUs of compute capability 9.0+ for batches of at
+        least ``MIN_BATCH_AUTO`` (below it XLA's fused form is faster in the whole step), the
+        XLA reference elsewhere (CPU). On such a GPU, a shape the kernel does not take falls
+        back to the reference with one ``warnings.warn`` saying why, at trace time.
+      * "pallas": the kernel; without a GPU it runs in the Mosaic GPU interpreter (slow; for
+        tests). Unsupported shapes raise ValueError.
+      * "reference": :func:`gated_delta_decode_reference`.
+
+    Under a multi-device mesh, call it per device (``jaxdecode.sharding`` does, through
+    ``shard_map``): the kernel is a custom call the SPMD partitioner cannot split.
+    """
+    if implementation not in ("auto", "pallas", "reference"):
+        raise ValueError(f"{implementation=} must be 'auto', 'pallas' or 'reference'")
+    if implementation == "reference":
+        return gated_delta_decode_reference(q, k, v, g, beta, state)
+    cc = _gpu_compute_capability()
+    if implementation == "pallas":
+        return gated_delta_decode_pallas(q, k, v, g, beta, state, interpret=cc is None)
+    if cc is None or cc < (9, 0) or state.shape[0] < MIN_BATCH_AUTO:  # CPU, old GPU, batch
+        return gated_delta_decode_reference(q, k, v, g, beta, state)
+    why = check_supported(q.shape, state.shape)
+    if why is not None:
+        warnings.warn("gated_delta_decode: using the XLA reference instead of the Pallas kernel: "
+                      f"{why}", stacklevel=2)
+        return gated_delta_decode_reference(q, k, v, g, beta, state)
+    return gated_delta_decode_pallas(q, k, v, g, beta, state)
