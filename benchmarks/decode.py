@@ -42,6 +42,7 @@ from jaxdecode.params import params_to_hf  # noqa: E402
 GRIDS = {
     # model: [(batch, context), ...]
     "smoke": {"tiny": [(1, 64), (2, 64)]},  # CPU check of the script itself
+    "none": {},  # only the --generate cells
     "quick": {"qwen3.5-0.8b": [(1, 1024)], "qwen3.5-9b": [(1, 1024)]},
     # the issue's target cells plus one cell of each other model (fits one 10-minute call)
     "targets": {"qwen3.5-0.8b": [(1, 1024), (64, 1024)],
@@ -108,11 +109,12 @@ _randomize_state = jax.jit(randomize_state)
 
 
 def time_decode(params, state, batch, steps=50, repeats=3, attention_impl="auto",
-                compiler_options=None):
+                deltanet_impl="auto", compiler_options=None):
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 1000, batch), jnp.int32)
     t0 = time.perf_counter()
     compiled = model.decode_step_jit.lower(params, state, tokens, None,
-                                           attention_impl=attention_impl).compile(
+                                           attention_impl=attention_impl,
+                                           deltanet_impl=deltanet_impl).compile(
                                                compiler_options=compiler_options)
     compile_s = time.perf_counter() - t0
     for _ in range(5):
@@ -127,6 +129,29 @@ def time_decode(params, state, batch, steps=50, repeats=3, attention_impl="auto"
         times.append((time.perf_counter() - t0) / steps)
     assert np.isfinite(np.asarray(logits)).all()
     return statistics.median(times), compile_s, compiled
+
+
+def time_generate(params, batch, new_tokens=512, prompt_len=16, chunk_size=32):
+    """``jd.generate`` (the whole loop on device: prefill, then a scan of decode steps with
+    greedy sampling) for ``new_tokens`` tokens per row, EOS off. Returns (median seconds per
+    generated token, including the short prefill; first call's seconds: compile + run)."""
+    prompts = np.random.default_rng(2).integers(0, 1000, (batch, prompt_len)).tolist()
+
+    def run():
+        out = jd.generate(params, prompts, new_tokens, eos_token_ids=(), chunk_size=chunk_size)
+        jax.block_until_ready(out.tokens)
+        return out
+
+    t0 = time.perf_counter()
+    run()
+    first_s = time.perf_counter() - t0
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        out = run()
+        times.append(time.perf_counter() - t0)
+    assert (np.asarray(out.lengths) == new_tokens).all()
+    return statistics.median(times) / new_tokens, first_s
 
 
 def hlo_kernel_count(compiled) -> dict[str, int]:
@@ -226,6 +251,10 @@ def main():
     ap.add_argument("--compare-attention", action="store_true",
                     help="also time every cell with attention_impl='reference' (XLA) in the "
                          "same run: ms/step of the whole step with and without the kernel")
+    ap.add_argument("--generate", default="",
+                    help="comma-separated model:batch cells (e.g. 0.8b:1,9b:1) also timed "
+                         "through jd.generate: 512 new tokens from a 16-token prompt, the whole "
+                         "loop on device (no host dispatch per step)")
     ap.add_argument("--json", default=None, help="write all rows to this file")
     args = ap.parse_args()
 
@@ -234,8 +263,16 @@ def main():
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; attention_impl={args.attention_impl}")
     bw = copy_bandwidth_gb_per_s()
     print(f"# measured copy bandwidth: {bw:.0f} GB/s")
-    rows, prefill_rows, hf_rows, anatomy = [], [], [], {}
-    for name, cells in GRIDS[args.grid].items():
+    rows, prefill_rows, hf_rows, anatomy, generate_rows = [], [], [], {}, []
+    generate_cells = {}
+    for cell in filter(None, args.generate.split(",")):
+        name, batch = cell.split(":")
+        generate_cells.setdefault(f"qwen3.5-{name}" if name != "tiny" else name,
+                                  []).append(int(batch))
+    grid = dict(GRIDS[args.grid])
+    for name in generate_cells:
+        grid.setdefault(name, [])
+    for name, cells in grid.items():
         config = jd.Config.from_preset(name)
         t0 = time.perf_counter()
         params = jd.init_params(config, jax.random.key(0), "bfloat16")
@@ -267,6 +304,11 @@ def main():
                 anatomy[name] = dict(kernels=hlo_kernel_count(compiled), ms=dt * 1e3,
                                      **layer_cost(config, dt))
             del state, compiled
+        for batch in generate_cells.get(name, []):
+            dt, first_s = time_generate(params, batch)
+            generate_rows.append(dict(model=name, batch=batch, ms_per_token=dt * 1e3,
+                                      tok_per_s=batch / dt, first_call_s=first_s))
+            print("  generate " + json.dumps(generate_rows[-1]), flush=True)
         if not args.no_prefill:
             for length in PREFILL.get(name, []):
                 dt, compile_s = time_prefill(params, config, length)
@@ -291,7 +333,8 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=dev.device_kind, jax=jax.__version__, copy_gb_per_s=bw,
-                           decode=rows, prefill=prefill_rows, hf=hf_rows, anatomy=anatomy), f,
+                           decode=rows, prefill=prefill_rows, hf=hf_rows, anatomy=anatomy,
+                           generate=generate_rows), f,
                       indent=1)
     print(f"\n## Decode step ({dev.device_kind}, jax {jax.__version__}, copy bandwidth "
           f"{bw:.0f} GB/s)\n")
@@ -305,6 +348,12 @@ def main():
               f"{r['tok_per_s_per_row']:.0f} | {r['tok_per_s']:.0f} | {moved:.2f} | "
               f"{r['gb_per_s']:.0f} | {r['pct_copy_bw']:.0f}% | {r['compile_s']:.1f} |"
               + (f" {r['ms_per_step_xla_attention']:.3f} |" if compare else ""))
+    if generate_rows:
+        print("\n| model | batch | jd.generate ms/token | tok/s | first call s |\n"
+              "|---|---|---|---|---|")
+        for r in generate_rows:
+            print(f"| {r['model']} | {r['batch']} | {r['ms_per_token']:.3f} | "
+                  f"{r['tok_per_s']:.0f} | {r['first_call_s']:.1f} |")
     if prefill_rows:
         print("\n| model | prompt | prefill ms | prefill tok/s | compile s |\n|---|---|---|---|---|")
         for r in prefill_rows:

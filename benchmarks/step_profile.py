@@ -1,8 +1,9 @@
 """Anatomy of one decode step on the GPU: every kernel it launches, with its CUPTI time.
 
     python benchmarks/step_profile.py [--cells 0.8b:1:1024,9b:1:1024] [--attention auto,reference]
+        [--deltanet auto,reference] [--options ';name=value,...']
 
-Per cell (model:batch:context) and attention implementation: wall ms per step (the same timing
+Per cell (model:batch:context) and variant (attention and DeltaNet implementations, XLA options): wall ms per step (the same timing
 as ``benchmarks/decode.py``), the sum of kernel times of one step (CUPTI through
 ``jax.experimental.mosaic.gpu``; CUDA-graph kernels included), the difference (time the GPU
 sits between kernels: launch gaps and host work), the number of kernels, the copy ops left in
@@ -27,9 +28,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxdecode as jd  # noqa: E402
-from jaxdecode import model as jd_model  # noqa: E402
 from decode import _randomize_state, time_decode  # noqa: E402
-from deltanet_variants import VARIANTS  # noqa: E402
 
 
 def parse_options(text: str) -> dict:
@@ -98,24 +97,17 @@ def main():
                     help="';'-separated XLA compiler-option variants to compare, each "
                          "'name=value,name=value' ('' = defaults), e.g. "
                          "';xla_gpu_enable_triton_gemm=false'")
-    ap.add_argument("--deltanet-steps", default="library",
-                    help="comma-separated one-token delta-rule forms from "
-                         f"benchmarks/deltanet_variants.py ({', '.join(VARIANTS)}), each timed "
-                         "in the same process")
+    ap.add_argument("--deltanet", default="auto",
+                    help="comma-separated deltanet_impl values (auto = the Pallas kernel on "
+                         "Hopper, reference = XLA), each timed in the same process")
     ap.add_argument("--dump-hlo", default=None, help="write each cell's optimised HLO here")
     args = ap.parse_args()
-    unknown = [f for f in args.deltanet_steps.split(",") if f not in VARIANTS]
-    if unknown:
-        ap.error(f"--deltanet-steps: unknown {unknown}; choose from {list(VARIANTS)}")
+    for flag, values in (("--attention", args.attention), ("--deltanet", args.deltanet)):
+        unknown = [v for v in values.split(",") if v not in ("auto", "pallas", "reference")]
+        if unknown:
+            ap.error(f"{flag}: unknown {unknown}; choose from auto, pallas, reference")
     for opts in args.options.split(";"):
         parse_options(opts)  # fail on a malformed option before any device work
-    if "pallas" in args.deltanet_steps.split(","):
-        for cell in args.cells.split(","):
-            name = cell.split(":")[0]
-            c = jd.Config.from_preset(name if name == "tiny" else f"qwen3.5-{name}")
-            if c.linear_key_head_dim % 64:
-                ap.error(f"--deltanet-steps pallas needs linear_key_head_dim % 64 == 0; "
-                         f"{name} has {c.linear_key_head_dim}")
     print(f"# {jax.devices()[0].device_kind}; jax {jax.__version__}; "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
     summary = []
@@ -132,14 +124,13 @@ def main():
         config = params.config
         variants = [(impl, opts, form) for impl in args.attention.split(",")
                     for opts in args.options.split(";")
-                    for form in args.deltanet_steps.split(",")]
+                    for form in args.deltanet.split(",")]
         for impl, opts, form in variants:
             options = parse_options(opts)
-            jd_model.gated_delta_rule_step = VARIANTS[form]  # read when the step is traced
-            jax.clear_caches()
             state = _randomize_state(jd.init_state(config, batch, context + 256,
                                                    dtype="bfloat16"), context)
             dt, compile_s, compiled = time_decode(params, state, batch, attention_impl=impl,
+                                                  deltanet_impl=form,
                                                   compiler_options=options or None)
             hlo = compiled.as_text()
             if args.dump_hlo:
@@ -182,7 +173,7 @@ def main():
             copies = re.findall(r"= (\S+) copy\(", entry[:entry.index("\n}\n")])
             n_cmd = len(copies)
             tag = (f"{name} b{batch} ctx{context} attention={impl}" + (f" {opts}" if opts else "")
-                   + (f" deltanet={form}" if form != "library" else ""))
+                   + (f" deltanet={form}" if form != "auto" else ""))
             print(f"\n## {tag}\nwall {dt * 1e3:.3f} ms/step; kernels {len(kernels)}, kernel sum "
                   f"{total:.3f} ms; between kernels {dt * 1e3 - total:.3f} ms; compile "
                   f"{compile_s:.1f} s; copies in the step: {collections.Counter(copies)}")

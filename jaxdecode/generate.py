@@ -139,6 +139,28 @@ def _record(loop: LoopState, state: DecodeState, token: Array, active: Array,
     return new, emitted
 
 
+def _pad_single_row(loop: LoopState) -> LoopState:
+    """A one-row loop plus an idle copy of its row (done from the start, so never written).
+
+    XLA GPU (jax 0.11.2) fails to compile the decode loop for a single row ("Expected instruction
+    to have shape equal to pred[], actual shape is pred[1]", from the traced ``active`` mask of
+    shape [1]); with two rows it compiles. The copy costs one more row of state memory and
+    bandwidth (about 2% of a 0.8B step), and no compute that changes the real row's tokens.
+    """
+    loop = jax.tree.map(lambda x: jnp.concatenate([x, x[:1]], axis=0), loop)
+    return loop.replace(done=loop.done.at[1].set(True))
+
+
+def _pad_single_row_sampling(sampling: SamplingParams) -> SamplingParams:
+    """Sampling values for a loop padded by :func:`_pad_single_row` (per-row leaves get the
+    real row's value again; scalars stay)."""
+    return jax.tree.map(lambda x: jnp.concatenate([x, x[:1]]) if jnp.ndim(x) else x, sampling)
+
+
+def _first_rows(tree, rows: int):
+    return jax.tree.map(lambda x: x[:rows], tree)
+
+
 def _step_keys(keys: Array, num_generated: Array) -> Array:
     return jax.vmap(jax.random.fold_in)(keys, num_generated)
 
@@ -179,14 +201,15 @@ def start_fn(params: Params, state: DecodeState, prompts: Array, prompt_lengths:
 
 
 def step_fn(params: Params, loop: LoopState, sampling: SamplingParams, eos_token_ids: Array, *,
-            pad_id: int = -1, attention_impl: str = "auto") -> tuple[LoopState, Array]:
+            pad_id: int = -1, attention_impl: str = "auto", deltanet_impl: str = "auto"
+            ) -> tuple[LoopState, Array]:
     """One decode step for every row still running: feed the last token, sample the next.
 
     Returns (new LoopState, emitted ids [R] int32, ``pad_id`` for stopped rows).
     """
     active = ~loop.done
     logits, state = decode_step_fn(params, loop.state, loop.last_token, active,
-                                   attention_impl=attention_impl)
+                                   attention_impl=attention_impl, deltanet_impl=deltanet_impl)
     token = sampling_lib.sample(logits, _step_keys(loop.keys, loop.num_generated), sampling,
                                 loop.token_counts)
     return _record(loop, state, token, active, eos_token_ids, pad_id)
@@ -194,6 +217,7 @@ def step_fn(params: Params, loop: LoopState, sampling: SamplingParams, eos_token
 
 def chunk_fn(params: Params, loop: LoopState, sampling: SamplingParams, eos_token_ids: Array, *,
              chunk_size: int, pad_id: int = -1, attention_impl: str = "auto",
+             deltanet_impl: str = "auto",
              progress: Callable[[np.ndarray], None] | None = None) -> tuple[LoopState, Array]:
     """``chunk_size`` decode steps (a ``lax.scan``), skipped entirely once every row is done.
 
@@ -203,7 +227,7 @@ def chunk_fn(params: Params, loop: LoopState, sampling: SamplingParams, eos_toke
     def run(loop):
         loop, emitted = lax.scan(
             lambda c, _: step_fn(params, c, sampling, eos_token_ids, pad_id=pad_id,
-                                 attention_impl=attention_impl),
+                                 attention_impl=attention_impl, deltanet_impl=deltanet_impl),
             loop, None, length=chunk_size)
         return loop, emitted.T
 
@@ -220,6 +244,7 @@ def generate_fn(params: Params, state: DecodeState, prompts: Array, prompt_lengt
                 budgets: Array, sampling: SamplingParams, keys: Array, eos_token_ids: Array, *,
                 max_new_tokens: int, chunk_size: int = 8, num_samples: int = 1,
                 track_counts: bool = False, pad_id: int = -1, attention_impl: str = "auto",
+                deltanet_impl: str = "auto",
                 progress: Callable[[np.ndarray], None] | None = None
                 ) -> tuple[GenerateOutput, LoopState]:
     """The whole generation loop as one pure function (un-jitted, un-validated).
@@ -232,17 +257,21 @@ def generate_fn(params: Params, state: DecodeState, prompts: Array, prompt_lengt
                            eos_token_ids, num_samples=num_samples, track_counts=track_counts,
                            pad_id=pad_id)
     rows = first.shape[0]
+    if rows == 1:
+        loop, sampling = _pad_single_row(loop), _pad_single_row_sampling(sampling)
     num_chunks = math.ceil((max_new_tokens - 1) / chunk_size)
     if num_chunks:
         loop, chunks = lax.scan(
             lambda c, _: chunk_fn(params, c, sampling, eos_token_ids, chunk_size=chunk_size,
                                   pad_id=pad_id, attention_impl=attention_impl,
+                                  deltanet_impl=deltanet_impl,
                                   progress=progress),
             loop, None, length=num_chunks)
-        rest = jnp.transpose(chunks, (1, 0, 2)).reshape(rows, num_chunks * chunk_size)
+        rest = jnp.transpose(chunks, (1, 0, 2))[:rows].reshape(rows, num_chunks * chunk_size)
         tokens = jnp.concatenate([first[:, None], rest], axis=1)[:, :max_new_tokens]
     else:
         tokens = first[:, None]
+    loop = _first_rows(loop, rows)
     return GenerateOutput(tokens=tokens, lengths=loop.num_generated,
                           stop_reason=loop.stop_reason), loop
 
@@ -270,6 +299,7 @@ class _Plan:
     track_counts: bool
     pad_id: int
     attention_impl: str
+    deltanet_impl: str
 
 
 def _as_prompt_list(prompts) -> list[list[int]]:
@@ -310,7 +340,7 @@ def _per_row(name: str, value, rows: int, dtype) -> np.ndarray:
 
 
 def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids, *, max_len,
-          num_samples, chunk_size, pad_id, attention_impl) -> _Plan:
+          num_samples, chunk_size, pad_id, attention_impl, deltanet_impl) -> _Plan:
     config = params.config
     vocab = config.vocab_size
     prompt_list = _as_prompt_list(prompts)
@@ -399,7 +429,8 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
                  budgets=np.repeat(budgets, num_samples), sampling=sampling, keys=keys,
                  eos_token_ids=eos_padded, max_len=int(max_len), max_new_tokens=n_bucket,
                  chunk_size=min(chunk_size, max(n_bucket - 1, 1)), num_samples=num_samples,
-                 track_counts=bool(penalties), pad_id=pad_id, attention_impl=attention_impl)
+                 track_counts=bool(penalties), pad_id=pad_id, attention_impl=attention_impl,
+                 deltanet_impl=deltanet_impl)
 
 
 def _leaf_rows(sampling: SamplingParams) -> int | None:
@@ -414,15 +445,16 @@ def _leaf_rows(sampling: SamplingParams) -> int | None:
 # changing it does not recompile.
 @functools.partial(jax.jit, static_argnames=("max_len", "max_new_tokens", "chunk_size",
                                              "num_samples", "track_counts", "attention_impl",
-                                             "progress"))
+                                             "deltanet_impl", "progress"))
 def _generate_jit(params, prompts, prompt_lengths, budgets, sampling, keys, eos_token_ids, pad_id,
                   *, max_len, max_new_tokens, chunk_size, num_samples, track_counts,
-                  attention_impl, progress):
+                  attention_impl, deltanet_impl, progress):
     state = init_state(params.config, prompts.shape[0], max_len, dtype=params.dtype)
     out, _ = generate_fn(params, state, prompts, prompt_lengths, budgets, sampling, keys,
                          eos_token_ids, max_new_tokens=max_new_tokens, chunk_size=chunk_size,
                          num_samples=num_samples, track_counts=track_counts, pad_id=pad_id,
-                         attention_impl=attention_impl, progress=progress)
+                         attention_impl=attention_impl, deltanet_impl=deltanet_impl,
+                         progress=progress)
     return out
 
 
@@ -430,16 +462,19 @@ def _generate_jit(params, prompts, prompt_lengths, budgets, sampling, keys, eos_
 def _start_jit(params, prompts, prompt_lengths, budgets, sampling, keys, eos_token_ids, pad_id,
                *, max_len, num_samples, track_counts):
     state = init_state(params.config, prompts.shape[0], max_len, dtype=params.dtype)
-    return start_fn(params, state, prompts, prompt_lengths, budgets, sampling, keys,
-                    eos_token_ids, num_samples=num_samples, track_counts=track_counts,
-                    pad_id=pad_id)
+    loop, first = start_fn(params, state, prompts, prompt_lengths, budgets, sampling, keys,
+                           eos_token_ids, num_samples=num_samples, track_counts=track_counts,
+                           pad_id=pad_id)
+    # one row: an idle second row for the chunks (see _pad_single_row); chunks are sliced back
+    return (_pad_single_row(loop) if first.shape[0] == 1 else loop), first
 
 
-@functools.partial(jax.jit, static_argnames=("chunk_size", "attention_impl"),
+@functools.partial(jax.jit, static_argnames=("chunk_size", "attention_impl", "deltanet_impl"),
                    donate_argnames=("loop",))
-def _chunk_jit(params, loop, sampling, eos_token_ids, pad_id, *, chunk_size, attention_impl):
+def _chunk_jit(params, loop, sampling, eos_token_ids, pad_id, *, chunk_size, attention_impl,
+               deltanet_impl):
     return chunk_fn(params, loop, sampling, eos_token_ids, chunk_size=chunk_size, pad_id=pad_id,
-                    attention_impl=attention_impl)
+                    attention_impl=attention_impl, deltanet_impl=deltanet_impl)
 
 
 def _generate_args(params: Params, plan: _Plan, progress):
@@ -448,6 +483,7 @@ def _generate_args(params: Params, plan: _Plan, progress):
     static = dict(max_len=plan.max_len, max_new_tokens=plan.max_new_tokens,
                   chunk_size=plan.chunk_size, num_samples=plan.num_samples,
                   track_counts=plan.track_counts, attention_impl=plan.attention_impl,
+                  deltanet_impl=plan.deltanet_impl,
                   progress=progress)
     return args, static
 
@@ -461,8 +497,13 @@ def _start_args(params: Params, plan: _Plan):
 
 
 def _chunk_args(params: Params, plan: _Plan, loop):
-    args = (params, loop, plan.sampling, plan.eos_token_ids, np.int32(plan.pad_id))
-    return args, dict(chunk_size=plan.chunk_size, attention_impl=plan.attention_impl)
+    sampling = plan.sampling
+    if loop.done.shape[0] != plan.budgets.shape[0]:  # the idle extra row of _pad_single_row
+        sampling = jax.tree.map(lambda x: np.concatenate([x, x[:1]]) if np.ndim(x) else x,
+                                sampling)
+    args = (params, loop, sampling, plan.eos_token_ids, np.int32(plan.pad_id))
+    return args, dict(chunk_size=plan.chunk_size, attention_impl=plan.attention_impl,
+                      deltanet_impl=plan.deltanet_impl)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -517,8 +558,9 @@ _DOC_ARGS = """
         ``p * num_samples + j`` continues prompt ``p``).
       chunk_size: decode steps per jitted chunk / scan iteration.
       pad_id: id written after a row stops.
-      attention_impl: passed to :func:`jaxdecode.model.decode_step_fn`; with sharded params use
-        ``jaxdecode.sharding.sharded_decode_attention(mesh)``.
+      attention_impl, deltanet_impl: passed to :func:`jaxdecode.model.decode_step_fn`; with
+        sharded params use ``jaxdecode.sharding.sharded_decode_attention(mesh)`` and
+        ``jaxdecode.sharding.sharded_gated_delta_decode(mesh)`` (the kernels per device).
       executables: from :func:`precompile` for the same arguments (optional).
 
     Raises:
@@ -531,7 +573,7 @@ _DOC_ARGS = """
 def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParams | None = None,
              key=None, eos_token_ids: Sequence[int] | None = None, *, max_len: int | None = None,
              num_samples: int = 1, chunk_size: int = 8, pad_id: int = -1,
-             attention_impl: str = "auto",
+             attention_impl: str = "auto", deltanet_impl: str = "auto",
              progress: Callable[[np.ndarray], None] | None = None,
              executables: Executables | None = None) -> GenerateOutput:
     """Generates continuations with the whole loop on device (one jitted call, no per-token sync).
@@ -544,7 +586,7 @@ def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParam
     """
     plan = _plan(params, prompts, max_new_tokens, sampling, key, eos_token_ids, max_len=max_len,
                  num_samples=num_samples, chunk_size=chunk_size, pad_id=pad_id,
-                 attention_impl=attention_impl)
+                 attention_impl=attention_impl, deltanet_impl=deltanet_impl)
     args, static = _generate_args(params, plan, progress)
     return _call(_generate_jit, args, static, executables)
 
@@ -553,7 +595,7 @@ def generate_stream(params: Params, prompts, max_new_tokens=64,
                     sampling: SamplingParams | None = None, key=None,
                     eos_token_ids: Sequence[int] | None = None, *, max_len: int | None = None,
                     num_samples: int = 1, chunk_size: int = 1, pad_id: int = -1,
-                    attention_impl: str = "auto",
+                    attention_impl: str = "auto", deltanet_impl: str = "auto",
                     executables: Executables | None = None) -> Iterator[StreamChunk]:
     """Generates continuations, yielding tokens to the host as they are produced.
 
@@ -567,19 +609,20 @@ def generate_stream(params: Params, prompts, max_new_tokens=64,
     """
     plan = _plan(params, prompts, max_new_tokens, sampling, key, eos_token_ids, max_len=max_len,
                  num_samples=num_samples, chunk_size=chunk_size, pad_id=pad_id,
-                 attention_impl=attention_impl)
+                 attention_impl=attention_impl, deltanet_impl=deltanet_impl)
     args, static = _start_args(params, plan)
     loop, first = _call(_start_jit, args, static, executables)
-    yield _stream_chunk(first[:, None], loop)
+    rows = first.shape[0]  # the loop may carry an idle extra row (_pad_single_row)
+    yield _stream_chunk(first[:, None], loop, rows)
     while not bool(np.all(np.asarray(loop.done))):
         loop, emitted = _call(_chunk_jit, *_chunk_args(params, plan, loop), executables)
-        yield _stream_chunk(emitted, loop)
+        yield _stream_chunk(emitted, loop, rows)
 
 
-def _stream_chunk(emitted, loop: LoopState) -> StreamChunk:
+def _stream_chunk(emitted, loop: LoopState, rows: int) -> StreamChunk:
     emitted, lengths, stop = jax.device_get((emitted, loop.num_generated, loop.stop_reason))
-    return StreamChunk(tokens=np.asarray(emitted), lengths=np.asarray(lengths),
-                       stop_reason=np.asarray(stop))
+    return StreamChunk(tokens=np.asarray(emitted)[:rows], lengths=np.asarray(lengths)[:rows],
+                       stop_reason=np.asarray(stop)[:rows])
 
 
 generate.__doc__ += _DOC_ARGS
@@ -589,7 +632,7 @@ generate_stream.__doc__ += _DOC_ARGS
 def precompile(params: Params, prompts, max_new_tokens=64, sampling: SamplingParams | None = None,
                key=None, eos_token_ids: Sequence[int] | None = None, *, stream: bool = False,
                max_len: int | None = None, num_samples: int = 1, chunk_size: int | None = None,
-               pad_id: int = -1, attention_impl: str = "auto",
+               pad_id: int = -1, attention_impl: str = "auto", deltanet_impl: str = "auto",
                progress: Callable[[np.ndarray], None] | None = None) -> Executables:
     """Compiles (without running) what :func:`generate` (or, with ``stream``,
     :func:`generate_stream`) will run for these arguments, so its compile time can be measured
@@ -603,7 +646,7 @@ def precompile(params: Params, prompts, max_new_tokens=64, sampling: SamplingPar
         chunk_size = 1 if stream else 8
     plan = _plan(params, prompts, max_new_tokens, sampling, key, eos_token_ids, max_len=max_len,
                  num_samples=num_samples, chunk_size=chunk_size, pad_id=pad_id,
-                 attention_impl=attention_impl)
+                 attention_impl=attention_impl, deltanet_impl=deltanet_impl)
     if not stream:
         return Executables((_compile(_generate_jit, *_generate_args(params, plan, progress)),))
     args, static = _start_args(params, plan)

@@ -24,8 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdecode.config import FULL_ATTENTION, Config
-from jaxdecode.gated_delta import chunk_gated_delta_rule, gated_delta_rule_step
+from jaxdecode.gated_delta import chunk_gated_delta_rule
 from jaxdecode.kernels.decode_attention import decode_attention
+from jaxdecode.kernels.gated_delta_decode import gated_delta_decode
 from jaxdecode.params import AttentionParams, GatedDeltaNetParams, MLPParams, Params
 from jaxdecode.state import DecodeState, KVCache
 
@@ -101,10 +102,18 @@ def mlp(p: MLPParams, x: Array) -> Array:
     return linear(jax.nn.silu(linear(x, p.gate_proj)) * linear(x, p.up_proj), p.down_proj)
 
 
+def token_mask(length: int, n_new: Array) -> Array:
+    """[B, T] bool: token t of row b is real (t < n_new[b]). At T == 1 this is ``n_new > 0``,
+    written without the iota compare (see ``_forward``: XLA GPU and batch 1)."""
+    if length == 1:
+        return (n_new > 0)[:, None]
+    return jnp.arange(length)[None, :] < n_new[:, None]
+
+
 # ----- Gated DeltaNet -------------------------------------------------------------------------
 
 def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurrent_state: Array,
-                    n_new: Array, config: Config, *, decode: bool):
+                    n_new: Array, config: Config, *, decode: bool, deltanet_impl="auto"):
     """Gated DeltaNet mixer (HF ``Qwen3_5GatedDeltaNet``, spec §1.4) over T new tokens per row.
 
     Args:
@@ -113,6 +122,9 @@ def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurre
       conv_state: [B, Kc-1, C] last pre-conv inputs; recurrent_state: [B, Hv, dk, dv] float32.
       n_new: [B] int32.
       decode: T == 1 and the one-token recurrence is used instead of the chunked form.
+      deltanet_impl: the one-token delta rule (decode only): an ``implementation`` of
+        ``jaxdecode.kernels.gated_delta_decode.gated_delta_decode``, or a callable with its
+        signature (such as ``jaxdecode.sharding.sharded_gated_delta_decode(mesh)``).
 
     Returns:
       (out [B, T, Hd], new conv_state, new recurrent_state).
@@ -122,7 +134,7 @@ def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurre
     hk, hv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
                       c.linear_value_head_dim)
     kc = c.linear_conv_kernel_dim
-    valid = jnp.arange(length)[None, :] < n_new[:, None]  # [B, T]
+    valid = token_mask(length, n_new)  # [B, T]
 
     mixed = linear(x, p.in_proj_qkv)  # [B, T, C]  pre-conv q, k, v (grouped per key head)
     z = linear(x, p.in_proj_z).reshape(batch, length, hv, dv)
@@ -156,21 +168,22 @@ def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurre
 
     q = l2_normalize(q) * (dk ** -0.5)
     k = l2_normalize(k)
-    # Value head h reads key head h // r: repeat_interleave, not tiling (spec §7 item 3).
-    r = c.linear_num_value_heads_per_key_head
-    q = jnp.repeat(q, r, axis=2)
-    k = jnp.repeat(k, r, axis=2)
     # Padding tokens become inert (beta = g = 0, k = 0): S passes through them unchanged.
     m = valid[:, :, None, None]
     q, k, v = (jnp.where(m, t, 0.0) for t in (q, k, v))
     g = jnp.where(valid[:, :, None], g, 0.0)
     beta = jnp.where(valid[:, :, None], beta, 0.0)
 
+    # Value head h reads key head h // r: repeat_interleave, not tiling (spec §7 item 3); the
+    # decode step does it inside gated_delta_decode (the kernel indexes key head h // r).
     if decode:
-        o, new_state = gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
-                                             recurrent_state)
+        step = (deltanet_impl if callable(deltanet_impl) else
+                lambda *a: gated_delta_decode(*a, implementation=deltanet_impl))
+        o, new_state = step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], recurrent_state)
         o = o[:, None]
     else:
+        r = c.linear_num_value_heads_per_key_head
+        q, k = jnp.repeat(q, r, axis=2), jnp.repeat(k, r, axis=2)
         o, new_state = chunk_gated_delta_rule(q, k, v, g, beta, recurrent_state, CHUNK_SIZE)
 
     o = gated_rms_norm(o.astype(x.dtype), z, p.norm, c.rms_norm_eps)
@@ -199,7 +212,7 @@ def gated_attention(p: AttentionParams, x: Array, cache: KVCache, start: Array, 
     hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     max_len = cache.k.shape[2]
     positions = start[:, None] + jnp.arange(length)[None, :]  # [B, T]
-    valid = jnp.arange(length)[None, :] < n_new[:, None]
+    valid = token_mask(length, n_new)
 
     # q_proj holds query and output gate interleaved per head: [Hq, 2D] (spec §7 item 2).
     qg = linear(x, p.q_proj).reshape(batch, length, hq, 2 * d)
@@ -288,7 +301,7 @@ def _attend(q, k_cache, v_cache, positions, end):
 # ----- the whole model ------------------------------------------------------------------------
 
 def _forward(params: Params, state: DecodeState, tokens: Array, n_new: Array, *, decode: bool,
-             return_all_logits: bool, attention_impl: str = "auto"):
+             return_all_logits: bool, attention_impl: str = "auto", deltanet_impl="auto"):
     c = params.config
     batch, length = tokens.shape
     start = state.lengths
@@ -297,11 +310,15 @@ def _forward(params: Params, state: DecodeState, tokens: Array, n_new: Array, *,
     # vocabulary; negative ids too, which jnp.take would wrap) is left untouched (no state change,
     # lengths not advanced) and gets NaN logits, never a silently dropped, clamped or wrapped op.
     in_vocab = (tokens >= 0) & (tokens < c.vocab_size)
-    requested = jnp.arange(length)[None, :] < n_new[:, None]  # [B, T]
-    rejected = ((n_new < 0) | (n_new > length) | (start + n_new > state.max_len)
-                | jnp.any(requested & ~in_vocab, axis=1))
+    requested = token_mask(length, n_new)  # [B, T]
+    bad_token = requested & ~in_vocab
+    # At T == 1 no any() over the size-1 axis: with a traced n_new (decode with ``active``, as in
+    # generate) at batch 1, XLA GPU (jax 0.11.2) fails to compile that reduction ("Expected
+    # instruction to have shape equal to pred[], actual shape is pred[1]"; test_gpu_compile.py).
+    bad_row = bad_token[:, 0] if length == 1 else jnp.any(bad_token, axis=1)
+    rejected = ((n_new < 0) | (n_new > length) | (start + n_new > state.max_len) | bad_row)
     n_new = jnp.where(rejected, 0, n_new)
-    valid = jnp.arange(length)[None, :] < n_new[:, None]  # [B, T]
+    valid = token_mask(length, n_new)  # [B, T]
 
     x = jnp.take(params.embed_tokens, jnp.where(in_vocab, tokens, 0), axis=0)
     x = jnp.where(valid[..., None], x, 0).astype(params.dtype)  # no embedding scale (spec §1.1)
@@ -321,7 +338,7 @@ def _forward(params: Params, state: DecodeState, tokens: Array, n_new: Array, *,
             with jax.named_scope(f"layer{i}_deltanet"):
                 h, conv_state[lin], recurrent_state[lin] = gated_delta_net(
                     layer.linear_attn, h, conv_state[lin], recurrent_state[lin], n_new, c,
-                    decode=decode)
+                    decode=decode, deltanet_impl=deltanet_impl)
             lin += 1
         x = x + h
         with jax.named_scope(f"layer{i}_mlp"):
@@ -351,19 +368,20 @@ def prefill_fn(params: Params, state: DecodeState, tokens: Array, lengths: Array
 
 
 def decode_step_fn(params: Params, state: DecodeState, tokens: Array, active: Array | None = None,
-                   attention_impl: str = "auto"):
+                   attention_impl: str = "auto", deltanet_impl: str = "auto"):
     """Pure, un-jitted, un-validated decode step (see :func:`decode_step`)."""
     n_new = (jnp.ones(tokens.shape, jnp.int32) if active is None
              else active.astype(jnp.int32))
     logits, state = _forward(params, state, tokens[:, None], n_new, decode=True,
-                             return_all_logits=False, attention_impl=attention_impl)
+                             return_all_logits=False, attention_impl=attention_impl,
+                             deltanet_impl=deltanet_impl)
     return logits, state
 
 
 prefill_jit = jax.jit(prefill_fn, static_argnames=("return_all_logits",),
                       donate_argnames=("state",))
 prefill_jit.__doc__ = "``prefill_fn`` jitted with the state donated; no host validation."
-decode_step_jit = jax.jit(decode_step_fn, static_argnames=("attention_impl",),
+decode_step_jit = jax.jit(decode_step_fn, static_argnames=("attention_impl", "deltanet_impl"),
                           donate_argnames=("state",))
 decode_step_jit.__doc__ = "``decode_step_fn`` jitted with the state donated; no host validation."
 
@@ -524,7 +542,8 @@ def prefill(params: Params, state: DecodeState, tokens, lengths, *,
 
 
 def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
-                attention_impl: str = "auto", check_inputs: bool = True):
+                attention_impl: str = "auto", deltanet_impl: str = "auto",
+                check_inputs: bool = True):
     """Appends one token per row, each at its own position, and returns the next-token logits.
 
     Jitted with the state donated: the compiled executable aliases every state buffer to its
@@ -539,6 +558,10 @@ def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
       attention_impl: "auto" | "pallas" | "reference" (see ``jaxdecode.kernels.decode_attention``),
         or a hashable callable with ``decode_attention``'s signature (a jit static), such as
         ``jaxdecode.sharding.sharded_decode_attention(mesh)``.
+      deltanet_impl: the Gated DeltaNet one-token update, "auto" | "pallas" | "reference" (see
+        ``jaxdecode.kernels.gated_delta_decode``: "auto" is the Pallas kernel on Hopper GPUs
+        from batch 16, XLA elsewhere), or a hashable callable with that dispatcher's signature, such as
+        ``jaxdecode.sharding.sharded_gated_delta_decode(mesh)``.
       check_inputs: validate on the host first. Validation reads ``state.lengths`` back from the
         device (one sync per step); pass False in a hot loop whose bounds you checked up front.
         Unchecked, a row that would overflow the cache, or is fed a token id outside the
@@ -548,12 +571,13 @@ def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
       (logits [B, V] float32, new_state) with ``new_state.lengths = state.lengths + active``.
 
     A concrete (not traced) state sharded over a ``("data", "model")`` mesh of more than one
-    device (``jaxdecode.sharding.is_on_mesh``), with ``attention_impl`` a string, goes through
-    ``jaxdecode.sharding.decode_step``: same results, decode attention per device, output state
+    device (``jaxdecode.sharding.is_on_mesh``), with both implementations strings, goes through
+    ``jaxdecode.sharding.decode_step``: same results, both kernels run per device, output state
     pinned to the input layout. Inside your own ``jax.jit`` that dispatch cannot see the mesh:
-    there, call ``model.decode_step_fn(..., attention_impl=sharding.sharded_decode_attention(
-    mesh))`` or the function from ``sharding.jit_decode_step``, or on GPU the Pallas kernel gets
-    an all-gathered KV cache.
+    there, use the function from ``sharding.jit_decode_step`` (or pass
+    ``sharding.sharded_decode_attention(mesh)`` and ``sharding.sharded_gated_delta_decode(mesh)``
+    to ``model.decode_step_fn``), or on GPU the Pallas kernels get all-gathered KV caches and
+    recurrent states.
 
     Raises:
       ValueError: see :func:`check_decode_inputs`.
@@ -564,14 +588,16 @@ def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
     key/value at ``lengths[b]`` and attend over positions ``0..lengths[b]`` through
     ``decode_attention``. Source: HF ``modeling_qwen3_5.py`` (transformers 5.24.0).
     """
-    if isinstance(attention_impl, str):
+    if isinstance(attention_impl, str) and isinstance(deltanet_impl, str):
         from jaxdecode import sharding  # imports this module
-        if sharding.is_on_mesh(state):  # attention per device; same validation and results
+        if sharding.is_on_mesh(state):  # kernels per device; same validation and results
             return sharding.decode_step(params, state, tokens, active,
-                                        attention_impl=attention_impl, check_inputs=check_inputs)
+                                        attention_impl=attention_impl,
+                                        deltanet_impl=deltanet_impl, check_inputs=check_inputs)
     if check_inputs and not _is_traced(tokens, active, state):
         check_decode_inputs(params.config, state, tokens, active, params.dtype)
     tokens = jnp.asarray(tokens, jnp.int32)
     if active is not None:
         active = jnp.asarray(active, bool)
-    return decode_step_jit(params, state, tokens, active, attention_impl=attention_impl)
+    return decode_step_jit(params, state, tokens, active, attention_impl=attention_impl,
+                           deltanet_impl=deltanet_impl)

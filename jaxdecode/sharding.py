@@ -110,6 +110,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdecode import model
 from jaxdecode.kernels.decode_attention import decode_attention
+from jaxdecode.kernels.gated_delta_decode import gated_delta_decode
 from jaxdecode.config import Config
 from jaxdecode.params import Params, param_specs, params_from_flat
 from jaxdecode.state import DecodeState, KVCache, init_state
@@ -397,14 +398,38 @@ def sharded_decode_attention(mesh: Mesh, implementation: str = "auto"):
 
 
 @functools.cache
-def jit_decode_step(config: Config, mesh: Mesh, attention_impl: str = "auto"):
+def sharded_gated_delta_decode(mesh: Mesh, implementation: str = "auto"):
+    """``gated_delta_decode`` (the one-token delta rule) run per device under ``jax.shard_map``:
+    rows over ``"data"``, key and value heads over ``"model"`` (contiguous head blocks: value
+    head h and its key head h // r land on the same device, since Hv = r·Hk). Like
+    :func:`sharded_decode_attention`: the Pallas kernel is a custom call the partitioner cannot
+    split; under ``shard_map`` each device updates its own recurrent states in place, with no
+    communication. Cached per (mesh, implementation)."""
+    heads, state_spec = P(DATA, MODEL, None), P(DATA, MODEL, None, None)
+
+    def local(q, k, v, g, beta, state):
+        return gated_delta_decode(q, k, v, g, beta, state, implementation=implementation)
+
+    return jax.shard_map(local, mesh=mesh,
+                         in_specs=(heads, heads, heads, P(DATA, MODEL), P(DATA, MODEL),
+                                   state_spec),
+                         out_specs=(heads, state_spec), check_vma=False)
+
+
+@functools.cache
+def jit_decode_step(config: Config, mesh: Mesh, attention_impl: str = "auto",
+                    deltanet_impl: str = "auto"):
     """``model.decode_step_fn`` jitted like :func:`jit_prefill`; call as
-    ``f(params, state, tokens, active)`` (``active`` may be None). Decode attention runs per
-    device (:func:`sharded_decode_attention`)."""
+    ``f(params, state, tokens, active)`` (``active`` may be None). Decode attention and the
+    DeltaNet update run per device (:func:`sharded_decode_attention`,
+    :func:`sharded_gated_delta_decode`); a callable implementation is used as given."""
     out = (NamedSharding(mesh, logits_partition_spec()), state_shardings(config, mesh))
     attend = (sharded_decode_attention(mesh, attention_impl) if isinstance(attention_impl, str)
               else attention_impl)
-    fn = functools.partial(model.decode_step_fn, attention_impl=attend)
+    delta_rule = (sharded_gated_delta_decode(mesh, deltanet_impl)
+                  if isinstance(deltanet_impl, str) else deltanet_impl)
+    fn = functools.partial(model.decode_step_fn, attention_impl=attend,
+                           deltanet_impl=delta_rule)
     return jax.jit(fn, donate_argnums=1, out_shardings=out)
 
 
@@ -486,7 +511,8 @@ def prefill(params: Params, state: DecodeState, tokens, lengths, *,
 
 
 def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
-                attention_impl: str = "auto", check_inputs: bool = True):
+                attention_impl: str = "auto", deltanet_impl: str = "auto",
+                check_inputs: bool = True):
     """:func:`jaxdecode.decode_step` on the mesh the state lives on (see :func:`prefill`).
 
     The state is donated and every buffer aliased to its output; the output state keeps the
@@ -505,4 +531,5 @@ def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
     tokens = shard_batch(tokens, mesh, jnp.int32)
     if active is not None:
         active = shard_batch(active, mesh, jnp.bool_)
-    return jit_decode_step(params.config, mesh, attention_impl)(params, state, tokens, active)
+    return jit_decode_step(params.config, mesh, attention_impl, deltanet_impl)(
+        params, state, tokens, active)

@@ -84,22 +84,3 @@ def test_step_matches_recurrence_and_padding_is_inert():
     zero = np.zeros_like(g[:, 0])
     _, s2 = gated_delta_rule_step(q[:, 0], 0 * k[:, 0], v[:, 0], zero, zero, state)
     np.testing.assert_array_equal(np.asarray(s2), state)
-
-
-@pytest.mark.parametrize("dk,dv", [(16, 24), (64, 64)])
-def test_benchmark_step_variants_match_recurrence(dk, dv):
-    """The alternative one-token forms that benchmarks/step_profile.py times against the library's
-    (benchmarks/deltanet_variants.py) compute the same thing ("pallas" needs dk % 64 == 0)."""
-    import pathlib
-    import sys
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-    from deltanet_variants import VARIANTS
-    q, k, v, g, beta, state = random_inputs(5, 2, 1, 3, dk, dv, decay_scale=2.0)
-    want_o, want_s = numpy_recurrence(q, k, v, g, beta, state)
-    for name, step in VARIANTS.items():
-        if name == "pallas" and dk % 64:
-            continue
-        o, s = jax.jit(step)(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
-        np.testing.assert_allclose(np.asarray(o), want_o[:, 0], rtol=1e-5, atol=1e-5,
-                                   err_msg=name)
-        np.testing.assert_allclose(np.asarray(s), want_s, rtol=1e-5, atol=1e-5, err_msg=name)

@@ -105,13 +105,14 @@ def test_per_row_budgets(params):
 def test_finished_row_state_stops_changing(params):
     """Once a row stops, decode steps leave its state (caches, lengths) bit-identical."""
     plan = gen._plan(params, PROMPTS, [2, 16, 16], None, None, (), max_len=None,
-                     num_samples=1, chunk_size=4, pad_id=-1, attention_impl="auto")
+                     num_samples=1, chunk_size=4, pad_id=-1, attention_impl="auto",
+                     deltanet_impl="auto")
     args, static = gen._start_args(params, plan)
     loop, _ = gen._start_jit(*args, **static)
 
     def step(loop):  # the jitted one-token chunk generate_stream uses (loop is donated)
         return gen._chunk_jit(*gen._chunk_args(params, plan, loop)[0], chunk_size=1,
-                              attention_impl="auto")
+                              attention_impl="auto", deltanet_impl="auto")
 
     loop, _ = step(loop)
     assert np.asarray(loop.done).tolist() == [True, False, False]
@@ -252,3 +253,25 @@ def test_precompiled_executables_are_used_and_give_the_same_tokens(params):
     streamed = np.concatenate([c.tokens for c in gen.generate_stream(
         params, prompts, executables=stream_ex, **kw)], axis=1)
     np.testing.assert_array_equal(streamed[:, :6], np.asarray(want.tokens)[:, :6])
+
+
+def test_single_prompt_matches_its_row_in_a_batch(params):
+    """One prompt runs with an idle extra row (generate._pad_single_row, an XLA GPU workaround):
+    its tokens equal the same row's in a batch, sampled per row, streamed or not."""
+    sampling = jd.SamplingParams.create(temperature=[0.8, 0.5, 1.0], top_k=[0, 5, 0])
+    key = jax.random.key(7)
+    batch = gen.generate(params, PROMPTS, 12, sampling, key, eos_token_ids=())
+    one = jd.SamplingParams.create(temperature=[0.8], top_k=[0])
+    single = gen.generate(params, PROMPTS[:1], 12, one, key, eos_token_ids=())
+    assert single.token_lists() == batch.token_lists()[:1]
+    assert np.asarray(single.tokens).shape[0] == 1 and single.stop_reasons() == ["length"]
+    chunks = list(gen.generate_stream(params, PROMPTS[:1], 12, one, key, eos_token_ids=(),
+                                      chunk_size=4))
+    assert all(c.tokens.shape[0] == 1 for c in chunks)
+    streamed = np.concatenate([c.tokens for c in chunks], axis=1)[0]
+    assert streamed[:12].tolist() == single.token_lists()[0]
+    executables = gen.precompile(params, PROMPTS[:1], 12, one, key, eos_token_ids=(),
+                                 stream=True, chunk_size=4)
+    again = list(gen.generate_stream(params, PROMPTS[:1], 12, one, key, eos_token_ids=(),
+                                     chunk_size=4, executables=executables))
+    np.testing.assert_array_equal(np.concatenate([c.tokens for c in again], axis=1)[0], streamed)
