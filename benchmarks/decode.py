@@ -266,6 +266,8 @@ def main():
     rows, prefill_rows, hf_rows, anatomy, generate_rows = [], [], [], {}, []
     generate_cells = {}
     for cell in filter(None, args.generate.split(",")):
+        if cell.count(":") != 1 or not cell.split(":")[1].isdigit():
+            ap.error(f"--generate: {cell!r} is not model:batch (e.g. 0.8b:1)")
         name, batch = cell.split(":")
         generate_cells.setdefault(f"qwen3.5-{name}" if name != "tiny" else name,
                                   []).append(int(batch))

@@ -3,12 +3,13 @@
     python benchmarks/step_profile.py [--cells 0.8b:1:1024,9b:1:1024] [--attention auto,reference]
         [--deltanet auto,reference] [--options ';name=value,...']
 
-Per cell (model:batch:context) and variant (attention and DeltaNet implementations, XLA options): wall ms per step (the same timing
-as ``benchmarks/decode.py``), the sum of kernel times of one step (CUPTI through
-``jax.experimental.mosaic.gpu``; CUDA-graph kernels included), the difference (time the GPU
-sits between kernels: launch gaps and host work), the number of kernels, the copy ops left in
-the compiled step (a copy of a state buffer means an update was not done in place), and the kernels grouped by family and by the layer kind they come from
-(read off the named scopes in the optimised HLO's metadata). The largest kernels are listed last.
+Per cell (model:batch:context) and variant (attention and DeltaNet implementations, XLA
+options): wall ms per step (the same timing as ``benchmarks/decode.py``), the sum of kernel
+times of one step (CUPTI through ``jax.experimental.mosaic.gpu``; CUDA-graph kernels included),
+the difference (time the GPU sits between kernels: launch gaps and host work), the number of
+kernels, the copy ops left in the compiled step (a copy of a state buffer means an update was
+not done in place), and the kernels grouped by family and by the layer kind they come from (read
+off the named scopes in the optimised HLO's metadata). The largest kernels are listed last.
 """
 
 from __future__ import annotations
@@ -106,6 +107,13 @@ def main():
         unknown = [v for v in values.split(",") if v not in ("auto", "pallas", "reference")]
         if unknown:
             ap.error(f"{flag}: unknown {unknown}; choose from auto, pallas, reference")
+    if "pallas" in args.deltanet.split(","):
+        for cell in args.cells.split(","):
+            name = cell.split(":")[0]
+            c = jd.Config.from_preset(name if name == "tiny" else f"qwen3.5-{name}")
+            if c.linear_key_head_dim % 64:
+                ap.error(f"--deltanet pallas needs linear_key_head_dim % 64 == 0; {name} has "
+                         f"{c.linear_key_head_dim}")
     for opts in args.options.split(";"):
         parse_options(opts)  # fail on a malformed option before any device work
     print(f"# {jax.devices()[0].device_kind}; jax {jax.__version__}; "

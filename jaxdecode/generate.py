@@ -39,7 +39,7 @@ from jax import lax
 
 from jaxdecode import sampling as sampling_lib
 from jaxdecode.kernels.decode_attention import MAX_LEN_ALIGN
-from jaxdecode.model import decode_step_fn, prefill_fn
+from jaxdecode.model import check_implementations, decode_step_fn, prefill_fn
 from jaxdecode.params import Params
 from jaxdecode.sampling import SamplingParams
 from jaxdecode.state import DecodeState, fork, init_state
@@ -139,16 +139,26 @@ def _record(loop: LoopState, state: DecodeState, token: Array, active: Array,
     return new, emitted
 
 
-def _pad_single_row(loop: LoopState) -> LoopState:
-    """A one-row loop plus an idle copy of its row (done from the start, so never written).
+def _pads_single_row() -> bool:
+    """Whether one-row loops get an idle second row (:func:`_pad_single_row`): on GPU backends,
+    where XLA (jax 0.11.2) fails to compile the decode loop for a single row ("Expected
+    instruction to have shape equal to pred[], actual shape is pred[1]", from the traced
+    ``active`` mask of shape [1]; with two rows it compiles). Read at trace time."""
+    return jax.default_backend() == "gpu"
 
-    XLA GPU (jax 0.11.2) fails to compile the decode loop for a single row ("Expected instruction
-    to have shape equal to pred[], actual shape is pred[1]", from the traced ``active`` mask of
-    shape [1]); with two rows it compiles. The copy costs one more row of state memory and
-    bandwidth (about 2% of a 0.8B step), and no compute that changes the real row's tokens.
+
+def _pad_single_row(loop: LoopState) -> LoopState:
+    """A one-row loop plus an idle second row: done from the start (so never written), with a
+    zero state holding one cached position (attention over one zero key, no empty softmax).
+
+    Cost: one more row of state memory (the KV cache at max_len, the recurrent state), one copy
+    of the state when padding, and per decode step one row of recurrent state and conv window
+    read (about 2% of a 0.8B step at batch 1) and one KV position; no effect on the real row.
     """
-    loop = jax.tree.map(lambda x: jnp.concatenate([x, x[:1]], axis=0), loop)
-    return loop.replace(done=loop.done.at[1].set(True))
+    state = jax.tree.map(lambda x: jnp.concatenate([x, jnp.zeros_like(x[:1])]), loop.state)
+    state = state.replace(lengths=state.lengths.at[1].set(1))
+    rest = jax.tree.map(lambda x: jnp.concatenate([x, x[:1]]), loop.replace(state=None))
+    return rest.replace(state=state, done=rest.done.at[1].set(True))
 
 
 def _pad_single_row_sampling(sampling: SamplingParams) -> SamplingParams:
@@ -257,8 +267,11 @@ def generate_fn(params: Params, state: DecodeState, prompts: Array, prompt_lengt
                            eos_token_ids, num_samples=num_samples, track_counts=track_counts,
                            pad_id=pad_id)
     rows = first.shape[0]
-    if rows == 1:
+    if rows == 1 and _pads_single_row():
         loop, sampling = _pad_single_row(loop), _pad_single_row_sampling(sampling)
+        if progress is not None:  # report the real row only
+            user_progress = progress
+            progress = lambda num_generated: user_progress(num_generated[:rows])  # noqa: E731
     num_chunks = math.ceil((max_new_tokens - 1) / chunk_size)
     if num_chunks:
         loop, chunks = lax.scan(
@@ -341,6 +354,7 @@ def _per_row(name: str, value, rows: int, dtype) -> np.ndarray:
 
 def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids, *, max_len,
           num_samples, chunk_size, pad_id, attention_impl, deltanet_impl) -> _Plan:
+    check_implementations(attention_impl, deltanet_impl)
     config = params.config
     vocab = config.vocab_size
     prompt_list = _as_prompt_list(prompts)
@@ -465,8 +479,10 @@ def _start_jit(params, prompts, prompt_lengths, budgets, sampling, keys, eos_tok
     loop, first = start_fn(params, state, prompts, prompt_lengths, budgets, sampling, keys,
                            eos_token_ids, num_samples=num_samples, track_counts=track_counts,
                            pad_id=pad_id)
-    # one row: an idle second row for the chunks (see _pad_single_row); chunks are sliced back
-    return (_pad_single_row(loop) if first.shape[0] == 1 else loop), first
+    # one row on a GPU: an idle second row for the chunks (_pads_single_row); sliced back later
+    if first.shape[0] == 1 and _pads_single_row():
+        loop = _pad_single_row(loop)
+    return loop, first
 
 
 @functools.partial(jax.jit, static_argnames=("chunk_size", "attention_impl", "deltanet_impl"),
@@ -566,7 +582,8 @@ _DOC_ARGS = """
     Raises:
       ValueError: before any device work, for empty prompts, ids outside ``[0, vocab_size)``,
         a budget < 1, prompt + budget over ``max_len`` or ``max_position_embeddings``, invalid
-        sampling values (see :func:`jaxdecode.sampling.validate`) or a mis-shaped key.
+        sampling values (see :func:`jaxdecode.sampling.validate`), a mis-shaped key, or an
+        unknown ``attention_impl`` / ``deltanet_impl``.
 """
 
 

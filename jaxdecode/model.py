@@ -507,6 +507,18 @@ def check_decode_inputs(config: Config, state: DecodeState, tokens, active=None,
 
 # ----- public API -----------------------------------------------------------------------------
 
+IMPLEMENTATIONS = ("auto", "pallas", "reference")
+
+
+def check_implementations(attention_impl, deltanet_impl) -> None:
+    """Raises ValueError, naming the argument, for an implementation that is neither one of
+    :data:`IMPLEMENTATIONS` nor a callable (checked on the host, before any device work)."""
+    for name, value in (("attention_impl", attention_impl), ("deltanet_impl", deltanet_impl)):
+        if not callable(value) and not (isinstance(value, str) and value in IMPLEMENTATIONS):
+            raise ValueError(f"{name}={value!r} must be one of {IMPLEMENTATIONS} or a callable "
+                             "with the kernel dispatcher's signature")
+
+
 def prefill(params: Params, state: DecodeState, tokens, lengths, *,
             return_all_logits: bool = False):
     """Appends each row's prompt tokens to the state (a fresh state or a continuation).
@@ -560,8 +572,8 @@ def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
         ``jaxdecode.sharding.sharded_decode_attention(mesh)``.
       deltanet_impl: the Gated DeltaNet one-token update, "auto" | "pallas" | "reference" (see
         ``jaxdecode.kernels.gated_delta_decode``: "auto" is the Pallas kernel on Hopper GPUs
-        from batch 16, XLA elsewhere), or a hashable callable with that dispatcher's signature, such as
-        ``jaxdecode.sharding.sharded_gated_delta_decode(mesh)``.
+        from batch 16, XLA elsewhere), or a hashable callable with that dispatcher's
+        signature, such as ``jaxdecode.sharding.sharded_gated_delta_decode(mesh)``.
       check_inputs: validate on the host first. Validation reads ``state.lengths`` back from the
         device (one sync per step); pass False in a hot loop whose bounds you checked up front.
         Unchecked, a row that would overflow the cache, or is fed a token id outside the
@@ -580,7 +592,7 @@ def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
     recurrent states.
 
     Raises:
-      ValueError: see :func:`check_decode_inputs`.
+      ValueError: see :func:`check_decode_inputs` and :func:`check_implementations`.
 
     Math: one token of every layer (spec §1.3-§1.8): Gated DeltaNet layers run the one-token
     gated delta rule from the cached conv window and recurrent state (Yang et al., "Gated Delta
@@ -588,6 +600,7 @@ def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
     key/value at ``lengths[b]`` and attend over positions ``0..lengths[b]`` through
     ``decode_attention``. Source: HF ``modeling_qwen3_5.py`` (transformers 5.24.0).
     """
+    check_implementations(attention_impl, deltanet_impl)
     if isinstance(attention_impl, str) and isinstance(deltanet_impl, str):
         from jaxdecode import sharding  # imports this module
         if sharding.is_on_mesh(state):  # kernels per device; same validation and results

@@ -58,7 +58,9 @@ Decode attention runs per device under ``shard_map`` (:func:`sharded_decode_atte
 partitioner cannot split, and would otherwise get an all-gathered KV cache every step.
 ``jaxdecode.decode_step`` given a state on such a mesh (:func:`is_on_mesh`) calls
 :func:`decode_step` here; inside your own ``jax.jit`` call ``jit_decode_step``'s function, or
-pass ``attention_impl=sharded_decode_attention(mesh)`` to ``model.decode_step_fn``. On 2 x H200
+pass ``attention_impl=sharded_decode_attention(mesh)`` to ``model.decode_step_fn``. The
+Gated DeltaNet update does the same (:func:`sharded_gated_delta_decode`, its Pallas kernel from
+batch 16 on Hopper; ``deltanet_impl=`` of ``model.decode_step_fn``). On 2 x H200
 the compiled TP2 step with the kernel under ``shard_map`` has only the residual all-reduces
 (benchmarks/RESULTS.md, "Sharded decode step"); on CPU the tests run the reference attention
 inside ``shard_map``, since the Mosaic GPU interpreter cannot run on several virtual devices.
@@ -522,6 +524,7 @@ def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
       ValueError: see ``jaxdecode.model.check_decode_inputs`` and :func:`state_mesh`; params
         not placed on the state's mesh.
     """
+    model.check_implementations(attention_impl, deltanet_impl)
     mesh = state_mesh(state)
     _check_params_mesh(params, mesh)
     if (check_inputs and state.lengths.is_fully_addressable

@@ -135,3 +135,21 @@ def test_dispatcher_warns_on_a_shape_the_kernel_cannot_take(monkeypatch):
     args, _, _ = gqa_inputs(1, gdd.MIN_BATCH_AUTO, 1, 2, 32, 48, 1.0)
     with pytest.warns(UserWarning, match="not a multiple of 64"):
         gated_delta_decode(*args)
+
+
+def test_unknown_implementations_are_named_before_any_work():
+    import jaxdecode as jd
+    params = jd.init_params(jd.Config.from_preset("tiny"), jax.random.key(0))
+    state = jd.init_state(params.config, 1, 64)
+    with pytest.raises(ValueError, match="deltanet_impl='bogus'"):
+        jd.decode_step(params, state, [1], deltanet_impl="bogus")
+    with pytest.raises(ValueError, match="attention_impl='triton'"):
+        jd.decode_step(params, state, [1], attention_impl="triton")
+    with pytest.raises(ValueError, match="deltanet_impl='bogus'"):
+        next(jd.generate_stream(params, [[1, 2]], 4, deltanet_impl="bogus"))
+    with pytest.raises(ValueError, match="deltanet_impl='bogus'"):
+        jd.generate(params, [[1, 2]], 4, deltanet_impl="bogus")
+    args, _, _ = gqa_inputs(1, 1, 1, 3, 32, 48, 1.0)
+    with pytest.raises(ValueError, match="3 value heads are not a multiple of 2 key heads"):
+        gated_delta_decode_reference(jnp.tile(args[0], (1, 2, 1)), jnp.tile(args[1], (1, 2, 1)),
+                                     *args[2:])

@@ -255,16 +255,24 @@ def test_precompiled_executables_are_used_and_give_the_same_tokens(params):
     np.testing.assert_array_equal(streamed[:, :6], np.asarray(want.tokens)[:, :6])
 
 
-def test_single_prompt_matches_its_row_in_a_batch(params):
-    """One prompt runs with an idle extra row (generate._pad_single_row, an XLA GPU workaround):
-    its tokens equal the same row's in a batch, sampled per row, streamed or not."""
+@pytest.mark.parametrize("padded", [False, True], ids=["as-on-cpu", "as-on-gpu"])
+def test_single_prompt_matches_its_row_in_a_batch(params, padded, monkeypatch):
+    """One prompt, with and without the idle extra row a GPU run adds (generate._pad_single_row,
+    an XLA GPU workaround): its tokens equal the same row's in a batch, sampled per row, streamed
+    or not, precompiled or not, and ``progress`` sees only the real row."""
+    monkeypatch.setattr(gen, "_pads_single_row", lambda: padded)
+    jax.clear_caches()  # the padding is decided at trace time
     sampling = jd.SamplingParams.create(temperature=[0.8, 0.5, 1.0], top_k=[0, 5, 0])
     key = jax.random.key(7)
     batch = gen.generate(params, PROMPTS, 12, sampling, key, eos_token_ids=())
     one = jd.SamplingParams.create(temperature=[0.8], top_k=[0])
-    single = gen.generate(params, PROMPTS[:1], 12, one, key, eos_token_ids=())
+    seen = []
+    single = gen.generate(params, PROMPTS[:1], 12, one, key, eos_token_ids=(), chunk_size=4,
+                          progress=seen.append)
     assert single.token_lists() == batch.token_lists()[:1]
     assert np.asarray(single.tokens).shape[0] == 1 and single.stop_reasons() == ["length"]
+    jax.effects_barrier()
+    assert [np.asarray(n).tolist() for n in seen] == [[5], [9], [12], [12]]
     chunks = list(gen.generate_stream(params, PROMPTS[:1], 12, one, key, eos_token_ids=(),
                                       chunk_size=4))
     assert all(c.tokens.shape[0] == 1 for c in chunks)
@@ -275,3 +283,7 @@ def test_single_prompt_matches_its_row_in_a_batch(params):
     again = list(gen.generate_stream(params, PROMPTS[:1], 12, one, key, eos_token_ids=(),
                                      chunk_size=4, executables=executables))
     np.testing.assert_array_equal(np.concatenate([c.tokens for c in again], axis=1)[0], streamed)
+    penalised = jd.SamplingParams.create(temperature=0.7, repetition_penalty=1.3)
+    with_counts = gen.generate(params, PROMPTS[:1], 12, penalised, key, eos_token_ids=())
+    assert with_counts.token_lists() == gen.generate(
+        params, PROMPTS[:2], 12, penalised, key, eos_token_ids=()).token_lists()[:1]

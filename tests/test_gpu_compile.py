@@ -1,7 +1,7 @@
-"""Whole-program compiles on a real GPU that CPU CI cannot see (``@pytest.mark.gpu``; skipped
+"""Whole-program compiles on a real GPU that CPU CI cannot see (``@pytest.mark.gpu``, skipped
 without an sm_90 GPU): XLA GPU (jax 0.11.2) fails to compile the decode step at batch 1 with a
-traced ``active`` mask, which broke ``jaxdecode.generate`` for one prompt on GPUs only (worked around
-in model.py ``_forward`` and generate.py ``_pad_single_row``)."""
+traced ``active`` mask, which broke ``jaxdecode.generate`` for one prompt on GPUs only (worked
+around in model.py ``_forward`` and generate.py ``_pad_single_row``)."""
 
 from __future__ import annotations
 

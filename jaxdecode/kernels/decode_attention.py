@@ -570,7 +570,8 @@ def decode_attention(q, k_cache, v_cache, lengths, *, implementation: str = "aut
       * "reference": :func:`decode_attention_reference`.
     """
     if implementation not in ("auto", "pallas", "reference"):
-        raise ValueError(f"{implementation=} must be 'auto', 'pallas' or 'reference'")
+        raise ValueError(f"decode_attention: {implementation=} must be 'auto', 'pallas' or "
+                         "'reference'")
     if implementation == "reference":
         return decode_attention_reference(q, k_cache, v_cache, lengths)
     cc = _gpu_compute_capability()

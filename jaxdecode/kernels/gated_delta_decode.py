@@ -155,6 +155,9 @@ def gated_delta_decode_reference(q, k, v, g, beta, state):
     """The XLA form: q, k repeated to the value heads, then
     :func:`jaxdecode.gated_delta.gated_delta_rule_step`. Same arguments and result as
     :func:`gated_delta_decode_pallas`."""
+    if q.shape[1] == 0 or state.shape[1] % q.shape[1]:
+        raise ValueError(f"gated_delta_decode_reference: {state.shape[1]} value heads are not a "
+                         f"multiple of {q.shape[1]} key heads")
     r = state.shape[1] // q.shape[1]
     return gated_delta_rule_step(jnp.repeat(q, r, axis=1), jnp.repeat(k, r, axis=1), v, g, beta,
                                  state)
@@ -176,7 +179,8 @@ def gated_delta_decode(q, k, v, g, beta, state, *, implementation: str = "auto")
     ``shard_map``): the kernel is a custom call the SPMD partitioner cannot split.
     """
     if implementation not in ("auto", "pallas", "reference"):
-        raise ValueError(f"{implementation=} must be 'auto', 'pallas' or 'reference'")
+        raise ValueError(f"gated_delta_decode: {implementation=} must be 'auto', 'pallas' or "
+                         "'reference'")
     if implementation == "reference":
         return gated_delta_decode_reference(q, k, v, g, beta, state)
     cc = _gpu_compute_capability()
