@@ -262,6 +262,9 @@ def generate_fn(params: Params, state: DecodeState, prompts: Array, prompt_lengt
     Args as :func:`start_fn`, plus ``max_new_tokens`` (static): the token buffer length N, at
     least ``max(budgets)``; ``chunk_size`` (static): decode steps per scan iteration.
     Returns (GenerateOutput with [R, N] tokens, final LoopState).
+
+    On a GPU backend a one-row loop runs with an idle second row (:func:`_pad_single_row`, an
+    XLA workaround); the outputs, the final LoopState and ``progress`` hold the real row only.
     """
     loop, first = start_fn(params, state, prompts, prompt_lengths, budgets, sampling, keys,
                            eos_token_ids, num_samples=num_samples, track_counts=track_counts,
