@@ -29,6 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxdecode as jd  # noqa: E402
+from jaxdecode.kernels import IMPLEMENTATIONS  # noqa: E402
 from decode import _randomize_state, time_decode  # noqa: E402
 
 
@@ -104,9 +105,9 @@ def main():
     ap.add_argument("--dump-hlo", default=None, help="write each cell's optimised HLO here")
     args = ap.parse_args()
     for flag, values in (("--attention", args.attention), ("--deltanet", args.deltanet)):
-        unknown = [v for v in values.split(",") if v not in ("auto", "pallas", "reference")]
+        unknown = [v for v in values.split(",") if v not in IMPLEMENTATIONS]
         if unknown:
-            ap.error(f"{flag}: unknown {unknown}; choose from auto, pallas, reference")
+            ap.error(f"{flag}: unknown {unknown}; choose from {IMPLEMENTATIONS}")
     if "pallas" in args.deltanet.split(","):
         for cell in args.cells.split(","):
             name = cell.split(":")[0]

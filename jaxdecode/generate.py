@@ -163,8 +163,12 @@ def _pad_single_row(loop: LoopState) -> LoopState:
 
 def _pad_single_row_sampling(sampling: SamplingParams) -> SamplingParams:
     """Sampling values for a loop padded by :func:`_pad_single_row` (per-row leaves get the
-    real row's value again; scalars stay)."""
-    return jax.tree.map(lambda x: jnp.concatenate([x, x[:1]]) if jnp.ndim(x) else x, sampling)
+    real row's value again; scalars stay; host numpy leaves stay numpy)."""
+    def pad(x):
+        xp = np if isinstance(x, np.ndarray) else jnp
+        return xp.concatenate([x, x[:1]]) if np.ndim(x) else x
+
+    return jax.tree.map(pad, sampling)
 
 
 def _first_rows(tree, rows: int):
@@ -518,8 +522,7 @@ def _start_args(params: Params, plan: _Plan):
 def _chunk_args(params: Params, plan: _Plan, loop):
     sampling = plan.sampling
     if loop.done.shape[0] != plan.budgets.shape[0]:  # the idle extra row of _pad_single_row
-        sampling = jax.tree.map(lambda x: np.concatenate([x, x[:1]]) if np.ndim(x) else x,
-                                sampling)
+        sampling = _pad_single_row_sampling(sampling)
     args = (params, loop, sampling, plan.eos_token_ids, np.int32(plan.pad_id))
     return args, dict(chunk_size=plan.chunk_size, attention_impl=plan.attention_impl,
                       deltanet_impl=plan.deltanet_impl)

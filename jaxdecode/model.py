@@ -25,6 +25,7 @@ import numpy as np
 
 from jaxdecode.config import FULL_ATTENTION, Config
 from jaxdecode.gated_delta import chunk_gated_delta_rule
+from jaxdecode.kernels import IMPLEMENTATIONS
 from jaxdecode.kernels.decode_attention import decode_attention
 from jaxdecode.kernels.gated_delta_decode import gated_delta_decode
 from jaxdecode.params import AttentionParams, GatedDeltaNetParams, MLPParams, Params
@@ -507,12 +508,9 @@ def check_decode_inputs(config: Config, state: DecodeState, tokens, active=None,
 
 # ----- public API -----------------------------------------------------------------------------
 
-IMPLEMENTATIONS = ("auto", "pallas", "reference")
-
-
 def check_implementations(attention_impl, deltanet_impl) -> None:
     """Raises ValueError, naming the argument, for an implementation that is neither one of
-    :data:`IMPLEMENTATIONS` nor a callable (checked on the host, before any device work)."""
+    ``jaxdecode.kernels.IMPLEMENTATIONS`` nor a callable (checked on the host, before any device work)."""
     for name, value in (("attention_impl", attention_impl), ("deltanet_impl", deltanet_impl)):
         if not callable(value) and not (isinstance(value, str) and value in IMPLEMENTATIONS):
             raise ValueError(f"{name}={value!r} must be one of {IMPLEMENTATIONS} or a callable "

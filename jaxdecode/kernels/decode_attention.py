@@ -70,6 +70,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from jaxdecode.kernels import IMPLEMENTATIONS
+
 LOG2E = math.log2(math.e)
 # A KV cache whose max_len is a multiple of this is read in whole blocks; any other max_len makes
 # decode_attention_pallas zero-pad (copy) the caches on every call.
@@ -569,9 +571,8 @@ def decode_attention(q, k_cache, v_cache, lengths, *, implementation: str = "aut
         (slow; for tests). Unsupported shapes raise ValueError.
       * "reference": :func:`decode_attention_reference`.
     """
-    if implementation not in ("auto", "pallas", "reference"):
-        raise ValueError(f"decode_attention: {implementation=} must be 'auto', 'pallas' or "
-                         "'reference'")
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"decode_attention: {implementation=} must be one of {IMPLEMENTATIONS}")
     if implementation == "reference":
         return decode_attention_reference(q, k_cache, v_cache, lengths)
     cc = _gpu_compute_capability()

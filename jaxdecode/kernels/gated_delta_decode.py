@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxdecode.gated_delta import gated_delta_rule_step
+from jaxdecode.kernels import IMPLEMENTATIONS
 from jaxdecode.kernels.decode_attention import _gpu_compute_capability
 
 TILE_ROWS = 64  # the wgmma register layout covers rows in multiples of 64
@@ -60,6 +61,12 @@ def choose_block_v(batch: int, heads: int, dv: int) -> int:
     return 16 if dv % 16 == 0 else dv
 
 
+def _heads_error(key_heads: int, value_heads: int) -> str | None:
+    if key_heads == 0 or value_heads % key_heads:
+        return f"{value_heads} value heads are not a multiple of {key_heads} key heads"
+    return None
+
+
 def check_supported(q_shape, state_shape) -> str | None:
     """Why the kernel cannot take these shapes (None if it can)."""
     _, hk, dk = q_shape
@@ -68,9 +75,7 @@ def check_supported(q_shape, state_shape) -> str | None:
         return f"linear_key_head_dim={dk} is not a multiple of {TILE_ROWS}"
     if dv % 8:
         return f"linear_value_head_dim={dv} is not a multiple of 8"
-    if hk == 0 or hv % hk:
-        return f"{hv} value heads are not a multiple of {hk} key heads"
-    return None
+    return _heads_error(hk, hv)
 
 
 def _kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, o_gmem, state_gmem, s_smem, o_smem, *,
@@ -155,9 +160,9 @@ def gated_delta_decode_reference(q, k, v, g, beta, state):
     """The XLA form: q, k repeated to the value heads, then
     :func:`jaxdecode.gated_delta.gated_delta_rule_step`. Same arguments and result as
     :func:`gated_delta_decode_pallas`."""
-    if q.shape[1] == 0 or state.shape[1] % q.shape[1]:
-        raise ValueError(f"gated_delta_decode_reference: {state.shape[1]} value heads are not a "
-                         f"multiple of {q.shape[1]} key heads")
+    why = _heads_error(q.shape[1], state.shape[1])
+    if why is not None:
+        raise ValueError(f"gated_delta_decode_reference: {why}")
     r = state.shape[1] // q.shape[1]
     return gated_delta_rule_step(jnp.repeat(q, r, axis=1), jnp.repeat(k, r, axis=1), v, g, beta,
                                  state)
@@ -178,9 +183,9 @@ def gated_delta_decode(q, k, v, g, beta, state, *, implementation: str = "auto")
     Under a multi-device mesh, call it per device (``jaxdecode.sharding`` does, through
     ``shard_map``): the kernel is a custom call the SPMD partitioner cannot split.
     """
-    if implementation not in ("auto", "pallas", "reference"):
-        raise ValueError(f"gated_delta_decode: {implementation=} must be 'auto', 'pallas' or "
-                         "'reference'")
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"gated_delta_decode: {implementation=} must be one of "
+                         f"{IMPLEMENTATIONS}")
     if implementation == "reference":
         return gated_delta_decode_reference(q, k, v, g, beta, state)
     cc = _gpu_compute_capability()
