@@ -20,8 +20,12 @@ Compilation: prompts are right-padded to a power-of-two length (at least 16) and
 buffer to a power-of-two budget, and the state's ``max_len`` derives from those two buckets
 (rounded up to a multiple of 64, the decode kernel's block), so prompts of different lengths
 reuse a few executables. Sampling values, budgets below the bucket,
-keys and EOS ids (up to 8 of them) are traced values: changing them never recompiles. Turning
-penalties on or off does (the per-row token counts ``[B, V]`` int32 exist only when needed).
+keys and EOS ids (up to 8 of them) are traced values: changing them never recompiles. Turning a
+sampling step on or off for the whole batch does, once per set of steps
+(:class:`jaxdecode.sampling.SamplingFeatures`: penalties, temperature > 0, top-k, top-p, min-p):
+steps no row uses are left out of the program rather than skipped by a ``lax.cond``, which on a
+GPU would wait for the device 4-5 times per token (71 us per token greedy, 491 us with top-p, on
+an H200). The per-row token counts ``[B, V]`` int32 exist only when some row has a penalty.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from jaxdecode import sampling as sampling_lib
 from jaxdecode.kernels.decode_attention import MAX_LEN_ALIGN
 from jaxdecode.model import check_implementations, decode_step_fn, prefill_fn
 from jaxdecode.params import Params
-from jaxdecode.sampling import SamplingParams
+from jaxdecode.sampling import SamplingFeatures, SamplingParams
 from jaxdecode.state import DecodeState, fork, init_state
 
 Array = jax.Array
@@ -182,6 +186,7 @@ def _step_keys(keys: Array, num_generated: Array) -> Array:
 def start_fn(params: Params, state: DecodeState, prompts: Array, prompt_lengths: Array,
              budgets: Array, sampling: SamplingParams, keys: Array, eos_token_ids: Array, *,
              num_samples: int = 1, track_counts: bool = False,
+             features: SamplingFeatures | None = None,
              pad_id: int = -1) -> tuple[LoopState, Array]:
     """Prefill, fork, and sample each row's first token.
 
@@ -196,6 +201,9 @@ def start_fn(params: Params, state: DecodeState, prompts: Array, prompt_lengths:
       eos_token_ids: [E] int32 (entries -1 are ignored).
       num_samples: rows per prompt (``fork``); row ``p * num_samples + j`` continues prompt p.
       track_counts: keep [R, V] generated-token counts for the penalties.
+      features: ``jaxdecode.sampling.features_of(sampling)`` (static): sampling steps no row uses
+        are left out of the program, with no ``lax.cond`` (each one a wait for the device on a
+        GPU). None: decided per step on the device (traced sampling values).
       pad_id: id written for rows that emit nothing.
     Returns:
       (LoopState, first tokens [R] int32).
@@ -210,38 +218,41 @@ def start_fn(params: Params, state: DecodeState, prompts: Array, prompt_lengths:
                      num_generated=jnp.zeros((rows,), jnp.int32),
                      done=jnp.zeros((rows,), bool), stop_reason=jnp.zeros((rows,), jnp.int32),
                      budgets=budgets.astype(jnp.int32), keys=keys, token_counts=counts)
-    token = sampling_lib.sample(logits, _step_keys(keys, loop.num_generated), sampling, counts)
+    token = sampling_lib.sample(logits, _step_keys(keys, loop.num_generated), sampling, counts,
+                                features=features)
     return _record(loop, state, token, jnp.ones((rows,), bool), eos_token_ids, pad_id)
 
 
 def step_fn(params: Params, loop: LoopState, sampling: SamplingParams, eos_token_ids: Array, *,
-            pad_id: int = -1, attention_impl: str = "auto", deltanet_impl: str = "auto"
-            ) -> tuple[LoopState, Array]:
+            pad_id: int = -1, attention_impl: str = "auto", deltanet_impl: str = "auto",
+            features: SamplingFeatures | None = None) -> tuple[LoopState, Array]:
     """One decode step for every row still running: feed the last token, sample the next.
 
-    Returns (new LoopState, emitted ids [R] int32, ``pad_id`` for stopped rows).
+    ``features`` as in :func:`start_fn`. Returns (new LoopState, emitted ids [R] int32,
+    ``pad_id`` for stopped rows).
     """
     active = ~loop.done
     logits, state = decode_step_fn(params, loop.state, loop.last_token, active,
                                    attention_impl=attention_impl, deltanet_impl=deltanet_impl)
     token = sampling_lib.sample(logits, _step_keys(loop.keys, loop.num_generated), sampling,
-                                loop.token_counts)
+                                loop.token_counts, features=features)
     return _record(loop, state, token, active, eos_token_ids, pad_id)
 
 
 def chunk_fn(params: Params, loop: LoopState, sampling: SamplingParams, eos_token_ids: Array, *,
              chunk_size: int, pad_id: int = -1, attention_impl: str = "auto",
-             deltanet_impl: str = "auto",
+             deltanet_impl: str = "auto", features: SamplingFeatures | None = None,
              progress: Callable[[np.ndarray], None] | None = None) -> tuple[LoopState, Array]:
     """``chunk_size`` decode steps (a ``lax.scan``), skipped entirely once every row is done.
 
-    Returns (new LoopState, emitted ids [R, chunk_size] int32). With ``progress``, calls
+    ``features`` as in :func:`start_fn`. Returns (new LoopState, emitted ids [R, chunk_size] int32). With ``progress``, calls
     ``progress(num_generated [R])`` on the host after the chunk (``jax.debug.callback``).
     """
     def run(loop):
         loop, emitted = lax.scan(
             lambda c, _: step_fn(params, c, sampling, eos_token_ids, pad_id=pad_id,
-                                 attention_impl=attention_impl, deltanet_impl=deltanet_impl),
+                                 attention_impl=attention_impl, deltanet_impl=deltanet_impl,
+                                 features=features),
             loop, None, length=chunk_size)
         return loop, emitted.T
 
@@ -257,8 +268,8 @@ def chunk_fn(params: Params, loop: LoopState, sampling: SamplingParams, eos_toke
 def generate_fn(params: Params, state: DecodeState, prompts: Array, prompt_lengths: Array,
                 budgets: Array, sampling: SamplingParams, keys: Array, eos_token_ids: Array, *,
                 max_new_tokens: int, chunk_size: int = 8, num_samples: int = 1,
-                track_counts: bool = False, pad_id: int = -1, attention_impl: str = "auto",
-                deltanet_impl: str = "auto",
+                track_counts: bool = False, features: SamplingFeatures | None = None,
+                pad_id: int = -1, attention_impl: str = "auto", deltanet_impl: str = "auto",
                 progress: Callable[[np.ndarray], None] | None = None
                 ) -> tuple[GenerateOutput, LoopState]:
     """The whole generation loop as one pure function (un-jitted, un-validated).
@@ -272,7 +283,7 @@ def generate_fn(params: Params, state: DecodeState, prompts: Array, prompt_lengt
     """
     loop, first = start_fn(params, state, prompts, prompt_lengths, budgets, sampling, keys,
                            eos_token_ids, num_samples=num_samples, track_counts=track_counts,
-                           pad_id=pad_id)
+                           features=features, pad_id=pad_id)
     rows = first.shape[0]
     if rows == 1 and _pads_single_row():
         loop, sampling = _pad_single_row(loop), _pad_single_row_sampling(sampling)
@@ -284,7 +295,7 @@ def generate_fn(params: Params, state: DecodeState, prompts: Array, prompt_lengt
         loop, chunks = lax.scan(
             lambda c, _: chunk_fn(params, c, sampling, eos_token_ids, chunk_size=chunk_size,
                                   pad_id=pad_id, attention_impl=attention_impl,
-                                  deltanet_impl=deltanet_impl,
+                                  deltanet_impl=deltanet_impl, features=features,
                                   progress=progress),
             loop, None, length=num_chunks)
         rest = jnp.transpose(chunks, (1, 0, 2))[:rows].reshape(rows, num_chunks * chunk_size)
@@ -316,7 +327,7 @@ class _Plan:
     max_new_tokens: int  # token buffer N (bucketed)
     chunk_size: int
     num_samples: int
-    track_counts: bool
+    features: SamplingFeatures  # the sampling steps some row uses (static)
     pad_id: int
     attention_impl: str
     deltanet_impl: str
@@ -423,8 +434,6 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
         sampling = sampling.broadcast(num_prompts).repeat(num_samples)
     sampling = jax.tree.map(np.asarray, sampling)
     sampling_lib.validate(sampling)
-    penalties = (np.any(sampling.repetition_penalty != 1) | np.any(sampling.presence_penalty != 0)
-                 | np.any(sampling.frequency_penalty != 0))
 
     if eos_token_ids is None:
         eos_token_ids = config.eos_token_id
@@ -450,7 +459,8 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
                  budgets=np.repeat(budgets, num_samples), sampling=sampling, keys=keys,
                  eos_token_ids=eos_padded, max_len=int(max_len), max_new_tokens=n_bucket,
                  chunk_size=min(chunk_size, max(n_bucket - 1, 1)), num_samples=num_samples,
-                 track_counts=bool(penalties), pad_id=pad_id, attention_impl=attention_impl,
+                 features=sampling_lib.features_of(sampling), pad_id=pad_id,
+                 attention_impl=attention_impl,
                  deltanet_impl=deltanet_impl)
 
 
@@ -465,39 +475,41 @@ def _leaf_rows(sampling: SamplingParams) -> int | None:
 # Dynamic arguments are positional, static ones keywords. pad_id is traced (a fill value), so
 # changing it does not recompile.
 @functools.partial(jax.jit, static_argnames=("max_len", "max_new_tokens", "chunk_size",
-                                             "num_samples", "track_counts", "attention_impl",
+                                             "num_samples", "features", "attention_impl",
                                              "deltanet_impl", "progress"))
 def _generate_jit(params, prompts, prompt_lengths, budgets, sampling, keys, eos_token_ids, pad_id,
-                  *, max_len, max_new_tokens, chunk_size, num_samples, track_counts,
+                  *, max_len, max_new_tokens, chunk_size, num_samples, features,
                   attention_impl, deltanet_impl, progress):
     state = init_state(params.config, prompts.shape[0], max_len, dtype=params.dtype)
     out, _ = generate_fn(params, state, prompts, prompt_lengths, budgets, sampling, keys,
                          eos_token_ids, max_new_tokens=max_new_tokens, chunk_size=chunk_size,
-                         num_samples=num_samples, track_counts=track_counts, pad_id=pad_id,
-                         attention_impl=attention_impl, deltanet_impl=deltanet_impl,
-                         progress=progress)
+                         num_samples=num_samples, track_counts=features.penalties,
+                         features=features, pad_id=pad_id, attention_impl=attention_impl,
+                         deltanet_impl=deltanet_impl, progress=progress)
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("max_len", "num_samples", "track_counts"))
+@functools.partial(jax.jit, static_argnames=("max_len", "num_samples", "features"))
 def _start_jit(params, prompts, prompt_lengths, budgets, sampling, keys, eos_token_ids, pad_id,
-               *, max_len, num_samples, track_counts):
+               *, max_len, num_samples, features):
     state = init_state(params.config, prompts.shape[0], max_len, dtype=params.dtype)
     loop, first = start_fn(params, state, prompts, prompt_lengths, budgets, sampling, keys,
-                           eos_token_ids, num_samples=num_samples, track_counts=track_counts,
-                           pad_id=pad_id)
+                           eos_token_ids, num_samples=num_samples,
+                           track_counts=features.penalties, features=features, pad_id=pad_id)
     # one row on a GPU: an idle second row for the chunks (_pads_single_row); sliced back later
     if first.shape[0] == 1 and _pads_single_row():
         loop = _pad_single_row(loop)
     return loop, first
 
 
-@functools.partial(jax.jit, static_argnames=("chunk_size", "attention_impl", "deltanet_impl"),
+@functools.partial(jax.jit, static_argnames=("chunk_size", "attention_impl", "deltanet_impl",
+                                             "features"),
                    donate_argnames=("loop",))
 def _chunk_jit(params, loop, sampling, eos_token_ids, pad_id, *, chunk_size, attention_impl,
-               deltanet_impl):
+               deltanet_impl, features):
     return chunk_fn(params, loop, sampling, eos_token_ids, chunk_size=chunk_size, pad_id=pad_id,
-                    attention_impl=attention_impl, deltanet_impl=deltanet_impl)
+                    attention_impl=attention_impl, deltanet_impl=deltanet_impl,
+                    features=features)
 
 
 def _generate_args(params: Params, plan: _Plan, progress):
@@ -505,7 +517,7 @@ def _generate_args(params: Params, plan: _Plan, progress):
             plan.eos_token_ids, np.int32(plan.pad_id))
     static = dict(max_len=plan.max_len, max_new_tokens=plan.max_new_tokens,
                   chunk_size=plan.chunk_size, num_samples=plan.num_samples,
-                  track_counts=plan.track_counts, attention_impl=plan.attention_impl,
+                  features=plan.features, attention_impl=plan.attention_impl,
                   deltanet_impl=plan.deltanet_impl,
                   progress=progress)
     return args, static
@@ -514,8 +526,7 @@ def _generate_args(params: Params, plan: _Plan, progress):
 def _start_args(params: Params, plan: _Plan):
     args = (params, plan.prompts, plan.prompt_lengths, plan.budgets, plan.sampling, plan.keys,
             plan.eos_token_ids, np.int32(plan.pad_id))
-    static = dict(max_len=plan.max_len, num_samples=plan.num_samples,
-                  track_counts=plan.track_counts)
+    static = dict(max_len=plan.max_len, num_samples=plan.num_samples, features=plan.features)
     return args, static
 
 
@@ -525,7 +536,7 @@ def _chunk_args(params: Params, plan: _Plan, loop):
         sampling = _pad_single_row_sampling(sampling)
     args = (params, loop, sampling, plan.eos_token_ids, np.int32(plan.pad_id))
     return args, dict(chunk_size=plan.chunk_size, attention_impl=plan.attention_impl,
-                      deltanet_impl=plan.deltanet_impl)
+                      deltanet_impl=plan.deltanet_impl, features=plan.features)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -111,8 +111,8 @@ def test_finished_row_state_stops_changing(params):
     loop, _ = gen._start_jit(*args, **static)
 
     def step(loop):  # the jitted one-token chunk generate_stream uses (loop is donated)
-        return gen._chunk_jit(*gen._chunk_args(params, plan, loop)[0], chunk_size=1,
-                              attention_impl="auto", deltanet_impl="auto")
+        args, static = gen._chunk_args(params, plan, loop)
+        return gen._chunk_jit(*args, **{**static, "chunk_size": 1})
 
     loop, _ = step(loop)
     assert np.asarray(loop.done).tolist() == [True, False, False]
@@ -150,23 +150,25 @@ def test_num_samples_with_sampling_gives_different_rows(params):
 # ----- compilation reuse ---------------------------------------------------------------------------
 
 def test_no_recompilation_within_a_bucket_and_across_sampling_values(params):
-    jax.block_until_ready(gen.generate(params, PROMPTS, 10, eos_token_ids=(7,)))
-    size = gen._generate_jit._cache_size()
-    variants = [  # prompts of 1..16 tokens, budgets of 2..16 tokens: one bucket each
-        dict(prompts=[[9] * 13, [1], [2] * 16], budget=[10, 2, 16], sampling=None, key=None,
-             eos=(7,)),
-        dict(prompts=[[1, 2], [3], [4, 5, 6]], budget=16,
-             sampling=SamplingParams.create(temperature=0.8, top_p=0.9),
-             key=jax.random.key(3), eos=(7, 8)),
-        dict(prompts=[[4] * 7, [5] * 8, [6] * 9], budget=9,
-             sampling=SamplingParams.create(3, temperature=[1.5, 0.0, 1.0], top_k=[5, 0, 2],
-                                            min_p=0.1),
-             key=jax.random.key(4), eos=()),
-    ]
-    for v in variants:
-        jax.block_until_ready(gen.generate(params, v["prompts"], v["budget"], v["sampling"],
-                                           v["key"], v["eos"]))
-    assert gen._generate_jit._cache_size() == size
+    """Prompts, budgets, EOS ids, keys and sampling values are traced: changing them within one
+    bucket reuses the executable. Turning a sampling step on or off (greedy -> top-p) compiles
+    one more executable per set of steps used (``SamplingFeatures``), reused after that."""
+    def run(prompts, budget, sampling=None, key=None, eos=(7,)):
+        jax.block_until_ready(gen.generate(params, prompts, budget, sampling, key, eos))
+        return gen._generate_jit._cache_size()
+
+    size = run(PROMPTS, 10)
+    # greedy, prompts of 1..16 tokens, budgets of 2..16 tokens: one bucket
+    assert run([[9] * 13, [1], [2] * 16], [10, 2, 16]) == size
+    assert run([[1, 2], [3], [4, 5, 6]], 16, key=jax.random.key(3), eos=(7, 8)) == size
+    top_p = run([[1, 2], [3], [4, 5, 6]], 16, SamplingParams.create(temperature=0.8, top_p=0.9))
+    assert top_p == size + 1  # temperature and top-p now in the program
+    assert run([[4] * 7, [5] * 8, [6] * 9], 9,
+               SamplingParams.create(3, temperature=[1.5, 0.0, 1.0], top_p=[0.5, 1.0, 0.99]),
+               key=jax.random.key(4), eos=()) == top_p  # other values, same steps
+    mixed = SamplingParams.create(3, temperature=[1.5, 0.0, 1.0], top_k=[5, 0, 2], min_p=0.1)
+    assert run([[4] * 7, [5] * 8, [6] * 9], 9, mixed) == top_p + 1
+    assert run(PROMPTS, 10) == top_p + 1  # greedy again: its executable is reused
 
 
 # ----- streaming == on-device ---------------------------------------------------------------------

@@ -218,3 +218,89 @@ def test_invalid_values_raise(bad, message):
 def test_wrong_length_raises():
     with pytest.raises(ValueError, match="temperature has 3 values"):
         SamplingParams.create(2, temperature=[0.1, 0.2, 0.3])
+
+
+# ----- host-decided steps (SamplingFeatures) ------------------------------------------------------
+
+def _random_settings(rng, b):
+    """Per-row settings with every step on in some rows and off in others; row 0 greedy, row 1
+    sampled."""
+    temperature = np.where(rng.random(b) < 0.3, 0.0, rng.uniform(0.3, 2.0, b))
+    temperature[:2] = 0.0, rng.uniform(0.3, 2.0)
+    return SamplingParams.create(
+        b, temperature=temperature,
+        top_k=np.where(rng.random(b) < 0.5, 0, rng.integers(1, 40, b)),
+        top_p=np.where(rng.random(b) < 0.5, 1.0, rng.uniform(0.2, 0.95, b)),
+        min_p=np.where(rng.random(b) < 0.5, 0.0, rng.uniform(0.01, 0.3, b)),
+        repetition_penalty=np.where(rng.random(b) < 0.5, 1.0, rng.uniform(0.5, 2.0, b)),
+        presence_penalty=rng.normal(size=b), frequency_penalty=rng.normal(size=b) * 0.1)
+
+
+def test_features_of():
+    f = sampling.features_of
+    assert f(sampling.greedy()) == sampling.SamplingFeatures(False, False, False, False, False)
+    # Filters on greedy rows do nothing, so they are not counted.
+    assert f(SamplingParams.create(2, temperature=[0.0, 0.7], top_k=[5, 0], top_p=[0.5, 1.0],
+                                   min_p=[0.1, 0.0])) == sampling.SamplingFeatures(
+        penalties=False, sampled=True, top_k=False, top_p=False, min_p=False)
+    assert f(SamplingParams.create(2, temperature=[0.0, 0.7], top_k=[0, 5], top_p=[1.0, 0.5],
+                                   min_p=[0.0, 0.1])) == sampling.SamplingFeatures(
+        penalties=False, sampled=True, top_k=True, top_p=True, min_p=True)
+    for name, value in (("repetition_penalty", 1.1), ("presence_penalty", -0.5),
+                        ("frequency_penalty", 0.2)):
+        assert f(SamplingParams.create(**{name: value})).penalties
+    # scalar temperature with per-row filters broadcasts
+    assert f(SamplingParams.create(temperature=1.0, top_p=np.array([1.0, 0.9]))).top_p
+    with pytest.raises(ValueError, match="concrete"):
+        jax.jit(lambda t: sampling.features_of(SamplingParams.create(temperature=1.0)
+                                               .replace(temperature=t)).sampled)(1.0)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_host_decided_steps_sample_the_same_tokens(seed):
+    """features_of(params), ALL_FEATURES and the lax.cond path (features=None) give identical
+    processed logits and tokens on random logits, counts and per-row settings."""
+    rng = np.random.default_rng(100 + seed)
+    b, v = 6, 300
+    x = _random_logits(b, v, seed=200 + seed)
+    counts = rng.integers(0, 3, (b, v)).astype(np.int32) * (rng.random((b, v)) < 0.1)
+    keys = jax.random.split(jax.random.key(seed), b)
+    sp = _random_settings(rng, b)
+    variants = [None, sampling.features_of(sp), sampling.ALL_FEATURES]
+    logits = [np.asarray(jax.jit(sampling.processed_logits, static_argnames="features")(
+        x, sp, counts, features=f)) for f in variants]
+    tokens = [np.asarray(jax.jit(sampling.sample, static_argnames="features")(
+        x, keys, sp, counts, features=f)) for f in variants]
+    for got_logits, got_tokens in zip(logits[1:], tokens[1:]):
+        np.testing.assert_array_equal(got_logits, logits[0])
+        np.testing.assert_array_equal(got_tokens, tokens[0])
+    # and they are the numpy reference's: sampled rows filtered, greedy rows only penalised
+    sampled = np.asarray(sp.temperature) > 0
+    assert sampled.any() and not sampled.all()
+    p = {f: np.asarray(getattr(sp, f)) for f in sampling._FIELDS}
+    want = np_penalties(x, counts, p["repetition_penalty"], p["presence_penalty"],
+                        p["frequency_penalty"])
+    rows = np.flatnonzero(sampled)
+    want[rows] = np_processed(x[rows], counts[rows], jax.tree.map(lambda a: a[rows], sp))
+    np.testing.assert_array_equal(np.isfinite(logits[1]), np.isfinite(want))
+    finite = np.isfinite(want)
+    np.testing.assert_allclose(logits[1][finite], want[finite], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("settings", [dict(), dict(temperature=0.8, top_p=0.9)])
+def test_host_decided_steps_leave_no_conditional_in_the_program(settings):
+    """With features the program has no lax.cond (each one a device-to-host wait on a GPU);
+    without, every step is one."""
+    x = _random_logits(2, 64, seed=10)
+    sp = SamplingParams.create(2, **settings)
+    counts = np.zeros((2, 64), np.int32)
+
+    def n_cases(features):
+        text = jax.jit(sampling.sample, static_argnames="features").lower(
+            x, jax.random.key(0), sp, counts, features=features).as_text()
+        return text.count("stablehlo.case")
+
+    assert n_cases(sampling.features_of(sp)) == 0
+    assert n_cases(None) == 5  # traced values: penalties, top-k, top-p, min-p, draw
+    closed_over = jax.jit(lambda x, key: sampling.sample(x, key, sp, counts))  # concrete values
+    assert closed_over.lower(x, jax.random.key(0)).as_text().count("stablehlo.case") == 0
