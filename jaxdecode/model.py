@@ -570,7 +570,7 @@ def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
         ``jaxdecode.sharding.sharded_decode_attention(mesh)``.
       deltanet_impl: the Gated DeltaNet one-token update, "auto" | "pallas" | "reference" (see
         ``jaxdecode.kernels.gated_delta_decode``: "auto" is the Pallas kernel on Hopper GPUs
-        from batch 16, XLA elsewhere), or a hashable callable with that dispatcher's
+        from batch 8, XLA elsewhere), or a hashable callable with that dispatcher's
         signature, such as ``jaxdecode.sharding.sharded_gated_delta_decode(mesh)``.
       check_inputs: validate on the host first. Validation reads ``state.lengths`` back from the
         device (one sync per step); pass False in a hot loop whose bounds you checked up front.

@@ -60,7 +60,7 @@ partitioner cannot split, and would otherwise get an all-gathered KV cache every
 :func:`decode_step` here; inside your own ``jax.jit`` call ``jit_decode_step``'s function, or
 pass ``attention_impl=sharded_decode_attention(mesh)`` to ``model.decode_step_fn``. The
 Gated DeltaNet update does the same (:func:`sharded_gated_delta_decode`, its Pallas kernel from
-batch 16 on Hopper; ``deltanet_impl=`` of ``model.decode_step_fn``). On 2 x H200
+batch 8 (per device) on Hopper; ``deltanet_impl=`` of ``model.decode_step_fn``). On 2 x H200
 the compiled TP2 step with the kernel under ``shard_map`` has only the residual all-reduces
 (benchmarks/RESULTS.md, "Sharded decode step"); on CPU the tests run the reference attention
 inside ``shard_map``, since the Mosaic GPU interpreter cannot run on several virtual devices.

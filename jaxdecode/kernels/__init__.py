@@ -4,7 +4,7 @@
   ``decode_attention_reference`` beside it; the model dispatches to it.
 * ``gated_delta_decode``: the one-token gated delta rule in one pass over the state (Pallas
   Mosaic GPU) and ``gated_delta_decode_reference`` (XLA) beside it; the model's decode step
-  dispatches to it (the kernel on Hopper GPUs from batch 16; benchmarks/RESULTS.md).
+  dispatches to it (the kernel on Hopper GPUs from batch 8; benchmarks/RESULTS.md).
 
 Both dispatchers take ``implementation`` in :data:`IMPLEMENTATIONS`.
 """

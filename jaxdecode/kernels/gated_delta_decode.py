@@ -43,11 +43,12 @@ from jaxdecode.kernels.decode_attention import _gpu_compute_capability
 
 TILE_ROWS = 64  # the wgmma register layout covers rows in multiples of 64
 TARGET_PROGRAMS = 264  # two per SM of an H100/H200 (132 SMs)
-# "auto" takes the kernel from this batch up. On an H200 (benchmarks/RESULTS.md, session 4) the
-# kernel alone beats XLA's form at every batch (2.1 vs 5.3 us at batch 1), but the custom call
-# splits XLA's fusions around it (about 4 more kernels per layer): the whole 0.8B / 9B step at
-# batch 1 took 0.09 / 0.05 ms more kernel time with it, at batch 64 0.72 / 1.47 ms less.
-MIN_BATCH_AUTO = 16
+# "auto" takes the kernel from this batch up. On an H200 (benchmarks/RESULTS.md, sessions 4 and 5)
+# the kernel alone beats XLA's form at every batch (2.1 vs 5.3 us at batch 1), but the custom call
+# splits XLA's fusions around it (about 4 more kernels per layer). Whole-step kernel time with it,
+# same process: 0.8B / 9B at batch 1 +0.02-0.09 / +0.04-0.05 ms (slower); 9B batch 8 -0.04 ms;
+# 0.8B batch 16 -0.08 ms; batch 64 -0.72 / -1.47 ms. Batches 2-7 were not timed.
+MIN_BATCH_AUTO = 8
 
 
 def choose_block_v(batch: int, heads: int, dv: int) -> int:
