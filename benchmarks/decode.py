@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -95,17 +96,24 @@ def step_bytes(config: jd.Config, params, batch: int, context: int) -> dict[str,
     return {"weights": weights, "kv": kv, "state": rec + conv}
 
 
+@functools.lru_cache(maxsize=None)
+def _filler(shape, dtype, sharding):
+    """A jitted ``key -> 0.1 * normal(shape)`` placed with ``sharding`` (one per leaf kind)."""
+    return jax.jit(lambda key: (jax.random.normal(key, shape, jnp.float32) * 0.1).astype(dtype),
+                   out_shardings=sharding)
+
+
 def randomize_state(state, context):
-    """Random caches/states and lengths = context (so timings never run on zeros)."""
+    """Random caches/states and lengths = context (so timings never run on zeros), each leaf
+    keeping its sharding. Leaf by leaf, one small program per distinct leaf shape: one jitted
+    fill of the whole state took over 3 minutes to compile for the 27B at batch 64 on the H200."""
     leaves, tree = jax.tree.flatten(state)
     keys = jax.random.split(jax.random.key(1), len(leaves))
-    out = [jax.random.normal(k, x.shape, jnp.float32).astype(x.dtype) * 0.1
-           if jnp.issubdtype(x.dtype, jnp.floating) else x for k, x in zip(keys, leaves)]
+    out = [_filler(x.shape, x.dtype, x.sharding)(k) if jnp.issubdtype(x.dtype, jnp.floating)
+           else x for k, x in zip(keys, leaves)]
     state = jax.tree.unflatten(tree, out)
-    return state.replace(lengths=jnp.full_like(state.lengths, context))
-
-
-_randomize_state = jax.jit(randomize_state)
+    lengths = np.full(state.lengths.shape, context, state.lengths.dtype)
+    return state.replace(lengths=jax.device_put(lengths, state.lengths.sharding))
 
 
 def time_decode(params, state, batch, steps=50, repeats=3, attention_impl="auto",
@@ -176,7 +184,7 @@ def layer_cost(config: jd.Config, full_dt: float) -> dict[str, float]:
     small = dataclasses.replace(config, num_hidden_layers=4,
                                 layer_types=config.layer_types[:4])
     params = jd.init_params(small, jax.random.key(0), "bfloat16")
-    state = _randomize_state(jd.init_state(small, 1, 1024 + 256, dtype="bfloat16"), 1024)
+    state = randomize_state(jd.init_state(small, 1, 1024 + 256, dtype="bfloat16"), 1024)
     dt4, _, _ = time_decode(params, state, 1)
     per_block = (full_dt - dt4) / (config.num_hidden_layers / 4 - 1)  # one 3+1 block of layers
     return dict(ms_4_layers=dt4 * 1e3, ms_per_4_layer_block=per_block * 1e3,
@@ -283,7 +291,7 @@ def main():
               f"{time.perf_counter() - t0:.1f}s", flush=True)
         for batch, context in cells:
             state = jd.init_state(config, batch, context + 256, dtype="bfloat16")
-            state = _randomize_state(state, context)
+            state = randomize_state(state, context)
             dt, compile_s, compiled = time_decode(params, state, batch,
                                                   attention_impl=args.attention_impl)
             nbytes = step_bytes(config, params, batch, context)
@@ -294,7 +302,7 @@ def main():
                        state_gb=nbytes["state"] / 1e9, gb_per_s=total / dt / 1e9,
                        pct_copy_bw=100 * total / dt / 1e9 / bw)
             if args.compare_attention:
-                state = _randomize_state(jd.init_state(config, batch, context + 256,
+                state = randomize_state(jd.init_state(config, batch, context + 256,
                                                        dtype="bfloat16"), context)
                 dt_ref, _, _ = time_decode(params, state, batch, attention_impl="reference")
                 row["ms_per_step_xla_attention"] = dt_ref * 1e3

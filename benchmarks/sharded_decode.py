@@ -55,9 +55,7 @@ def config_for(name: str) -> jd.Config:
 
 def random_state(config, mesh, batch, context, max_len):
     state = sharding.init_state_sharded(config, mesh, batch, max_len, dtype="bfloat16")
-    fill = jax.jit(randomize_state, static_argnums=1,
-                   out_shardings=sharding.state_shardings(config, mesh))
-    return fill(state, context)
+    return randomize_state(state, context)  # leaf by leaf, shardings kept
 
 
 def collectives(hlo: str) -> dict[str, int]:
@@ -117,14 +115,19 @@ def main():
             params = sharding.shard_params(params, mesh)  # reshard on device; old one freed
             jax.block_until_ready(params)
             place_s = time.perf_counter() - t0
+            print(f"  {name} {setup} batch {batch}: params placed in {place_s:.1f} s", flush=True)
             max_len = args.context + 128
             step = sharding.jit_decode_step(config, mesh)
             tokens = sharding.shard_batch(
                 np.random.default_rng(0).integers(0, 1000, batch).astype(np.int32), mesh)
-            state = random_state(config, mesh, batch, args.context, max_len)
+            t0 = time.perf_counter()
+            state = jax.block_until_ready(random_state(config, mesh, batch, args.context,
+                                                       max_len))
+            print(f"  state filled in {time.perf_counter() - t0:.1f} s", flush=True)
             t0 = time.perf_counter()
             compiled = step.lower(params, state, tokens, None).compile(compiler_options=options)
             compile_s = time.perf_counter() - t0
+            print(f"  step compiled in {compile_s:.1f} s", flush=True)
             comm = collectives(compiled.as_text())
             logits, state = compiled(params, state, tokens, None)
             first = np.asarray(jax.device_get(logits), np.float32)

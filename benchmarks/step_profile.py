@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 
 import jaxdecode as jd  # noqa: E402
 from jaxdecode.kernels import IMPLEMENTATIONS  # noqa: E402
-from decode import _randomize_state, time_decode  # noqa: E402
+from decode import randomize_state, time_decode  # noqa: E402
 
 
 def parse_options(text: str) -> dict:
@@ -95,6 +95,9 @@ def main():
     ap.add_argument("--cells", default="0.8b:1:1024,9b:1:1024")
     ap.add_argument("--attention", default="auto")
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--sequence", default="",
+                    help="'start:stop': also list kernels start..stop-1 of the step in launch "
+                         "order (name, scope, us), e.g. 0:120 for the first layers")
     ap.add_argument("--options", default="",
                     help="';'-separated XLA compiler-option variants to compare, each "
                          "'name=value,name=value' ('' = defaults), e.g. "
@@ -136,7 +139,7 @@ def main():
                     for form in args.deltanet.split(",")]
         for impl, opts, form in variants:
             options = parse_options(opts)
-            state = _randomize_state(jd.init_state(config, batch, context + 256,
+            state = randomize_state(jd.init_state(config, batch, context + 256,
                                                    dtype="bfloat16"), context)
             dt, compile_s, compiled = time_decode(params, state, batch, attention_impl=impl,
                                                   deltanet_impl=form,
@@ -150,7 +153,7 @@ def main():
                     f.write(hlo)
             scopes = scope_of(hlo)
             tokens = jnp.asarray(np.random.default_rng(0).integers(0, 1000, batch), jnp.int32)
-            state = _randomize_state(jd.init_state(config, batch, context + 256,
+            state = randomize_state(jd.init_state(config, batch, context + 256,
                                                    dtype="bfloat16"), context)
             box = {"state": state}
 
@@ -165,6 +168,7 @@ def main():
             by_scope = collections.defaultdict(lambda: [0, 0.0])
             by_name = collections.defaultdict(lambda: [0, 0.0])
             scope = "?"
+            listing = []
             for kname, ms in kernels:
                 # Kernels XLA names after their HLO instruction carry its scope; library
                 # kernels (cuBLAS) inherit the scope of the kernel launched before them.
@@ -178,6 +182,7 @@ def main():
                 key = re.sub(r"[._]\d+$", "", kname)[:60] + f" [{scope}]"
                 by_name[key][0] += 1
                 by_name[key][1] += ms
+                listing.append(f"{ms * 1e3:7.1f} us  {scope:16s} {kname[:90]}")
             entry = hlo[hlo.index("ENTRY"):]
             copies = re.findall(r"= (\S+) copy\(", entry[:entry.index("\n}\n")])
             n_cmd = len(copies)
@@ -192,6 +197,11 @@ def main():
                                          sorted(by_scope.items(), key=lambda kv: -kv[1][1])))
             for key, (count, ms) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:args.top]:
                 print(f"  {ms * 1e3:8.1f} us  {count:4d}x  {key}")
+            if args.sequence:
+                start, stop = (int(v) for v in args.sequence.split(":"))
+                print(f"kernels {start}..{stop - 1} in launch order:")
+                for n, line in enumerate(listing[start:stop], start):
+                    print(f"  {n:4d} {line}")
             summary.append((tag, dt * 1e3, total, len(kernels), n_cmd))
             del state, box, compiled
     print("\n| cell | wall ms/step | kernel sum ms | gap ms | kernels | copy ops |")
