@@ -245,8 +245,9 @@ def chunk_fn(params: Params, loop: LoopState, sampling: SamplingParams, eos_toke
              progress: Callable[[np.ndarray], None] | None = None) -> tuple[LoopState, Array]:
     """``chunk_size`` decode steps (a ``lax.scan``), skipped entirely once every row is done.
 
-    ``features`` as in :func:`start_fn`. Returns (new LoopState, emitted ids [R, chunk_size] int32). With ``progress``, calls
-    ``progress(num_generated [R])`` on the host after the chunk (``jax.debug.callback``).
+    ``features`` as in :func:`start_fn`. Returns (new LoopState, emitted ids [R, chunk_size]
+    int32). With ``progress``, calls ``progress(num_generated [R])`` on the host after the chunk
+    (``jax.debug.callback``).
     """
     def run(loop):
         loop, emitted = lax.scan(
