@@ -171,6 +171,19 @@ def test_no_recompilation_within_a_bucket_and_across_sampling_values(params):
     assert run(PROMPTS, 10) == top_p + 1  # greedy again: its executable is reused
 
 
+@pytest.mark.parametrize("sampling", [None, SamplingParams.create(temperature=0.8, top_p=0.9),
+                                      SamplingParams.create(temperature=1.0, top_k=4,
+                                                            repetition_penalty=1.2)])
+def test_loop_has_one_conditional_per_chunk_only(params, sampling):
+    """The decode loop carries no lax.cond per token (on a GPU each one waits for the device):
+    the only conditional in generate's program is the per-chunk skip of finished batches."""
+    plan = gen._plan(params, PROMPTS, 16, sampling, None, (), max_len=None, num_samples=1,
+                     chunk_size=4, pad_id=-1, attention_impl="auto", deltanet_impl="auto")
+    args, static = gen._generate_args(params, plan, None)
+    text = gen._generate_jit.lower(*args, **static).as_text()
+    assert text.count("stablehlo.case") == 1
+
+
 # ----- streaming == on-device ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("chunk_size", [1, 3])
