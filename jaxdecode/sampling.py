@@ -1,8 +1,9 @@
 """Token sampling: greedy, temperature, top-k, top-p, min-p, repetition/presence/frequency penalties.
 
 :func:`sample` is a pure function of ``(logits, keys, params, token_counts)``. Every knob is a
-per-row array inside :class:`SamplingParams` (a pytree), so changing a value never recompiles, and
-rows of one batch may use different settings. Each row draws from its own PRNG key, so a row's
+per-row array inside :class:`SamplingParams` (a pytree), so rows of one batch may use different
+settings, and passed as traced values a change never recompiles (but see "Skipping unused steps"
+for concrete values). Each row draws from its own PRNG key, so a row's
 samples do not depend on what else is in the batch.
 
 Order of operations, as in Hugging Face ``generate`` (``LogitsProcessorList`` built by
@@ -191,8 +192,15 @@ def features_of(params: SamplingParams) -> SamplingFeatures:
     """The steps some row of ``params`` uses, from concrete (host or device) values.
 
     Raises:
-      ValueError: for traced values (inside ``jit`` pass ``features=None`` to :func:`sample`).
+      ValueError: for traced values (inside ``jit`` pass ``features=None`` to :func:`sample`)
+        and for device arrays this process cannot read whole (multi-process global arrays).
     """
+    partial = [name for name in _FIELDS if isinstance(getattr(params, name), jax.Array)
+               and not isinstance(getattr(params, name), jax.core.Tracer)
+               and not getattr(params, name).is_fully_addressable]
+    if partial:
+        raise ValueError(f"features_of() needs values this process can read; {partial} span "
+                         "devices of other processes")
     try:
         v = {name: np.asarray(getattr(params, name)) for name in _FIELDS}
     except jax.errors.TracerArrayConversionError:
@@ -334,9 +342,9 @@ def processed_logits(logits: Array, params: SamplingParams, token_counts: Array 
     """
     logits = jnp.asarray(logits, jnp.float32)
     b = logits.shape[0]
+    if features is None:  # before broadcast, which would trace closed-over device arrays
+        features = _features_if_concrete(params)
     p = params.broadcast(b)
-    if features is None:
-        features = _features_if_concrete(p)
     if token_counts is not None:
         logits = _maybe(features, "penalties",
                         lambda: (jnp.any(jnp.asarray(p.repetition_penalty) != 1)
@@ -392,6 +400,8 @@ def sample(logits: Array, key: Array, params: SamplingParams,
     if logits.ndim != 2:
         raise ValueError(f"logits must be [B, V], got {logits.shape=}")
     b = logits.shape[0]
+    if features is None:  # before broadcast, which would trace closed-over device arrays
+        features = _features_if_concrete(params)
     p = params.broadcast(b)
     key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
     typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
@@ -399,8 +409,6 @@ def sample(logits: Array, key: Array, params: SamplingParams,
         key = row_keys(key, b)
     if key.shape[0] != b:
         raise ValueError(f"need one key per row: {key.shape=} for {logits.shape=}")
-    if features is None:
-        features = _features_if_concrete(p)
     x = processed_logits(logits, p, token_counts, features=features)
     greedy_tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)
     sampled = jnp.asarray(p.temperature) > 0

@@ -232,8 +232,29 @@ def run_process(process_id: int, port: int) -> dict:
         _, toks, state = greedy(sp, state, tokens, sharding.prefill, sharding.decode_step)
         gathered = [multihost_utils.process_allgather(t, tiled=True) for t in toks]
         out["tokens"][f"{shape[0]},{shape[1]}"] = np.stack(gathered).tolist()
+    out["sample"] = sample_global_arrays()
     jax.distributed.shutdown()
     return out
+
+
+def sample_global_arrays() -> dict:
+    """Eager ``jd.sample`` on logits and per-row sampling values sharded over both processes
+    (no process can read them whole) and on the same values as local host arrays."""
+    from jax.experimental import multihost_utils
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    mesh = sharding.make_mesh(4, 1)
+    rows = NamedSharding(mesh, P(sharding.DATA))
+
+    def global_array(x):
+        return jax.make_array_from_callback(x.shape, rows, lambda index: x[index])
+
+    logits = np.random.default_rng(1).normal(size=(BATCH, 64)).astype(np.float32)
+    values = jd.SamplingParams.create(BATCH, temperature=0.8, top_p=0.9)
+    keys = jax.random.key_data(jax.random.split(jax.random.key(0), BATCH))
+    tokens = jd.sample(global_array(logits), global_array(np.asarray(keys)),
+                       jax.tree.map(global_array, values))
+    return {"global": multihost_utils.process_allgather(tokens, tiled=True).tolist(),
+            "local": np.asarray(jd.sample(logits, keys, values)).tolist()}
 
 
 if __name__ == "__main__":

@@ -302,5 +302,7 @@ def test_host_decided_steps_leave_no_conditional_in_the_program(settings):
 
     assert n_cases(sampling.features_of(sp)) == 0
     assert n_cases(None) == 5  # traced values: penalties, top-k, top-p, min-p, draw
-    closed_over = jax.jit(lambda x, key: sampling.sample(x, key, sp, counts))  # concrete values
-    assert closed_over.lower(x, jax.random.key(0)).as_text().count("stablehlo.case") == 0
+    for values in (sp, jax.tree.map(jnp.asarray, SamplingParams.create(**settings))):
+        # concrete values closed over: numpy [B] leaves, device scalars
+        closed_over = jax.jit(lambda x, key: sampling.sample(x, key, values, counts))
+        assert closed_over.lower(x, jax.random.key(0)).as_text().count("stablehlo.case") == 0

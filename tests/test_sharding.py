@@ -194,6 +194,13 @@ def test_two_processes_give_the_single_process_greedy_tokens(meshes, two_process
             assert tokens == want, f"process {r['process_index']}, mesh {mesh}"
 
 
+def test_eager_sample_on_arrays_spanning_both_processes(two_processes):
+    """jd.sample on global arrays no process can read whole (its host-side features check must
+    not fetch them) draws the tokens of the same values as local arrays."""
+    for r in two_processes:
+        assert r["sample"]["global"] == r["sample"]["local"], f"process {r['process_index']}"
+
+
 def test_example_runs_and_matches_one_device():
     proc = subprocess.run(
         [sys.executable, str(HERE.parent / "examples" / "sharded.py"), "--mesh", "2,4",
