@@ -20,12 +20,14 @@ Compilation: prompts are right-padded to a power-of-two length (at least 16) and
 buffer to a power-of-two budget, and the state's ``max_len`` derives from those two buckets
 (rounded up to a multiple of 64, the decode kernel's block), so prompts of different lengths
 reuse a few executables. Sampling values, budgets below the bucket,
-keys and EOS ids (up to 8 of them) are traced values: changing them never recompiles. Turning a
-sampling step on or off for the whole batch does, once per set of steps
-(:class:`jaxdecode.sampling.SamplingFeatures`: penalties, temperature > 0, top-k, top-p, min-p):
-steps no row uses are left out of the program rather than skipped by a ``lax.cond``, which on a
-GPU would wait for the device 4-5 times per token (71 us per token greedy, 491 us with top-p, on
-an H200). The per-row token counts ``[B, V]`` int32 exist only when some row has a penalty.
+keys and EOS ids (up to 8 of them) are traced values: changing them never recompiles, except a
+change that turns a sampling step on or off for the whole batch (top_p 1 -> 0.9, say), which
+compiles once per set of steps (:class:`jaxdecode.sampling.SamplingFeatures`: penalties,
+temperature > 0, top-k, top-p, min-p): steps no row uses are left out of the program rather than
+skipped by a ``lax.cond``, which on a GPU would wait for the device 4-5 times per token (71 us per
+token greedy, 491 us with top-p, on an H200). ``features=jaxdecode.sampling.ALL_FEATURES`` keeps
+one executable for every setting (every step runs). The per-row token counts ``[B, V]`` int32
+exist only when some row has a penalty.
 """
 
 from __future__ import annotations
@@ -185,7 +187,7 @@ def _step_keys(keys: Array, num_generated: Array) -> Array:
 
 def start_fn(params: Params, state: DecodeState, prompts: Array, prompt_lengths: Array,
              budgets: Array, sampling: SamplingParams, keys: Array, eos_token_ids: Array, *,
-             num_samples: int = 1, track_counts: bool = False,
+             num_samples: int = 1, track_counts: bool | None = None,
              features: SamplingFeatures | None = None,
              pad_id: int = -1) -> tuple[LoopState, Array]:
     """Prefill, fork, and sample each row's first token.
@@ -200,7 +202,8 @@ def start_fn(params: Params, state: DecodeState, prompts: Array, prompt_lengths:
       keys: [R] per-row PRNG keys.
       eos_token_ids: [E] int32 (entries -1 are ignored).
       num_samples: rows per prompt (``fork``); row ``p * num_samples + j`` continues prompt p.
-      track_counts: keep [R, V] generated-token counts for the penalties.
+      track_counts: keep [R, V] generated-token counts for the penalties (without them no
+        penalty applies); None: ``features.penalties`` when ``features`` is given, else False.
       features: ``jaxdecode.sampling.features_of(sampling)`` (static): sampling steps no row uses
         are left out of the program, with no ``lax.cond`` (each one a wait for the device on a
         GPU). None: decided per step on the device (traced sampling values).
@@ -213,6 +216,8 @@ def start_fn(params: Params, state: DecodeState, prompts: Array, prompt_lengths:
         state = fork(state, num_samples)
         logits = jnp.repeat(logits, num_samples, axis=0)
     rows, vocab = logits.shape
+    if track_counts is None:
+        track_counts = features is not None and features.penalties
     counts = jnp.zeros((rows, vocab), jnp.int32) if track_counts else None
     loop = LoopState(state=state, last_token=jnp.zeros((rows,), jnp.int32),
                      num_generated=jnp.zeros((rows,), jnp.int32),
@@ -269,7 +274,7 @@ def chunk_fn(params: Params, loop: LoopState, sampling: SamplingParams, eos_toke
 def generate_fn(params: Params, state: DecodeState, prompts: Array, prompt_lengths: Array,
                 budgets: Array, sampling: SamplingParams, keys: Array, eos_token_ids: Array, *,
                 max_new_tokens: int, chunk_size: int = 8, num_samples: int = 1,
-                track_counts: bool = False, features: SamplingFeatures | None = None,
+                track_counts: bool | None = None, features: SamplingFeatures | None = None,
                 pad_id: int = -1, attention_impl: str = "auto", deltanet_impl: str = "auto",
                 progress: Callable[[np.ndarray], None] | None = None
                 ) -> tuple[GenerateOutput, LoopState]:
@@ -372,7 +377,8 @@ def _per_row(name: str, value, rows: int, dtype) -> np.ndarray:
 
 
 def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids, *, max_len,
-          num_samples, chunk_size, pad_id, attention_impl, deltanet_impl) -> _Plan:
+          num_samples, chunk_size, pad_id, attention_impl, deltanet_impl,
+          features: SamplingFeatures | None = None) -> _Plan:
     check_implementations(attention_impl, deltanet_impl)
     config = params.config
     vocab = config.vocab_size
@@ -435,6 +441,17 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
         sampling = sampling.broadcast(num_prompts).repeat(num_samples)
     sampling = jax.tree.map(np.asarray, sampling)
     sampling_lib.validate(sampling)
+    used = sampling_lib.features_of(sampling)
+    if features is None:
+        features = used
+    elif not isinstance(features, SamplingFeatures):
+        raise ValueError(f"features={features!r} must be a jaxdecode.sampling.SamplingFeatures")
+    else:
+        left_out = [f.name for f in dataclasses.fields(used)
+                    if getattr(used, f.name) and not getattr(features, f.name)]
+        if left_out:
+            raise ValueError(f"features={features} leaves out {left_out}, which the sampling "
+                             "values use (pass jaxdecode.sampling.ALL_FEATURES or None)")
 
     if eos_token_ids is None:
         eos_token_ids = config.eos_token_id
@@ -460,7 +477,7 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
                  budgets=np.repeat(budgets, num_samples), sampling=sampling, keys=keys,
                  eos_token_ids=eos_padded, max_len=int(max_len), max_new_tokens=n_bucket,
                  chunk_size=min(chunk_size, max(n_bucket - 1, 1)), num_samples=num_samples,
-                 features=sampling_lib.features_of(sampling), pad_id=pad_id,
+                 features=features, pad_id=pad_id,
                  attention_impl=attention_impl,
                  deltanet_impl=deltanet_impl)
 
@@ -484,9 +501,9 @@ def _generate_jit(params, prompts, prompt_lengths, budgets, sampling, keys, eos_
     state = init_state(params.config, prompts.shape[0], max_len, dtype=params.dtype)
     out, _ = generate_fn(params, state, prompts, prompt_lengths, budgets, sampling, keys,
                          eos_token_ids, max_new_tokens=max_new_tokens, chunk_size=chunk_size,
-                         num_samples=num_samples, track_counts=features.penalties,
-                         features=features, pad_id=pad_id, attention_impl=attention_impl,
-                         deltanet_impl=deltanet_impl, progress=progress)
+                         num_samples=num_samples, features=features, pad_id=pad_id,
+                         attention_impl=attention_impl, deltanet_impl=deltanet_impl,
+                         progress=progress)
     return out
 
 
@@ -495,8 +512,8 @@ def _start_jit(params, prompts, prompt_lengths, budgets, sampling, keys, eos_tok
                *, max_len, num_samples, features):
     state = init_state(params.config, prompts.shape[0], max_len, dtype=params.dtype)
     loop, first = start_fn(params, state, prompts, prompt_lengths, budgets, sampling, keys,
-                           eos_token_ids, num_samples=num_samples,
-                           track_counts=features.penalties, features=features, pad_id=pad_id)
+                           eos_token_ids, num_samples=num_samples, features=features,
+                           pad_id=pad_id)
     # one row on a GPU: an idle second row for the chunks (_pads_single_row); sliced back later
     if first.shape[0] == 1 and _pads_single_row():
         loop = _pad_single_row(loop)
@@ -595,13 +612,19 @@ _DOC_ARGS = """
       attention_impl, deltanet_impl: passed to :func:`jaxdecode.model.decode_step_fn`; with
         sharded params use ``jaxdecode.sharding.sharded_decode_attention(mesh)`` and
         ``jaxdecode.sharding.sharded_gated_delta_decode(mesh)`` (the kernels per device).
+      features: the sampling steps compiled into the program
+        (:class:`jaxdecode.sampling.SamplingFeatures`); None: those the sampling values use, so
+        a step no row uses costs nothing, and turning one on or off compiles once per
+        combination. ``jaxdecode.sampling.ALL_FEATURES``: one executable for every setting (each
+        step runs, a no-op for rows that turn it off).
       executables: from :func:`precompile` for the same arguments (optional).
 
     Raises:
       ValueError: before any device work, for empty prompts, ids outside ``[0, vocab_size)``,
         a budget < 1, prompt + budget over ``max_len`` or ``max_position_embeddings``, invalid
-        sampling values (see :func:`jaxdecode.sampling.validate`), a mis-shaped key, or an
-        unknown ``attention_impl`` / ``deltanet_impl``.
+        sampling values (see :func:`jaxdecode.sampling.validate`), ``features`` leaving out a
+        step the sampling values use, a mis-shaped key, or an unknown ``attention_impl`` /
+        ``deltanet_impl``.
 """
 
 
@@ -609,6 +632,7 @@ def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParam
              key=None, eos_token_ids: Sequence[int] | None = None, *, max_len: int | None = None,
              num_samples: int = 1, chunk_size: int = 8, pad_id: int = -1,
              attention_impl: str = "auto", deltanet_impl: str = "auto",
+             features: SamplingFeatures | None = None,
              progress: Callable[[np.ndarray], None] | None = None,
              executables: Executables | None = None) -> GenerateOutput:
     """Generates continuations with the whole loop on device (one jitted call, no per-token sync).
@@ -621,7 +645,7 @@ def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParam
     """
     plan = _plan(params, prompts, max_new_tokens, sampling, key, eos_token_ids, max_len=max_len,
                  num_samples=num_samples, chunk_size=chunk_size, pad_id=pad_id,
-                 attention_impl=attention_impl, deltanet_impl=deltanet_impl)
+                 attention_impl=attention_impl, deltanet_impl=deltanet_impl, features=features)
     args, static = _generate_args(params, plan, progress)
     return _call(_generate_jit, args, static, executables)
 
@@ -631,6 +655,7 @@ def generate_stream(params: Params, prompts, max_new_tokens=64,
                     eos_token_ids: Sequence[int] | None = None, *, max_len: int | None = None,
                     num_samples: int = 1, chunk_size: int = 1, pad_id: int = -1,
                     attention_impl: str = "auto", deltanet_impl: str = "auto",
+                    features: SamplingFeatures | None = None,
                     executables: Executables | None = None) -> Iterator[StreamChunk]:
     """Generates continuations, yielding tokens to the host as they are produced.
 
@@ -644,7 +669,7 @@ def generate_stream(params: Params, prompts, max_new_tokens=64,
     """
     plan = _plan(params, prompts, max_new_tokens, sampling, key, eos_token_ids, max_len=max_len,
                  num_samples=num_samples, chunk_size=chunk_size, pad_id=pad_id,
-                 attention_impl=attention_impl, deltanet_impl=deltanet_impl)
+                 attention_impl=attention_impl, deltanet_impl=deltanet_impl, features=features)
     args, static = _start_args(params, plan)
     loop, first = _call(_start_jit, args, static, executables)
     rows = first.shape[0]  # the loop may carry an idle extra row (_pad_single_row)
@@ -668,6 +693,7 @@ def precompile(params: Params, prompts, max_new_tokens=64, sampling: SamplingPar
                key=None, eos_token_ids: Sequence[int] | None = None, *, stream: bool = False,
                max_len: int | None = None, num_samples: int = 1, chunk_size: int | None = None,
                pad_id: int = -1, attention_impl: str = "auto", deltanet_impl: str = "auto",
+               features: SamplingFeatures | None = None,
                progress: Callable[[np.ndarray], None] | None = None) -> Executables:
     """Compiles (without running) what :func:`generate` (or, with ``stream``,
     :func:`generate_stream`) will run for these arguments, so its compile time can be measured
@@ -681,7 +707,7 @@ def precompile(params: Params, prompts, max_new_tokens=64, sampling: SamplingPar
         chunk_size = 1 if stream else 8
     plan = _plan(params, prompts, max_new_tokens, sampling, key, eos_token_ids, max_len=max_len,
                  num_samples=num_samples, chunk_size=chunk_size, pad_id=pad_id,
-                 attention_impl=attention_impl, deltanet_impl=deltanet_impl)
+                 attention_impl=attention_impl, deltanet_impl=deltanet_impl, features=features)
     if not stream:
         return Executables((_compile(_generate_jit, *_generate_args(params, plan, progress)),))
     args, static = _start_args(params, plan)

@@ -14,6 +14,7 @@ import pytest
 import jaxdecode as jd
 # The module (``jaxdecode.generate`` may also name the function once exported from the package).
 gen = importlib.import_module("jaxdecode.generate")
+from jaxdecode import sampling as sampling_lib
 from jaxdecode.sampling import SamplingParams
 
 from conftest import HERE, LIN, FULL, hf_python, text_config
@@ -182,6 +183,50 @@ def test_loop_has_one_conditional_per_chunk_only(params, sampling):
     args, static = gen._generate_args(params, plan, None)
     text = gen._generate_jit.lower(*args, **static).as_text()
     assert text.count("stablehlo.case") == 1
+
+
+def test_all_features_gives_one_executable_and_the_same_tokens(params):
+    """features=ALL_FEATURES compiles every step in (no per-token lax.cond either): one executable
+    for greedy, sampled and penalised settings, with the tokens of the default (per-set) path."""
+    settings = [None, SamplingParams.create(temperature=0.9, top_k=5, top_p=0.8),
+                SamplingParams.create(3, temperature=[0.0, 1.2, 0.7], min_p=0.05,
+                                      frequency_penalty=0.5)]
+    before = gen._generate_jit._cache_size()
+    got = [gen.generate(params, PROMPTS, 12, sp, jax.random.key(5), (),
+                        features=sampling_lib.ALL_FEATURES).token_lists() for sp in settings]
+    assert gen._generate_jit._cache_size() == before + 1
+    for sp, tokens in zip(settings, got):
+        want = gen.generate(params, PROMPTS, 12, sp, jax.random.key(5), ())
+        assert tokens == want.token_lists()
+        stream = [c.tokens for c in gen.generate_stream(
+            params, PROMPTS, 12, sp, jax.random.key(5), (), chunk_size=4,
+            features=sampling_lib.ALL_FEATURES)]
+        streamed = np.concatenate(stream, axis=1)
+        n = min(streamed.shape[1], want.tokens.shape[1])
+        assert streamed[:, :n].tolist() == np.asarray(want.tokens)[:, :n].tolist()
+
+
+@pytest.mark.parametrize("features,message", [
+    (sampling_lib.SamplingFeatures(penalties=False, sampled=True, top_k=False, top_p=True,
+                                   min_p=False), r"leaves out \['top_k'\]"),
+    ("all", "must be a jaxdecode.sampling.SamplingFeatures"),
+])
+def test_features_that_leave_out_a_used_step_raise(params, features, message):
+    sp = SamplingParams.create(temperature=0.9, top_k=5, top_p=0.8)
+    with pytest.raises(ValueError, match=message):
+        gen.generate(params, PROMPTS, 4, sp, features=features)
+
+
+def test_start_fn_tracks_counts_when_features_have_penalties(params):
+    sp = SamplingParams.create(3, presence_penalty=0.5)
+    state = jd.init_state(params.config, 3, 64)
+    prompts = np.array([p + [0] * (11 - len(p)) for p in PROMPTS], np.int32)
+    lengths = np.array([len(p) for p in PROMPTS], np.int32)
+    args = (params, state, prompts, lengths, np.full(3, 4, np.int32), sp,
+            jax.random.split(jax.random.key(0), 3), np.full(8, -1, np.int32))
+    loop, _ = gen.start_fn(*args, features=sampling_lib.features_of(sp))
+    assert loop.token_counts is not None and int(loop.token_counts.sum()) == 3
+    assert gen.start_fn(*args)[0].token_counts is None  # no features: as before, opt-in
 
 
 # ----- streaming == on-device ---------------------------------------------------------------------
