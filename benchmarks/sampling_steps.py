@@ -3,7 +3,7 @@
     python benchmarks/sampling_steps.py [--layers 4] [--model 0.8b] [--tokens 256]
 
 One process, same inputs: the whole generation loop (``generate.generate_fn``: prefill, then
-``lax.scan`` chunks of 32 decode steps with sampling) compiled twice per sampling setting:
+``lax.scan`` chunks of up to 32 decode steps with sampling) compiled twice per sampling setting:
 
   lax.cond  ``features=None`` with the sampling values traced: every sampling step (penalties,
             top-k, top-p, min-p, the draw) runs under a ``lax.cond`` on its values; on a GPU each
@@ -13,8 +13,9 @@ One process, same inputs: the whole generation loop (``generate.generate_fn``: p
 
 The model is the preset's shapes cut to ``--layers`` layers (default 4: three Gated DeltaNet and
 one attention layer, so each compile takes seconds); bf16 random weights; batch 2 (a one-row loop
-is padded to two on GPUs anyway); 16-token prompts. Reports ms per generated token (median of 5
-runs) and checks that both programs emit the same tokens.
+is padded to two on GPUs anyway); 16-token prompts; ``--tokens`` a power of two (the loop runs
+the bucketed budget). Reports ms per generated token (median of 5 runs) and checks that both
+programs emit the same tokens.
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ def main():
     ap.add_argument("--tokens", type=int, default=256)
     args = ap.parse_args()
     config = jd.Config.from_preset(f"qwen3.5-{args.model}")
+    if args.tokens < 16 or args.tokens & (args.tokens - 1):
+        ap.error(f"--tokens must be a power of two >= 16 (the generate budget bucket), got "
+                 f"{args.tokens}")
     if not 1 <= args.layers <= config.num_hidden_layers:
         ap.error(f"--layers must be in [1, {config.num_hidden_layers}]")
     if "full_attention" not in config.layer_types[:args.layers]:

@@ -120,6 +120,8 @@ def main():
                          f"{c.linear_key_head_dim}")
     for opts in args.options.split(";"):
         parse_options(opts)  # fail on a malformed option before any device work
+    if args.sequence and not re.fullmatch(r"\d+:\d+", args.sequence):
+        ap.error(f"--sequence must be start:stop, e.g. 0:120; got {args.sequence!r}")
     print(f"# {jax.devices()[0].device_kind}; jax {jax.__version__}; "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
     summary = []

@@ -46,8 +46,10 @@ TARGET_PROGRAMS = 264  # two per SM of an H100/H200 (132 SMs)
 # "auto" takes the kernel from this batch up. On an H200 (benchmarks/RESULTS.md, sessions 4 and 5)
 # the kernel alone beats XLA's form at every batch (2.1 vs 5.3 us at batch 1), but the custom call
 # splits XLA's fusions around it (about 4 more kernels per layer). Whole-step kernel time with it,
-# same process: 0.8B / 9B at batch 1 +0.02-0.09 / +0.04-0.05 ms (slower); 9B batch 8 -0.04 ms;
-# 0.8B batch 16 -0.08 ms; batch 64 -0.72 / -1.47 ms. Batches 2-7 were not timed.
+# same process: 0.8B / 9B at batch 1 +0.02-0.09 / +0.04-0.05 ms (slower); 9B batch 8 -0.04 ms
+# (0.7%: a lean, within the spread between runs); 0.8B batch 16 -0.08 ms; batch 64 -0.72 / -1.47
+# ms. At the 0.8B, XLA's form also copies all 18 recurrent states every step (not the 9B), which
+# the kernel does not. Not timed: batches 2-7, and the 0.8B at batch 8.
 MIN_BATCH_AUTO = 8
 
 
