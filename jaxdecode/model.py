@@ -510,7 +510,7 @@ def check_decode_inputs(config: Config, state: DecodeState, tokens, active=None,
 
 def check_implementations(attention_impl, deltanet_impl) -> None:
     """Raises ValueError, naming the argument, for an implementation that is neither one of
-    ``jaxdecode.kernels.IMPLEMENTATIONS`` nor a callable (checked on the host, before any device work)."""
+    ``jaxdecode.kernels.IMPLEMENTATIONS`` nor a callable (on the host, before any device work)."""
     for name, value in (("attention_impl", attention_impl), ("deltanet_impl", deltanet_impl)):
         if not callable(value) and not (isinstance(value, str) and value in IMPLEMENTATIONS):
             raise ValueError(f"{name}={value!r} must be one of {IMPLEMENTATIONS} or a callable "

@@ -185,6 +185,14 @@ def gated_delta_decode(q, k, v, g, beta, state, *, implementation: str = "auto")
 
     Under a multi-device mesh, call it per device (``jaxdecode.sharding`` does, through
     ``shard_map``): the kernel is a custom call the SPMD partitioner cannot split.
+
+    Returns:
+      (o [B, Hv, dv] float32, new state [B, Hv, dk, dv] float32); math in the module docstring
+      (Yang et al., ICLR 2025, eq. 10).
+
+    Raises:
+      ValueError: an unknown ``implementation``; Hv not a multiple of Hk; with "pallas", the
+        shapes and dtypes :func:`gated_delta_decode_pallas` rejects.
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"gated_delta_decode: {implementation=} must be one of "
