@@ -34,9 +34,11 @@ from decode import randomize_state, time_decode  # noqa: E402
 
 
 def parse_options(text: str) -> dict:
-    """'name=value,name=value' -> XLA compiler options (true/false -> bool, digits -> int)."""
+    """'name=value,name=value' -> XLA compiler options (true/false -> bool, digits -> int). A
+    value may itself hold commas (a list, e.g. ``xla_gpu_enable_command_buffer=FUSION,WHILE``):
+    items split only at a comma followed by ``name=``."""
     options = {}
-    for item in filter(None, text.split(",")):
+    for item in filter(None, re.split(r",(?=\w+=)", text)):
         if "=" not in item:
             raise SystemExit(f"--options: {item!r} is not name=value (in {text!r})")
         key, value = item.split("=", 1)

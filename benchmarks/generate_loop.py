@@ -1,0 +1,146 @@
+"""The whole generation loop (``jd.generate``'s program) on the GPU: time per token, kernel time
+per token, and XLA option variants, all in one process.
+
+    python benchmarks/generate_loop.py [--cells 0.8b:1,9b:1] [--tokens 512]
+        [--sampling greedy,top_p] [--options ';name=value,...'] [--layers N]
+
+Per cell (model:batch), sampling setting and XLA compiler-option variant (``--options``,
+';'-separated, '' = defaults, as in ``benchmarks/step_profile.py``): the program
+``generate.generate_fn`` (prefill of a 16-token prompt, then ``lax.scan`` chunks of 32 decode
+steps with sampling; on a GPU a one-row loop carries an idle second row) is compiled with those
+options and run ``--tokens`` tokens per row with EOS off. Reported:
+
+  ms/token     median wall time of 3 runs / tokens (prefill included; it is 1 of the tokens)
+  kernel ms    the sum of CUPTI kernel times of one run / tokens (CUDA-graph kernels included)
+  gap ms       ms/token - kernel ms: time the GPU waits for the host (launches, syncs)
+  kernels      kernels launched per token
+
+and whether every variant of a cell and sampling setting emits the same tokens.
+The model is the preset's shapes (``--layers`` cuts it, for quick checks), bf16 random weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jaxdecode as jd  # noqa: E402
+from jaxdecode import sampling as S  # noqa: E402
+from step_profile import cupti_kernels, parse_options  # noqa: E402
+
+G = importlib.import_module("jaxdecode.generate")  # the module (jd.generate is the function)
+
+SAMPLING = {"greedy": None, "top_p": S.SamplingParams.create(temperature=0.7, top_p=0.9)}
+
+
+def compile_loop(params, plan, features, compiler_options=None):
+    """(compiled ``args -> tokens``, its arguments, compile seconds) for the whole loop."""
+    config = params.config
+    rows = plan.prompts.shape[0]
+
+    def run(params, prompts, lengths, budgets, sampling, keys, eos):
+        state = jd.init_state(config, rows, plan.max_len, dtype=params.dtype)
+        out, _ = G.generate_fn(params, state, prompts, lengths, budgets, sampling, keys, eos,
+                               max_new_tokens=plan.max_new_tokens, chunk_size=plan.chunk_size,
+                               features=features)
+        return out.tokens
+
+    args = (params, plan.prompts, plan.prompt_lengths, plan.budgets, plan.sampling, plan.keys,
+            plan.eos_token_ids)
+    t0 = time.perf_counter()
+    compiled = jax.jit(run).lower(*args).compile(compiler_options=compiler_options or None)
+    return compiled, args, time.perf_counter() - t0
+
+
+def time_loop(compiled, args, tokens_per_row, runs=3):
+    """(median ms per generated token, tokens [R, N] of the last run)."""
+    tokens = np.asarray(compiled(*args))
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        tokens = compiled(*args)
+        jax.block_until_ready(tokens)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / tokens_per_row * 1e3, np.asarray(tokens)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cells", default="0.8b:1,9b:1", help="model:batch,...")
+    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--sampling", default="greedy", help=f"comma-separated, of {list(SAMPLING)}")
+    ap.add_argument("--options", default="",
+                    help="';'-separated XLA compiler-option variants, each 'name=value,...' "
+                         "('' = defaults), e.g. ';xla_gpu_graph_min_graph_size=1'")
+    ap.add_argument("--layers", type=int, default=0, help="cut each model to N layers (0: all)")
+    ap.add_argument("--no-cupti", action="store_true", help="skip the kernel-time run")
+    args = ap.parse_args()
+    if args.tokens < 16 or args.tokens & (args.tokens - 1):
+        ap.error(f"--tokens must be a power of two >= 16 (the generate budget bucket), got "
+                 f"{args.tokens}")
+    unknown = [s for s in args.sampling.split(",") if s not in SAMPLING]
+    if unknown:
+        ap.error(f"--sampling: unknown {unknown}; choose from {list(SAMPLING)}")
+    variants = args.options.split(";")
+    for opts in variants:
+        parse_options(opts)  # fail on a malformed option before any device work
+    cells = []
+    for cell in args.cells.split(","):
+        name, batch = cell.split(":")
+        config = jd.Config.from_preset(name if name == "tiny" else f"qwen3.5-{name}")
+        if args.layers:
+            if "full_attention" not in config.layer_types[:args.layers]:
+                ap.error("--layers must include a full-attention layer (4 or more for Qwen3.5)")
+            config = dataclasses.replace(config, num_hidden_layers=args.layers,
+                                         layer_types=config.layer_types[:args.layers])
+        cells.append((name, int(batch), config))
+    print(f"# {jax.devices()[0].device_kind}; jax {jax.__version__}; "
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; {args.tokens} tokens per row",
+          flush=True)
+    rows = []
+    for name, batch, config in cells:
+        params = jd.init_params(config, jax.random.key(0), "bfloat16")
+        prompts = np.random.default_rng(0).integers(0, 1000, (batch, 16)).tolist()
+        for sampling_name in args.sampling.split(","):
+            plan = G._plan(params, prompts, args.tokens, SAMPLING[sampling_name], None, (),
+                           max_len=None, num_samples=1, chunk_size=32, pad_id=-1,
+                           attention_impl="auto", deltanet_impl="auto")
+            reference = None
+            for opts in variants:
+                compiled, call_args, compile_s = compile_loop(params, plan, plan.features,
+                                                              parse_options(opts))
+                ms, tokens = time_loop(compiled, call_args, args.tokens)
+                kernels = [] if args.no_cupti else cupti_kernels(lambda: compiled(*call_args))
+                kernel_ms = sum(t for _, t in kernels) / args.tokens
+                same = reference is None or np.array_equal(tokens, reference)
+                reference = tokens if reference is None else reference
+                row = (f"{name} b{batch} {sampling_name}", opts or "defaults", ms, kernel_ms,
+                       len(kernels) / args.tokens, compile_s, same)
+                rows.append(row)
+                print(f"  {row[0]} [{row[1]}]: {ms:.4f} ms/token, kernels {kernel_ms:.4f} "
+                      f"ms/token ({row[4]:.0f} per token), compile {compile_s:.1f} s, same "
+                      f"tokens {same}", flush=True)
+                del compiled
+        del params
+    print("\n| cell | XLA options | ms/token | tok/s | kernel ms/token | gap ms | kernels/token "
+          "| compile s | same tokens |\n|---|---|---:|---:|---:|---:|---:|---:|---|")
+    for tag, opts, ms, kernel_ms, n, compile_s, same in rows:
+        batch = int(tag.split()[1][1:])
+        print(f"| {tag} | {opts} | {ms:.4f} | {batch * 1e3 / ms:,.0f} | {kernel_ms:.4f} | "
+              f"{ms - kernel_ms:.4f} | {n:.0f} | {compile_s:.1f} | {same} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
