@@ -5,6 +5,7 @@ per-row sampling, no host synchronisation per token (the pattern for RL rollouts
 """
 
 import argparse
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +28,7 @@ def main(argv=None):
     logits, state = jd.prefill(params, state, prompts, np.full(B, 8, np.int32))
     sampling = jd.SamplingParams.create(B, temperature=0.8, top_p=0.95)
 
-    @jax.jit
+    @functools.partial(jax.jit, compiler_options=jd.COMPILER_OPTIONS)  # as the library's jits
     def rollout(params, state, logits, key):
         def step(carry, i):
             state, logits = carry

@@ -11,7 +11,7 @@ from jaxdecode import model, sharding
 from jaxdecode.checkpoint import load_checkpoint
 from jaxdecode.config import PRESETS, Config
 from jaxdecode.kernels.decode_attention import decode_attention, decode_attention_reference
-from jaxdecode.model import decode_step, prefill
+from jaxdecode.model import COMPILER_OPTIONS, decode_step, prefill
 from jaxdecode.params import Params, init_params, num_params, param_specs
 from jaxdecode.state import DecodeState, KVCache, fork, init_state
 from jaxdecode.sampling import SamplingParams, sample
@@ -19,8 +19,8 @@ from jaxdecode.tokenizer import load_tokenizer
 from jaxdecode.generate import GenerateOutput, StreamChunk, generate, generate_stream
 
 __all__ = [
-    "Config", "DecodeState", "GenerateOutput", "KVCache", "PRESETS", "Params", "SamplingParams",
-    "StreamChunk", "decode_attention", "decode_attention_reference", "decode_step", "fork",
+    "COMPILER_OPTIONS", "Config", "DecodeState", "GenerateOutput", "KVCache", "PRESETS",
+    "Params", "SamplingParams", "StreamChunk", "decode_attention", "decode_attention_reference", "decode_step", "fork",
     "generate", "generate_stream", "init_params", "init_state", "load_checkpoint",
     "load_tokenizer", "model", "num_params", "param_specs", "prefill", "sample", "sharding",
 ]

@@ -45,7 +45,8 @@ from jax import lax
 
 from jaxdecode import sampling as sampling_lib
 from jaxdecode.kernels.decode_attention import MAX_LEN_ALIGN
-from jaxdecode.model import check_implementations, decode_step_fn, prefill_fn
+from jaxdecode.model import (COMPILER_OPTIONS, check_implementations, decode_step_fn,
+                             prefill_fn)
 from jaxdecode.params import Params
 from jaxdecode.sampling import SamplingFeatures, SamplingParams
 from jaxdecode.state import DecodeState, fork, init_state
@@ -494,7 +495,8 @@ def _leaf_rows(sampling: SamplingParams) -> int | None:
 # changing it does not recompile.
 @functools.partial(jax.jit, static_argnames=("max_len", "max_new_tokens", "chunk_size",
                                              "num_samples", "features", "attention_impl",
-                                             "deltanet_impl", "progress"))
+                                             "deltanet_impl", "progress"),
+                   compiler_options=COMPILER_OPTIONS)
 def _generate_jit(params, prompts, prompt_lengths, budgets, sampling, keys, eos_token_ids, pad_id,
                   *, max_len, max_new_tokens, chunk_size, num_samples, features,
                   attention_impl, deltanet_impl, progress):
@@ -507,7 +509,8 @@ def _generate_jit(params, prompts, prompt_lengths, budgets, sampling, keys, eos_
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("max_len", "num_samples", "features"))
+@functools.partial(jax.jit, static_argnames=("max_len", "num_samples", "features"),
+                   compiler_options=COMPILER_OPTIONS)
 def _start_jit(params, prompts, prompt_lengths, budgets, sampling, keys, eos_token_ids, pad_id,
                *, max_len, num_samples, features):
     state = init_state(params.config, prompts.shape[0], max_len, dtype=params.dtype)
@@ -522,7 +525,7 @@ def _start_jit(params, prompts, prompt_lengths, budgets, sampling, keys, eos_tok
 
 @functools.partial(jax.jit, static_argnames=("chunk_size", "attention_impl", "deltanet_impl",
                                              "features"),
-                   donate_argnames=("loop",))
+                   donate_argnames=("loop",), compiler_options=COMPILER_OPTIONS)
 def _chunk_jit(params, loop, sampling, eos_token_ids, pad_id, *, chunk_size, attention_impl,
                deltanet_impl, features):
     return chunk_fn(params, loop, sampling, eos_token_ids, chunk_size=chunk_size, pad_id=pad_id,
@@ -712,7 +715,7 @@ def precompile(params: Params, prompts, max_new_tokens=64, sampling: SamplingPar
         return Executables((_compile(_generate_jit, *_generate_args(params, plan, progress)),))
     args, static = _start_args(params, plan)
     start = _compile(_start_jit, args, static)
-    loop_shape = jax.eval_shape(lambda: _start_jit(*args, **static))[0]
+    loop_shape = _start_jit.eval_shape(*args, **static)[0]  # top-level: it has compiler_options
     # The chunk's signature is that of the loop _start_jit returns (device arrays).
     loop_like = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type,

@@ -36,6 +36,15 @@ f32 = jnp.float32
 
 # HF's l2norm adds this to the *sum* of squares (hard-coded, not rms_norm_eps; spec §7 item 5).
 L2NORM_EPS = 1e-6
+# XLA options every jitted program of the library is compiled with (pass them to your own
+# ``jax.jit(..., compiler_options=COMPILER_OPTIONS)`` around ``decode_step_fn``). GPU options;
+# other backends ignore them.
+#   xla_gpu_dot_merger_threshold_mb: XLA merges dots that share an operand into one only below
+#   this many MB of weights (default 32). At 1024 the MLP's gate and up projections (101 MB each
+#   in the 9B) become one GEMM reading the input once: on an H200, one process, the 9B batch-1
+#   step went from 5.032 to 4.818 ms and the 0.8B's kernel time from 1.131 to 1.076 ms
+#   (benchmarks/RESULTS.md, session 6).
+COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 1024}
 # Chunk size of the chunked gated delta rule (HF and FLA use 64).
 CHUNK_SIZE = 64
 
@@ -380,11 +389,15 @@ def decode_step_fn(params: Params, state: DecodeState, tokens: Array, active: Ar
 
 
 prefill_jit = jax.jit(prefill_fn, static_argnames=("return_all_logits",),
-                      donate_argnames=("state",))
-prefill_jit.__doc__ = "``prefill_fn`` jitted with the state donated; no host validation."
+                      donate_argnames=("state",), compiler_options=COMPILER_OPTIONS)
+prefill_jit.__doc__ = """``prefill_fn`` jitted with the state donated and :data:`COMPILER_OPTIONS`;
+no host validation. Top-level only (JAX refuses compiler options on a jit nested in another):
+inside your own ``jax.jit`` call ``prefill_fn``."""
 decode_step_jit = jax.jit(decode_step_fn, static_argnames=("attention_impl", "deltanet_impl"),
-                          donate_argnames=("state",))
-decode_step_jit.__doc__ = "``decode_step_fn`` jitted with the state donated; no host validation."
+                          donate_argnames=("state",), compiler_options=COMPILER_OPTIONS)
+decode_step_jit.__doc__ = """``decode_step_fn`` jitted with the state donated and
+:data:`COMPILER_OPTIONS`; no host validation. Top-level only (JAX refuses compiler options on a
+jit nested in another): inside your own ``jax.jit`` call ``decode_step_fn``."""
 
 
 # ----- host-side validation -------------------------------------------------------------------
@@ -542,13 +555,17 @@ def prefill(params: Params, state: DecodeState, tokens, lengths, *,
     attention layers attend causally over cache + new tokens (HF ``eager_attention_forward``).
     Source: HF ``modeling_qwen3_5.py`` (transformers 5.24.0).
 
-    Compilation: one executable per distinct (B, T); pad prompts to a few bucket lengths (as
-    ``jaxdecode.generate`` does) to reuse them.
+    Compilation: one executable per distinct (B, T), with :data:`COMPILER_OPTIONS`; pad prompts
+    to a few bucket lengths (as ``jaxdecode.generate`` does) to reuse them. Called with traced
+    arguments (inside your own ``jax.jit``) it is :func:`prefill_fn`, unvalidated.
     """
-    if not _is_traced(tokens, lengths, state):
+    traced = _is_traced(params, state, tokens, lengths)
+    if not traced:  # on the host, before any device work
         check_prefill_inputs(params.config, state, tokens, lengths, params.dtype)
-    return prefill_jit(params, state, jnp.asarray(tokens, jnp.int32),
-                       jnp.asarray(lengths, jnp.int32), return_all_logits=return_all_logits)
+    tokens, lengths = jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32)
+    if traced:  # inside the caller's jit: the pure function (prefill_jit cannot nest)
+        return prefill_fn(params, state, tokens, lengths, return_all_logits=return_all_logits)
+    return prefill_jit(params, state, tokens, lengths, return_all_logits=return_all_logits)
 
 
 def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
@@ -556,8 +573,10 @@ def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
                 check_inputs: bool = True):
     """Appends one token per row, each at its own position, and returns the next-token logits.
 
-    Jitted with the state donated: the compiled executable aliases every state buffer to its
-    output (caches are updated in place) and one executable serves every step.
+    Jitted with the state donated and :data:`COMPILER_OPTIONS`: the compiled executable aliases
+    every state buffer to its output (caches are updated in place) and one executable serves
+    every step. Called with traced arguments (inside your own ``jax.jit``) it is
+    :func:`decode_step_fn`, unvalidated, inlined into your program.
 
     Args:
       params: model weights.
@@ -584,10 +603,9 @@ def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
     device (``jaxdecode.sharding.is_on_mesh``), with both implementations strings, goes through
     ``jaxdecode.sharding.decode_step``: same results, both kernels run per device, output state
     pinned to the input layout. Inside your own ``jax.jit`` that dispatch cannot see the mesh:
-    there, use the function from ``sharding.jit_decode_step`` (or pass
-    ``sharding.sharded_decode_attention(mesh)`` and ``sharding.sharded_gated_delta_decode(mesh)``
-    to ``model.decode_step_fn``), or on GPU the Pallas kernels get all-gathered KV caches and
-    recurrent states.
+    there, pass ``sharding.sharded_decode_attention(mesh)`` and
+    ``sharding.sharded_gated_delta_decode(mesh)`` to ``model.decode_step_fn``, or on GPU the
+    Pallas kernels get all-gathered KV caches and recurrent states.
 
     Raises:
       ValueError: see :func:`check_decode_inputs` and :func:`check_implementations`.
@@ -605,7 +623,11 @@ def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
             return sharding.decode_step(params, state, tokens, active,
                                         attention_impl=attention_impl,
                                         deltanet_impl=deltanet_impl, check_inputs=check_inputs)
-    if check_inputs and not _is_traced(tokens, active, state):
+    if _is_traced(params, state, tokens, active):  # inside the caller's jit: the pure function
+        return decode_step_fn(params, state, jnp.asarray(tokens, jnp.int32),
+                              None if active is None else jnp.asarray(active, bool),
+                              attention_impl=attention_impl, deltanet_impl=deltanet_impl)
+    if check_inputs:
         check_decode_inputs(params.config, state, tokens, active, params.dtype)
     tokens = jnp.asarray(tokens, jnp.int32)
     if active is not None:

@@ -62,6 +62,23 @@ def test_compiled_decode_step_aliases_every_state_leaf(params):
     assert state_params <= aliased, f"state parameters not aliased: {state_params - aliased}"
 
 
+def test_library_jits_carry_the_compiler_options_and_are_top_level(params):
+    """decode_step_jit and prefill_jit are compiled with jd.COMPILER_OPTIONS: JAX accepts compiler
+    options only on a top-level jit, so nesting them raises (that is the documented contract:
+    inside your own jit call decode_step_fn / prefill_fn)."""
+    assert jd.COMPILER_OPTIONS == {"xla_gpu_dot_merger_threshold_mb": 1024}
+    _, state = _prefilled(params)
+    tokens = jnp.zeros((2,), jnp.int32)
+    with pytest.raises(ValueError, match="compiler_options"):
+        jax.jit(lambda p, s, t: model.decode_step_jit(p, s, t, None))(params, state, tokens)
+    with pytest.raises(ValueError, match="compiler_options"):
+        jax.jit(lambda p, s, t: model.prefill_jit(p, s, t[:, None], jnp.ones(2, jnp.int32)))(
+            params, state, tokens)
+    logits, _ = jax.jit(lambda p, s, t: model.decode_step_fn(p, s, t),
+                        compiler_options=jd.COMPILER_OPTIONS)(params, state, tokens)
+    assert np.isfinite(np.asarray(logits)).all()
+
+
 def test_decode_steps_compile_once_and_donate(params):
     logits, state = _prefilled(params)
     before = model.decode_step_jit._cache_size()
