@@ -27,6 +27,7 @@ from jaxdecode.config import FULL_ATTENTION, Config
 from jaxdecode.gated_delta import chunk_gated_delta_rule
 from jaxdecode.kernels import IMPLEMENTATIONS
 from jaxdecode.kernels.decode_attention import decode_attention
+from jaxdecode.kernels.deltanet_decode import deltanet_decode
 from jaxdecode.kernels.gated_delta_decode import gated_delta_decode
 from jaxdecode.params import AttentionParams, GatedDeltaNetParams, MLPParams, Params
 from jaxdecode.state import DecodeState, KVCache
@@ -132,9 +133,12 @@ def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurre
       conv_state: [B, Kc-1, C] last pre-conv inputs; recurrent_state: [B, Hv, dk, dv] float32.
       n_new: [B] int32.
       decode: T == 1 and the one-token recurrence is used instead of the chunked form.
-      deltanet_impl: the one-token delta rule (decode only): an ``implementation`` of
-        ``jaxdecode.kernels.gated_delta_decode.gated_delta_decode``, or a callable with its
-        signature (such as ``jaxdecode.sharding.sharded_gated_delta_decode(mesh)``).
+      deltanet_impl: the one-token core (decode only). A string is an ``implementation`` of
+        ``jaxdecode.kernels.deltanet_decode.deltanet_decode`` (conv window, norms, gating and
+        delta rule; "auto": one Pallas kernel on Hopper below batch 8, XLA's form with the
+        one-pass delta-rule kernel from batch 8). A callable replaces only the delta rule and
+        has the signature of ``jaxdecode.kernels.gated_delta_decode.gated_delta_decode`` (such
+        as ``jaxdecode.sharding.sharded_gated_delta_decode(mesh)``).
 
     Returns:
       (out [B, T, Hd], new conv_state, new recurrent_state).
@@ -150,6 +154,16 @@ def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurre
     z = linear(x, p.in_proj_z).reshape(batch, length, hv, dv)
     b = linear(x, p.in_proj_b)  # [B, T, Hv]
     a = linear(x, p.in_proj_a)  # [B, T, Hv]
+    if decode and not callable(deltanet_impl):
+        # The whole one-token core (conv window, gating, L2 norms, masking, delta rule) in one
+        # call: one Pallas kernel on Hopper, the same XLA math as below elsewhere.
+        o, new_conv_state, new_state = deltanet_decode(
+            mixed[:, 0], a[:, 0], b[:, 0], valid[:, 0], conv_state, recurrent_state,
+            p.conv1d[:, 0, :], p.A_log, p.dt_bias, num_key_heads=hk,
+            implementation=deltanet_impl)
+        o = gated_rms_norm(o[:, None].astype(x.dtype), z, p.norm, c.rms_norm_eps)
+        out = linear(o.reshape(batch, length, hv * dv), p.out_proj)
+        return out, new_conv_state, new_state
 
     # Causal depthwise conv over [cached Kc-1 inputs | new inputs]; cross-correlation, so
     # w[:, Kc-1] multiplies the current token (spec §1.4, §7 item 4). Pads sit after the real
@@ -587,10 +601,13 @@ def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
       attention_impl: "auto" | "pallas" | "reference" (see ``jaxdecode.kernels.decode_attention``),
         or a hashable callable with ``decode_attention``'s signature (a jit static), such as
         ``jaxdecode.sharding.sharded_decode_attention(mesh)``.
-      deltanet_impl: the Gated DeltaNet one-token update, "auto" | "pallas" | "reference" (see
-        ``jaxdecode.kernels.gated_delta_decode``: "auto" is the Pallas kernel on Hopper GPUs
-        from batch 8, XLA elsewhere), or a hashable callable with that dispatcher's
-        signature, such as ``jaxdecode.sharding.sharded_gated_delta_decode(mesh)``.
+      deltanet_impl: the Gated DeltaNet one-token core, "auto" | "pallas" | "reference" (see
+        ``jaxdecode.kernels.deltanet_decode``: "auto" on Hopper GPUs is one Pallas kernel for
+        the conv window, norms, gating and delta rule below batch 8, and XLA's form with the
+        one-pass delta-rule kernel (``jaxdecode.kernels.gated_delta_decode``) from batch 8;
+        XLA elsewhere), or a hashable callable replacing the delta rule only, with
+        ``gated_delta_decode``'s signature, such as
+        ``jaxdecode.sharding.sharded_gated_delta_decode(mesh)``.
       check_inputs: validate on the host first. Validation reads ``state.lengths`` back from the
         device (one sync per step); pass False in a hot loop whose bounds you checked up front.
         Unchecked, a row that would overflow the cache, or is fed a token id outside the

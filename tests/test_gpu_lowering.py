@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxdecode.kernels.decode_attention import decode_attention_pallas
+from jaxdecode.kernels.deltanet_decode import deltanet_decode_pallas
 from jaxdecode.kernels.gated_delta_decode import gated_delta_decode_pallas
 
 f32, bf16, i32 = jnp.float32, jnp.bfloat16, jnp.int32
@@ -45,6 +46,52 @@ def test_gated_delta_decode_lowers_and_updates_the_state_in_place(batch, key_hea
     assert re.search(r"output_operand_alias<output_tuple_indices = \[1\]", text), text[-3000:]
     # ... and the donated state argument is aliased to the function's state output
     assert re.search(r"%arg5: tensor<[^>]*> \{[^}]*tf\.aliasing_output = 1", text), text[:3000]
+
+
+def deltanet_shapes(batch, key_heads, heads, dk, dv, kc, dtype):
+    """The decode core's arguments at a published shape: activations, conv window, conv weight
+    and dt_bias in the model dtype, A_log float32 (as the checkpoints)."""
+    channels = key_heads * (2 * dk + heads // key_heads * dv)
+    return (((batch, channels), dtype), ((batch, heads), dtype), ((batch, heads), dtype),
+            ((batch,), jnp.bool_), ((batch, kc - 1, channels), dtype),
+            ((batch, heads, dk, dv), f32), ((channels, kc), dtype), ((heads,), f32),
+            ((heads,), dtype))
+
+
+DELTANET_MODELS = {  # (Hk, Hv, dk, dv, Kc): C = 6144, 8192, 10240
+    "qwen3.5-0.8b": (16, 16, 128, 128, 4),
+    "qwen3.5-9b": (16, 32, 128, 128, 4),
+    "qwen3.5-27b": (16, 48, 128, 128, 4),
+}
+
+
+@pytest.mark.parametrize("batch", [1, 8, 64])
+@pytest.mark.parametrize("model", DELTANET_MODELS)
+@pytest.mark.parametrize("dtype", [bf16, f32])
+def test_deltanet_decode_lowers_and_updates_the_state_in_place(model, batch, dtype):
+    key_heads, heads, dk, dv, kc = DELTANET_MODELS[model]
+    text = lower_for_cuda(
+        lambda *args: deltanet_decode_pallas(*args, num_key_heads=key_heads),
+        *deltanet_shapes(batch, key_heads, heads, dk, dv, kc, dtype), donate_argnums=5)
+    call = re.search(r"custom_call @mosaic_gpu\w*\(([^)]*)\)", text)
+    assert call, text[-3000:]
+    operands = [x.strip() for x in call.group(1).split(",")]
+    aliases = dict(re.findall(r"output_tuple_indices = \[(\d)\], operand_index = (\d+)", text))
+    # the kernel writes the state operand (the function's argument 5) in place ...
+    assert operands[int(aliases["2"])] == "%arg5", (operands, aliases)
+    # ... and the new conv window into a fresh buffer, not the old window (argument 4)
+    assert operands[int(aliases["1"])] != "%arg4", (operands, aliases)
+    # ... and the donated state argument is aliased to the function's state output
+    assert re.search(r"%arg5: tensor<[^>]*> \{[^}]*tf\.aliasing_output = 2", text), text[:3000]
+
+
+@pytest.mark.parametrize("batch,key_heads,heads,dk,dv,block_v", [
+    (2, 1, 3, 64, 192, 64), (2, 2, 2, 128, 128, 128), (1, 1, 2, 128, 64, 8),
+    (1, 1, 2, 256, 128, 16)])
+def test_deltanet_decode_lowers_at_other_shapes(batch, key_heads, heads, dk, dv, block_v):
+    lower_for_cuda(
+        lambda *args: deltanet_decode_pallas(*args, num_key_heads=key_heads, block_v=block_v),
+        *deltanet_shapes(batch, key_heads, heads, dk, dv, 4, f32), donate_argnums=5)
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,dtype", [(16, 4, 256, bf16), (16, 2, 256, bf16),

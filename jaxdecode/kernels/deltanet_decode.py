@@ -1,0 +1,425 @@
+"""The whole one-token Gated DeltaNet mixer core as one Pallas Mosaic GPU kernel.
+
+At decode time the core between the input projections and the gated RMSNorm of a Gated DeltaNet
+layer (HF ``Qwen3_5GatedDeltaNet``, spec §1.4) is, per row b, for this row's one new token:
+
+  conv window  hist = [conv_state[b] | mixed_qkv[b]]                   [Kc, C]  (model dtype)
+  conv         x = silu(sum_t f32(hist[t]) * f32(w[:, t]))  -> model dtype -> float32   [C]
+  split        per key head i: [q_i (dk) | k_i (dk) | v of its r value heads (r * dv)]
+  gating       beta = f32(sigmoid(b))  (in the model dtype: op by op, as XLA does jax.nn.sigmoid)
+               g = -exp(f32(A_log)) * softplus(f32(a) + f32(dt_bias))  (float32, <= 0)
+  norms        q <- l2norm(q) * dk**-0.5;  k <- l2norm(k);   l2norm(x) = x * rsqrt(sum(x^2) + 1e-6)
+  delta rule   value head h reads key head h // r (r = Hv // Hk):
+               S <- exp(g) S;  delta = beta (v - S^T k);  S <- S + k delta^T;  o = S^T q
+  new window   hist[1:]
+
+(Yang, Kautz, Hatamizadeh, "Gated Delta Networks", ICLR 2025, eq. 10; HF ``Qwen3_5GatedDeltaNet``
+and ``torch_recurrent_gated_delta_rule``.) A row with ``active[b]`` False takes no token: its
+recurrent state and conv window are left bit-exact and its o is 0 (the model's masking: q = k =
+v = 0, g = beta = 0, window unchanged).
+
+XLA runs this as about six small kernels per layer (conv window, norms, gating, delta rule,
+readout); :func:`deltanet_decode_pallas` is one. Grid (B, Hv, dv // block_v): program (b, h, j)
+holds columns ``[j*block_v, (j+1)*block_v)`` of S[b, h] as a [dk, block_v] float32 tile in the
+wgmma register layout (as ``gated_delta_decode``), and recomputes what it needs from the raw
+inputs: the conv and L2 norm of key head h // r's q and k (2*dk channels; every program of that
+key head repeats this, cheap next to the tile), the conv of its own block_v v channels, g and
+beta. The recurrent state output aliases the input (updated in place; an inactive row's tile is
+not written at all). The new conv window is a separate output, since programs read the old
+window while others write the new one; each channel is written by exactly one program: program
+(b, h, j) writes its block_v v channels, and program (b, h, 0) with h % r == 0 writes the 2*dk q
+and k channels of key head h // r.
+
+Tested against a float64 numpy version of the whole core in the Mosaic GPU interpreter on CPU;
+its CUDA lowering (state aliased in place) is checked on CPU in tests/test_gpu_lowering.py.
+:func:`deltanet_decode_reference` is the model's decode math factored out, and
+:func:`deltanet_decode` the dispatcher.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxdecode.kernels import IMPLEMENTATIONS
+from jaxdecode.kernels.decode_attention import _gpu_compute_capability
+from jaxdecode.kernels.gated_delta_decode import TILE_ROWS, choose_block_v, gated_delta_decode
+
+f32 = jnp.float32
+L2NORM_EPS = 1e-6  # jaxdecode.model.L2NORM_EPS (HF ``l2norm``: eps added to the sum of squares)
+MAX_COPY = 256  # one async (TMA) copy moves at most 256 elements along each dimension
+MODEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+# "auto" takes this kernel on Hopper below this batch; from it, XLA's conv/gating/norms and the
+# delta-rule-only kernel (``gated_delta_decode``, itself from its MIN_BATCH_AUTO = 8). On an
+# H200 (benchmarks/RESULTS.md, session 6; whole-step kernel time, same process, vs XLA's form):
+# 0.8B batch 1 1.122 -> 1.029 ms, 9B batch 1 4.901 -> 4.732 ms; but 9B batch 64 at 8k context
+# 13.632 -> 14.562 ms wall (slower; the delta-rule-only kernel took that cell from 13.56 to 12.09
+# ms in session 4). Batches 2-7 not timed.
+MAX_BATCH_AUTO = 8
+
+
+def _l2_normalize(x):
+    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
+
+
+def _check(name, mixed_qkv, a, b, active, conv_state, recurrent_state, conv_weight, A_log,
+           dt_bias, num_key_heads):
+    """Shapes and dtypes, with a ValueError naming what disagrees. Returns (hk, hv, dk, dv, kc)."""
+    if recurrent_state.ndim != 4:
+        raise ValueError(f"{name}: recurrent_state must be [B, Hv, dk, dv]; got "
+                         f"{recurrent_state.shape=}")
+    batch, hv, dk, dv = recurrent_state.shape
+    hk = num_key_heads
+    if not isinstance(hk, int) or hk <= 0 or hv % hk:
+        raise ValueError(f"{name}: {hv} value heads are not a multiple of {hk} key heads "
+                         f"(num_key_heads={hk!r})")
+    kc = conv_weight.shape[1] if conv_weight.ndim == 2 else -1
+    channels = hk * (2 * dk + (hv // hk) * dv)
+    arrays = dict(mixed_qkv=mixed_qkv, a=a, b=b, active=active, conv_state=conv_state,
+                  conv_weight=conv_weight, A_log=A_log, dt_bias=dt_bias)
+    want = dict(mixed_qkv=(batch, channels), a=(batch, hv), b=(batch, hv), active=(batch,),
+                conv_state=(batch, kc - 1, channels), conv_weight=(channels, kc),
+                A_log=(hv,), dt_bias=(hv,))
+    wrong = {n: (tuple(arrays[n].shape), s) for n, s in want.items() if arrays[n].shape != s}
+    if kc < 1:
+        wrong["conv_weight"] = (tuple(conv_weight.shape), ("C", "Kc >= 1"))
+    if wrong:
+        raise ValueError(f"{name}: shapes (got, expected from recurrent_state "
+                         f"{recurrent_state.shape} and num_key_heads={hk}, so "
+                         f"C = Hk*(2*dk + r*dv) = {channels}): {wrong}")
+    dtype = mixed_qkv.dtype
+    bad = {}
+    if dtype not in MODEL_DTYPES:
+        bad["mixed_qkv"] = dtype
+    for n in ("a", "b", "conv_state"):
+        if arrays[n].dtype != dtype:
+            bad[n] = arrays[n].dtype
+    for n in ("conv_weight", "A_log", "dt_bias"):
+        if arrays[n].dtype not in MODEL_DTYPES:
+            bad[n] = arrays[n].dtype
+    if active.dtype != jnp.bool_:
+        bad["active"] = active.dtype
+    if recurrent_state.dtype != f32:
+        bad["recurrent_state"] = recurrent_state.dtype
+    if bad:
+        raise ValueError(f"{name}: dtypes: mixed_qkv, a, b and conv_state share the model dtype "
+                         "(float32 or bfloat16), conv_weight/A_log/dt_bias are float32 or "
+                         f"bfloat16, active is bool, recurrent_state float32; got {bad}")
+    return hk, hv, dk, dv, kc
+
+
+# ----- the kernel ------------------------------------------------------------------------------
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + jnp.exp(-x))
+
+
+def _sigmoid_in(dtype, x):
+    """``jax.nn.sigmoid`` of a ``dtype`` value as XLA computes it: 1 / (1 + exp(-x)), each op in
+    float32 and rounded to ``dtype`` (for bfloat16 this differs from one rounding of the exact
+    sigmoid in about a third of the values)."""
+    def rnd(y):
+        return y.astype(dtype).astype(f32)
+
+    return rnd(1.0 / rnd(1.0 + rnd(jnp.exp(-x))))
+
+
+def _softplus(x):
+    """log(1 + exp(x)) = max(x, 0) + log1p(exp(-|x|)), with log1p written out (Mosaic GPU has
+    no log1p): log1p(u) = log(1 + u) * u / ((1 + u) - 1), or u where 1 + u rounds to 1."""
+    u = jnp.exp(-jnp.abs(x))
+    w = 1.0 + u
+    log1p = jnp.where(w == 1.0, u, jnp.log(w) * (u / (w - 1.0)))
+    return jnp.maximum(x, 0.0) + log1p
+
+
+def _kernel(mixed_gmem,  # [B, C] model dtype
+            a_gmem, b_gmem,  # [B, Hv] model dtype
+            active_gmem,  # [B] int32
+            conv_gmem,  # [B, Kc-1, C] model dtype (the old window)
+            w_gmem,  # [C, Kc]
+            a_log_gmem, dt_bias_gmem,  # [Hv]
+            o_gmem,  # [B, Hv, dv] float32 (out)
+            new_conv_gmem,  # [B, Kc-1, C] model dtype (out)
+            state_gmem,  # [B, Hv, dk, dv] float32 (in and out)
+            s_smem, o_smem,  # scratch: [dk, bv], [bv] float32
+            q_smem, k_smem, v_smem,  # scratch: [Kc-1, dk], [Kc-1, dk], [Kc-1, bv] model dtype
+            *, block_v, r, dk, dv, kc, vrows):
+    b, h, j = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("j")
+    dtype = mixed_gmem.dtype
+    tile = plgpu.Layout.WGMMA
+    rows, cols = tile.reduce(1), tile.reduce(0)  # [n_rows] and [block_v] vectors of the tile
+    channels = mixed_gmem.shape[1]
+    act = active_gmem[b] != 0
+    group = (h // r) * (2 * dk + r * dv)  # first channel of key head h // r
+    c0 = group + 2 * dk + (h % r) * dv + j * block_v  # first of this program's v channels
+
+    def window(chans, layout):
+        """The Kc inputs of these channels, oldest first: cached window, then this token."""
+        return ([plgpu.load(conv_gmem.at[b, t, chans], layout=layout, optimized=False)
+                 for t in range(kc - 1)]
+                + [plgpu.load(mixed_gmem.at[b, chans], layout=layout, optimized=False)])
+
+    def conv_silu(chans, layout):
+        """silu of the causal conv, rounded to the model dtype, as float32 (the model's casts),
+        and the window. The weight column w[chans, t] is a strided load (stride Kc): it lowers
+        in the row layout (one element per thread register), not in the column layout (whose
+        registers hold pairs of adjacent columns, which must be contiguous)."""
+        xs, acc = window(chans, layout), None
+        for t, x in enumerate(xs):
+            wt = plgpu.load(w_gmem.at[chans, t], layout=layout, optimized=False)
+            term = x.astype(f32) * wt.astype(f32)
+            acc = term if acc is None else acc + term
+        return (acc * _sigmoid(acc)).astype(dtype).astype(f32), xs
+
+    def as_tile(vec, n_rows):  # [n_rows] row vector -> [n_rows, block_v], equal columns
+        return lax.broadcast_in_dim(vec, (n_rows, block_v), [0])
+
+    def along_rows(vec):  # [block_v] column vector -> [dk, block_v], equal rows
+        return lax.broadcast_in_dim(vec, (dk, block_v), [1])
+
+    # Every global load comes before the first cross-warp reduction (a barrier) in program
+    # order, so the state tile's load latency can overlap the conv work.
+    cols_v = pl.ds(j * block_v, block_v)
+    s = plgpu.load(state_gmem.at[b, h, :, cols_v], layout=tile, optimized=False)  # [dk, bv]
+    v_window = window(pl.ds(c0, block_v), cols)  # this program's v channels, column layout
+    beta = _sigmoid_in(dtype, b_gmem[b, h].astype(f32))
+    g = -jnp.exp(a_log_gmem[h].astype(f32)) * _softplus(a_gmem[b, h].astype(f32)
+                                                         + dt_bias_gmem[h].astype(f32))
+
+    # The convs of key head h // r's q and k, and of v. The v conv runs in the row layout over
+    # `vrows` channels from `start` (covering this program's block_v; see conv_silu).
+    q, q_window = conv_silu(pl.ds(group, dk), rows)
+    k, k_window = conv_silu(pl.ds(group + dk, dk), rows)
+    start = jnp.minimum(c0, channels - vrows)
+    v_rows, _ = conv_silu(pl.ds(start, vrows), rows)
+
+    # q and k L2-normalised inside the tile. The sum of squares is a reduction over the tile's
+    # rows (a full reduction of a row vector to a scalar does not lower), so it arrives as a
+    # [block_v] vector of equal entries.
+    q, k = as_tile(q, dk), as_tile(k, dk)
+    q = q * along_rows(lax.rsqrt(jnp.sum(q * q, axis=0) + L2NORM_EPS)) * (dk ** -0.5)
+    k = k * along_rows(lax.rsqrt(jnp.sum(k * k, axis=0) + L2NORM_EPS))
+
+    # v into the column layout: a masked sum over the rows picks this program's block_v
+    # channels (each column sums one value and zeros: exact).
+    v_rows = as_tile(v_rows, vrows)
+    pick = (lax.broadcasted_iota(jnp.int32, (vrows, block_v), 0)
+            == lax.broadcasted_iota(jnp.int32, (vrows, block_v), 1) + (c0 - start))
+    v = jnp.sum(jnp.where(pick, v_rows, jnp.zeros_like(v_rows)), axis=0)  # [block_v]
+
+    s = jnp.exp(g) * s
+    delta = beta * (v - jnp.sum(s * k, axis=0))  # [bv]
+    s = s + k * along_rows(delta)
+    o = jnp.sum(s * q, axis=0)
+    s_smem[...] = s
+    o_smem[...] = jnp.where(jnp.broadcast_to(act, o.shape), o, jnp.zeros_like(o))
+
+    # The new window: row t is hist[t + 1] for an active row, the old hist[t] otherwise.
+    def new_window(xs, dst):
+        for t in range(kc - 1):
+            dst[t] = jnp.where(jnp.broadcast_to(act, xs[t].shape), xs[t + 1], xs[t])
+
+    new_window(v_window, v_smem)
+    new_window(q_window, q_smem)
+    new_window(k_window, k_smem)
+
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[b, h, cols_v])
+    plgpu.copy_smem_to_gmem(v_smem, new_conv_gmem.at[b, :, pl.ds(c0, block_v)])
+
+    @pl.when(act)  # an inactive row's state is not written: bit-exact by construction
+    def _():
+        plgpu.copy_smem_to_gmem(s_smem, state_gmem.at[b, h, :, cols_v])
+
+    @pl.when((h % r == 0) & (j == 0))  # one program per key head writes its q, k channels
+    def _():  # (two copies: one async copy moves at most 256 elements along a dimension)
+        plgpu.copy_smem_to_gmem(q_smem, new_conv_gmem.at[b, :, pl.ds(group, dk)])
+        plgpu.copy_smem_to_gmem(k_smem, new_conv_gmem.at[b, :, pl.ds(group + dk, dk)])
+
+    plgpu.wait_smem_to_gmem(0)
+
+
+def deltanet_decode_pallas(mixed_qkv, a, b, active, conv_state, recurrent_state, conv_weight,
+                           A_log, dt_bias, *, num_key_heads: int, block_v: int | None = None,
+                           interpret: bool = False):
+    """The one-token Gated DeltaNet core in one kernel (math in the module docstring).
+
+    Args:
+      mixed_qkv: [B, C] model dtype (float32 or bfloat16): this token's ``in_proj_qkv`` output
+        before the conv, channels grouped per key head ``[q_i | k_i | v of its r value heads]``
+        (``jaxdecode.params.conv_channel_order``), C = Hk * (2*dk + r*dv), r = Hv // Hk.
+      a, b: [B, Hv] model dtype: the ``in_proj_a`` and ``in_proj_b`` outputs.
+      active: [B] bool: the row takes this token (``n_new > 0``). False: its state and window
+        are kept bit-exact and its o is 0.
+      conv_state: [B, Kc-1, C] model dtype: the last Kc-1 pre-conv inputs, oldest first.
+      recurrent_state: [B, Hv, dk, dv] float32; donate it under jit and the update is in place.
+      conv_weight: [C, Kc] float32 or bfloat16: the ``conv1d`` param [C, 1, Kc] as
+        ``conv1d[:, 0, :]``; ``w[:, Kc-1]`` multiplies the current token.
+      A_log, dt_bias: [Hv] float32 or bfloat16.
+      num_key_heads: Hk (static).
+      block_v: state columns per program (default ``gated_delta_decode.choose_block_v``: 16 at
+        small batches, 32 from 264 programs up).
+      interpret: run in the Mosaic GPU interpreter (CPU) instead of compiling for the GPU.
+
+    Returns:
+      (o [B, Hv, dv] float32, new_conv_state [B, Kc-1, C] (conv_state's dtype),
+      new recurrent_state [B, Hv, dk, dv] float32).
+
+    Raises:
+      ValueError (before any work): shapes that disagree; dtypes other than the above; Hv not
+        a multiple of Hk; dk not a multiple of 64 up to 256; Kc < 2; dv not a multiple of
+        ``block_v``, or ``block_v`` not a multiple of 8 up to 256.
+    """
+    name = "deltanet_decode_pallas"
+    hk, hv, dk, dv, kc = _check(name, mixed_qkv, a, b, active, conv_state, recurrent_state,
+                                conv_weight, A_log, dt_bias, num_key_heads)
+    batch = recurrent_state.shape[0]
+    block_v = block_v or choose_block_v(batch, hv, dv)
+    why = None
+    if dk % TILE_ROWS or dk > MAX_COPY:
+        why = f"linear_key_head_dim={dk} is not a multiple of {TILE_ROWS} up to {MAX_COPY}"
+    elif kc < 2:
+        why = f"linear_conv_kernel_dim={kc} must be at least 2"
+    elif dv % block_v or block_v % 8 or block_v > MAX_COPY:
+        why = (f"dv={dv} is not a multiple of {block_v=}, or block_v is not a multiple of 8 "
+               f"up to {MAX_COPY}")
+    if why is not None:
+        raise ValueError(f"{name}: {why}")
+    if batch * hv == 0:
+        return (jnp.zeros((batch, hv, dv), f32), conv_state, recurrent_state)
+    # v channels are convolved over a row-layout window of vrows >= block_v channels (a
+    # multiple of the tile's 64 rows; C >= 2*dk + dv >= vrows always holds).
+    vrows = -(-block_v // TILE_ROWS) * TILE_ROWS
+    dtype = mixed_qkv.dtype
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, block_v=block_v, r=hv // hk, dk=dk, dv=dv, kc=kc,
+                          vrows=vrows),
+        out_type=(),
+        scratch_types=(plgpu.SMEM((dk, block_v), f32), plgpu.SMEM((block_v,), f32),
+                       plgpu.SMEM((kc - 1, dk), dtype), plgpu.SMEM((kc - 1, dk), dtype),
+                       plgpu.SMEM((kc - 1, block_v), dtype)),
+        grid=(batch, hv, dv // block_v), grid_names=("b", "h", "j"),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+    # A bool in global memory is a byte; int32 keeps the kernel's scalar read plain (in the
+    # model XLA can fuse the convert into the compare n_new > 0 that computes `active`).
+    active = active.astype(jnp.int32)
+
+    # o, the new window and the state are mutable refs: the kernel's writes become outputs
+    # aliased to them. The state is updated in place; o and the window start uninitialised
+    # (lax.empty), since every element is written.
+    def run(refs):
+        o_ref, conv_ref, state_ref = refs
+        kernel(mixed_qkv, a, b, active, conv_state, conv_weight, A_log, dt_bias, o_ref, conv_ref,
+               state_ref)
+
+    return pl.run_state(run)((lax.empty((batch, hv, dv), f32), lax.empty(conv_state.shape, dtype),
+                              recurrent_state))
+
+
+def deltanet_decode_reference(mixed_qkv, a, b, active, conv_state, recurrent_state, conv_weight,
+                              A_log, dt_bias, *, num_key_heads: int):
+    """The XLA form: the decode branch of ``jaxdecode.model.gated_delta_net`` (conv, masking, L2
+    norms, gating) then ``gated_delta_decode_reference``. Arguments and result as
+    :func:`deltanet_decode_pallas`; any Kc >= 1 and head dims."""
+    return _deltanet_decode_xla(mixed_qkv, a, b, active, conv_state, recurrent_state, conv_weight,
+                                A_log, dt_bias, num_key_heads=num_key_heads,
+                                delta_rule="reference")
+
+
+def _deltanet_decode_xla(mixed_qkv, a, b, active, conv_state, recurrent_state, conv_weight, A_log,
+                         dt_bias, *, num_key_heads: int, delta_rule: str):
+    """Conv, masking, norms and gating in XLA, then ``gated_delta_decode(implementation=
+    delta_rule)`` ("reference": all XLA; "auto": the delta-rule-only kernel from its batch)."""
+    hk, hv, dk, dv, kc = _check("deltanet_decode_reference", mixed_qkv, a, b, active,
+                                conv_state, recurrent_state, conv_weight, A_log, dt_bias,
+                                num_key_heads)
+    batch = mixed_qkv.shape[0]
+    # Causal depthwise conv over [cached Kc-1 inputs | this token]; cross-correlation, so
+    # w[:, Kc-1] multiplies the current token (spec §1.4).
+    hist = jnp.concatenate([conv_state.astype(mixed_qkv.dtype), mixed_qkv[:, None]], axis=1)
+    w = conv_weight.astype(f32)  # [C, Kc]
+    conv = sum(hist[:, t].astype(f32) * w[:, t] for t in range(kc))  # [B, C]
+    conv = jax.nn.silu(conv).astype(mixed_qkv.dtype)
+    new_conv_state = jnp.where(active[:, None, None], hist[:, 1:], hist[:, :kc - 1])
+    new_conv_state = new_conv_state.astype(conv_state.dtype)
+
+    grouped = conv.reshape(batch, hk, 2 * dk + (hv // hk) * dv)
+    q = grouped[..., :dk].astype(f32)
+    k = grouped[..., dk:2 * dk].astype(f32)
+    v = grouped[..., 2 * dk:].reshape(batch, hv, dv).astype(f32)
+    beta = jax.nn.sigmoid(b).astype(f32)  # sigmoid in the model dtype, as HF
+    # Log-space decay g = -exp(A_log) * softplus(a + dt_bias) <= 0, in float32 (spec §7 item 6).
+    g = -jnp.exp(A_log.astype(f32)) * jax.nn.softplus(a.astype(f32) + dt_bias.astype(f32))
+    q = _l2_normalize(q) * (dk ** -0.5)
+    k = _l2_normalize(k)
+    # An inactive row is inert (q = k = v = 0, beta = g = 0): S passes through unchanged.
+    q, k, v = (jnp.where(active[:, None, None], t, 0.0) for t in (q, k, v))
+    g, beta = (jnp.where(active[:, None], t, 0.0) for t in (g, beta))
+    o, new_state = gated_delta_decode(q, k, v, g, beta, recurrent_state, implementation=delta_rule)
+    return o, new_conv_state, new_state
+
+
+def check_supported(recurrent_state_shape, kernel_size) -> str | None:
+    """Why the kernel cannot take these shapes (None if it can; shapes assumed consistent)."""
+    batch, heads, dk, dv = recurrent_state_shape
+    if dk % TILE_ROWS or dk > MAX_COPY:
+        return f"linear_key_head_dim={dk} is not a multiple of {TILE_ROWS} up to {MAX_COPY}"
+    if dv % 8 or choose_block_v(batch, heads, dv) > MAX_COPY:
+        return (f"linear_value_head_dim={dv} is not a multiple of 8, or not of 16 and above "
+                f"{MAX_COPY}")
+    if kernel_size < 2:
+        return f"linear_conv_kernel_dim={kernel_size} must be at least 2"
+    return None
+
+
+def deltanet_decode(mixed_qkv, a, b, active, conv_state, recurrent_state, conv_weight, A_log,
+                    dt_bias, *, num_key_heads: int, implementation: str = "auto"):
+    """One-token Gated DeltaNet core dispatcher (arguments as :func:`deltanet_decode_pallas`).
+
+    ``implementation`` (a static Python string):
+      * "auto": on NVIDIA GPUs of compute capability 9.0+, this kernel below
+        ``MAX_BATCH_AUTO`` rows, and from it XLA's conv, norms and gating with
+        ``gated_delta_decode``'s "auto" delta rule (its one-pass kernel); the XLA reference
+        elsewhere (CPU). On such a GPU, a shape this kernel does not take falls back to the
+        reference with one ``warnings.warn`` saying why, at trace time.
+      * "pallas": the kernel; without a GPU it runs in the Mosaic GPU interpreter (slow; for
+        tests). Unsupported shapes raise ValueError.
+      * "reference": :func:`deltanet_decode_reference`.
+
+    Under a multi-device mesh, call it per device (``shard_map``): the kernel is a custom call
+    the SPMD partitioner cannot split.
+
+    Returns:
+      (o [B, Hv, dv] float32, new_conv_state [B, Kc-1, C], new recurrent_state
+      [B, Hv, dk, dv] float32); math in the module docstring (Yang et al., ICLR 2025, eq. 10).
+
+    Raises:
+      ValueError: an unknown ``implementation``; shapes or dtypes that disagree; Hv not a
+        multiple of Hk; with "pallas", the shapes :func:`deltanet_decode_pallas` rejects.
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"deltanet_decode: {implementation=} must be one of {IMPLEMENTATIONS}")
+    args = (mixed_qkv, a, b, active, conv_state, recurrent_state, conv_weight, A_log, dt_bias)
+    if implementation == "reference":
+        return deltanet_decode_reference(*args, num_key_heads=num_key_heads)
+    cc = _gpu_compute_capability()
+    if implementation == "pallas":
+        return deltanet_decode_pallas(*args, num_key_heads=num_key_heads, interpret=cc is None)
+    if cc is None or cc < (9, 0):
+        return deltanet_decode_reference(*args, num_key_heads=num_key_heads)
+    if recurrent_state.shape[0] >= MAX_BATCH_AUTO:
+        return _deltanet_decode_xla(*args, num_key_heads=num_key_heads, delta_rule="auto")
+    why = check_supported(recurrent_state.shape, conv_weight.shape[-1])
+    if why is not None:
+        warnings.warn("deltanet_decode: using the XLA reference instead of the Pallas kernel: "
+                      f"{why}", stacklevel=2)
+        return deltanet_decode_reference(*args, num_key_heads=num_key_heads)
+    return deltanet_decode_pallas(*args, num_key_heads=num_key_heads)
