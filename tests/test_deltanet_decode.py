@@ -20,6 +20,7 @@ from jaxdecode import model
 from jaxdecode.kernels import deltanet_decode as dnd
 from jaxdecode.kernels.deltanet_decode import (deltanet_decode, deltanet_decode_pallas,
                                                deltanet_decode_reference)
+from jaxdecode.kernels.gated_delta_decode import gated_delta_decode_reference
 from test_decode_attention import MODES  # interpret / gpu (skipped without an sm_90 GPU)
 from test_gated_delta import numpy_recurrence
 
@@ -164,24 +165,6 @@ def test_every_conv_channel_written(mode, block_v):
 
 # ----- the reference is the model's decode math --------------------------------------------
 
-def decode_branch(p, x, conv_state, recurrent_state, n_new, config, deltanet_impl):
-    """The proposed decode branch of ``model.gated_delta_net`` (T == 1), verbatim."""
-    c = config
-    batch, length, _ = x.shape
-    hk, hv, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_value_head_dim
-    valid = model.token_mask(length, n_new)
-    mixed = model.linear(x, p.in_proj_qkv)
-    z = model.linear(x, p.in_proj_z).reshape(batch, length, hv, dv)
-    b = model.linear(x, p.in_proj_b)
-    a = model.linear(x, p.in_proj_a)
-    o, new_conv_state, new_state = deltanet_decode(
-        mixed[:, 0], a[:, 0], b[:, 0], valid[:, 0], conv_state, recurrent_state,
-        p.conv1d[:, 0, :], p.A_log, p.dt_bias, num_key_heads=hk, implementation=deltanet_impl)
-    o = model.gated_rms_norm(o[:, None].astype(x.dtype), z, p.norm, c.rms_norm_eps)
-    out = model.linear(o.reshape(batch, length, hv * dv), p.out_proj)
-    return out, new_conv_state, new_state
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_reference_is_the_models_decode_math(dtype):
     config = jd.Config.from_preset("tiny")
@@ -197,15 +180,50 @@ def test_reference_is_the_models_decode_math(dtype):
                                              c.linear_key_head_dim, c.linear_value_head_dim)),
                         f32)
     n_new = jnp.asarray([1, 0, 1], jnp.int32)
-    want = jax.jit(lambda *xs: model.gated_delta_net(p, *xs, c, decode=True,
-                                                     deltanet_impl="reference"))(
+    # want: the model's own XLA decode path (taken for a callable delta rule); got: the model
+    # through deltanet_decode's reference (taken for a string implementation)
+    want = jax.jit(lambda *xs: model.gated_delta_net(
+        p, *xs, c, decode=True, deltanet_impl=gated_delta_decode_reference))(
         x, conv_state, state, n_new)
-    got = jax.jit(lambda *xs: decode_branch(p, *xs, c, "reference"))(x, conv_state, state, n_new)
+    got = jax.jit(lambda *xs: model.gated_delta_net(p, *xs, c, decode=True,
+                                                    deltanet_impl="reference"))(
+        x, conv_state, state, n_new)
     for g, w, what in zip(got, want, ("out", "conv_state", "recurrent_state"), strict=True):
         assert g.dtype == w.dtype and g.shape == w.shape, what
         np.testing.assert_array_equal(np.asarray(g, np.float64), np.asarray(w, np.float64),
                                       err_msg=what)
     assert not np.array_equal(np.asarray(want[2]), np.asarray(state))  # the step did something
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_model_decode_with_the_kernel_equals_the_reference(mode):
+    """Whole decode steps (float32) with deltanet_impl="pallas" (the kernel; the interpreter on
+    CPU) against "reference": logits and every DeltaNet state, with an inactive row."""
+    base = jd.Config.from_preset("tiny")  # its dk = 32 is below the kernel's 64: widen
+    config = base.__class__(**{**base.__dict__, "vocab_size": 1000, "linear_key_head_dim": 128,
+                               "linear_value_head_dim": 128})
+    params = jd.init_params(config, jax.random.key(3))
+    prompt = np.random.default_rng(11).integers(0, config.vocab_size, (2, 7)).astype(np.int32)
+    active = [np.array([True, True]), np.array([True, False]), np.array([True, True])]
+
+    def run(impl):
+        state = jd.init_state(config, batch_size=2, max_len=64)
+        logits, state = jd.prefill(params, state, prompt, np.array([7, 4], np.int32))
+        out = []
+        for act in active:
+            token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            logits, state = model.decode_step_jit(params, state, token, jnp.asarray(act),
+                                                  deltanet_impl=impl)
+            out.append(np.asarray(logits))
+        return np.stack(out), state
+
+    want_logits, want_state = run("reference")
+    got_logits, got_state = run("pallas" if mode == "interpret" else "auto")
+    assert_close(got_logits, want_logits, 1e-4, "logits")
+    for i, (g, w) in enumerate(zip(got_state.recurrent_state, want_state.recurrent_state)):
+        assert_close(g, w, 1e-4, f"recurrent_state[{i}]")
+    for i, (g, w) in enumerate(zip(got_state.conv_state, want_state.conv_state)):
+        assert_close(g, w, 1e-5, f"conv_state[{i}]")
 
 
 # ----- errors, dispatcher --------------------------------------------------------------------
