@@ -5,10 +5,11 @@ per token, and XLA option variants, all in one process.
         [--sampling greedy,top_p] [--options ';name=value,...'] [--layers N]
 
 Per cell (model:batch), sampling setting and XLA compiler-option variant (``--options``,
-';'-separated, '' = defaults, as in ``benchmarks/step_profile.py``): the program
-``generate.generate_fn`` (prefill of a 16-token prompt, then ``lax.scan`` chunks of 32 decode
-steps with sampling; on a GPU a one-row loop carries an idle second row) is compiled with those
-options and run ``--tokens`` tokens per row with EOS off. Reported:
+';'-separated, '' = the library's ``jd.COMPILER_OPTIONS`` alone, as in
+``benchmarks/step_profile.py``): the program ``jd.generate`` runs (``generate.generate_fn``:
+prefill of a 16-token prompt, then ``lax.scan`` chunks of 32 decode steps with sampling; on a GPU
+a one-row loop carries an idle second row), compiled with ``jd.COMPILER_OPTIONS`` plus the
+variant's options, and run ``--tokens`` tokens per row with EOS off. Reported:
 
   ms/token     median wall time of 3 runs / tokens (prefill included; it is 1 of the tokens)
   kernel ms    the sum of CUPTI kernel times of one run / tokens (CUDA-graph kernels included)
@@ -59,7 +60,9 @@ def compile_loop(params, plan, features, compiler_options=None):
     args = (params, plan.prompts, plan.prompt_lengths, plan.budgets, plan.sampling, plan.keys,
             plan.eos_token_ids)
     t0 = time.perf_counter()
-    compiled = jax.jit(run).lower(*args).compile(compiler_options=compiler_options or None)
+    # jd.generate's jit carries jd.COMPILER_OPTIONS; the variant's options are added to them
+    compiled = jax.jit(run, compiler_options=jd.COMPILER_OPTIONS).lower(*args).compile(
+        compiler_options=compiler_options or None)
     return compiled, args, time.perf_counter() - t0
 
 
@@ -93,12 +96,22 @@ def main():
     if unknown:
         ap.error(f"--sampling: unknown {unknown}; choose from {list(SAMPLING)}")
     variants = args.options.split(";")
-    for opts in variants:
-        parse_options(opts)  # fail on a malformed option before any device work
+    for opts in variants:  # a malformed or unknown option fails here, before any real work
+        try:
+            jax.jit(lambda x: x + 1).lower(1.0).compile(compiler_options=parse_options(opts)
+                                                       or None)
+        except Exception as e:  # noqa: BLE001 (XLA raises its own error types)
+            ap.error(f"--options {opts!r}: {e}")
     cells = []
     for cell in args.cells.split(","):
-        name, batch = cell.split(":")
-        config = jd.Config.from_preset(name if name == "tiny" else f"qwen3.5-{name}")
+        name, _, batch = cell.partition(":")
+        preset = name if name == "tiny" else f"qwen3.5-{name}"
+        if preset not in jd.PRESETS or not batch.isdigit() or int(batch) < 1:
+            ap.error(f"--cells: {cell!r} is not model:batch with a model of "
+                     f"{sorted(p.removeprefix('qwen3.5-') for p in jd.PRESETS)} and batch >= 1")
+        config = jd.Config.from_preset(preset)
+        if not 0 <= args.layers <= config.num_hidden_layers:
+            ap.error(f"--layers must be in [0, {config.num_hidden_layers}] for {name}")
         if args.layers:
             if "full_attention" not in config.layer_types[:args.layers]:
                 ap.error("--layers must include a full-attention layer (4 or more for Qwen3.5)")
@@ -125,20 +138,24 @@ def main():
                 kernel_ms = sum(t for _, t in kernels) / args.tokens
                 same = reference is None or np.array_equal(tokens, reference)
                 reference = tokens if reference is None else reference
-                row = (f"{name} b{batch} {sampling_name}", opts or "defaults", ms, kernel_ms,
-                       len(kernels) / args.tokens, compile_s, same)
+                timed = bool(kernels)  # no CUPTI (CPU, or --no-cupti): no kernel columns
+                row = (f"{name} b{batch} {sampling_name}", opts or "library defaults", ms,
+                       kernel_ms if timed else None, len(kernels) / args.tokens if timed else None,
+                       compile_s, same)
                 rows.append(row)
-                print(f"  {row[0]} [{row[1]}]: {ms:.4f} ms/token, kernels {kernel_ms:.4f} "
-                      f"ms/token ({row[4]:.0f} per token), compile {compile_s:.1f} s, same "
-                      f"tokens {same}", flush=True)
+                print(f"  {row[0]} [{row[1]}]: {ms:.4f} ms/token, kernels "
+                      + (f"{kernel_ms:.4f} ms/token ({row[4]:.0f} per token)" if timed else "n/a")
+                      + f", compile {compile_s:.1f} s, same tokens {same}", flush=True)
                 del compiled
         del params
     print("\n| cell | XLA options | ms/token | tok/s | kernel ms/token | gap ms | kernels/token "
           "| compile s | same tokens |\n|---|---|---:|---:|---:|---:|---:|---:|---|")
     for tag, opts, ms, kernel_ms, n, compile_s, same in rows:
         batch = int(tag.split()[1][1:])
-        print(f"| {tag} | {opts} | {ms:.4f} | {batch * 1e3 / ms:,.0f} | {kernel_ms:.4f} | "
-              f"{ms - kernel_ms:.4f} | {n:.0f} | {compile_s:.1f} | {same} |")
+        kernel_cols = ("n/a | n/a | n/a" if kernel_ms is None else
+                       f"{kernel_ms:.4f} | {ms - kernel_ms:.4f} | {n:.0f}")
+        print(f"| {tag} | {opts} | {ms:.4f} | {batch * 1e3 / ms:,.0f} | {kernel_cols} | "
+              f"{compile_s:.1f} | {same} |")
     return 0
 
 

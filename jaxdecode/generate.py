@@ -612,7 +612,9 @@ _DOC_ARGS = """
         ``p * num_samples + j`` continues prompt ``p``).
       chunk_size: decode steps per jitted chunk / scan iteration.
       pad_id: id written after a row stops.
-      attention_impl, deltanet_impl: passed to :func:`jaxdecode.model.decode_step_fn`; with
+      attention_impl, deltanet_impl: passed to :func:`jaxdecode.model.decode_step_fn` (a
+        ``deltanet_impl`` string selects the whole one-token DeltaNet core, a callable replaces
+        the delta rule only); with
         sharded params use ``jaxdecode.sharding.sharded_decode_attention(mesh)`` and
         ``jaxdecode.sharding.sharded_gated_delta_decode(mesh)`` (the kernels per device).
       features: the sampling steps compiled into the program

@@ -22,6 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jax_extend_core
 
 from jaxdecode.config import FULL_ATTENTION, Config
 from jaxdecode.gated_delta import chunk_gated_delta_rule
@@ -186,7 +187,9 @@ def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurre
     q = grouped[..., :dk].astype(f32)
     k = grouped[..., dk:2 * dk].astype(f32)
     v = grouped[..., 2 * dk:].reshape(batch, length, hv, dv).astype(f32)
-    beta = jax.nn.sigmoid(b).astype(f32)  # sigmoid in the model dtype, as HF
+    # sigmoid in float32 rounded once to the model dtype, as torch's sigmoid of a bf16 tensor
+    # (HF); jax.nn.sigmoid on bf16 rounds differently, and differently eager and under jit
+    beta = jax.nn.sigmoid(b.astype(f32)).astype(b.dtype).astype(f32)
     # Log-space decay g = -exp(A_log) * softplus(a + dt_bias) <= 0, in float32 (spec §7 item 6).
     g = -jnp.exp(p.A_log.astype(f32)) * jax.nn.softplus(a.astype(f32) + p.dt_bias.astype(f32))
 
@@ -402,16 +405,46 @@ def decode_step_fn(params: Params, state: DecodeState, tokens: Array, active: Ar
     return logits, state
 
 
-prefill_jit = jax.jit(prefill_fn, static_argnames=("return_all_logits",),
-                      donate_argnames=("state",), compiler_options=COMPILER_OPTIONS)
-prefill_jit.__doc__ = """``prefill_fn`` jitted with the state donated and :data:`COMPILER_OPTIONS`;
-no host validation. Top-level only (JAX refuses compiler options on a jit nested in another):
-inside your own ``jax.jit`` call ``prefill_fn``."""
-decode_step_jit = jax.jit(decode_step_fn, static_argnames=("attention_impl", "deltanet_impl"),
-                          donate_argnames=("state",), compiler_options=COMPILER_OPTIONS)
-decode_step_jit.__doc__ = """``decode_step_fn`` jitted with the state donated and
-:data:`COMPILER_OPTIONS`; no host validation. Top-level only (JAX refuses compiler options on a
-jit nested in another): inside your own ``jax.jit`` call ``decode_step_fn``."""
+def at_top_level() -> bool:
+    """Whether no JAX transformation (``jit``, ``grad``, ``vmap``, ``scan``, ...) is tracing at
+    this point of the Python call stack (``jax.extend.core.find_top_trace`` is the eval trace)."""
+    return type(jax_extend_core.find_top_trace(())).__name__ == "EvalTrace"
+
+
+class TopLevelJit:
+    """A ``jax.jit`` function compiled with :data:`COMPILER_OPTIONS` that also composes.
+
+    JAX accepts compiler options only on a top-level jit: nested in another jit, or under
+    ``grad`` or an eager ``scan``, it raises. Called at top level this runs the jitted function
+    (donation, options, one executable per signature); called inside a transformation it runs
+    ``pure`` (the same un-jitted function), inlined into the caller's program, where donation
+    and the options are the caller's jit's business. Every other attribute (``lower``,
+    ``trace``, ``eval_shape``, ...) is the jitted function's.
+    """
+
+    def __init__(self, jitted, pure, doc: str):
+        self._jitted, self._pure, self.__doc__ = jitted, pure, doc
+
+    def __call__(self, *args, **kwargs):
+        fn = self._jitted if at_top_level() else self._pure
+        return fn(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._jitted, name)
+
+
+prefill_jit = TopLevelJit(
+    jax.jit(prefill_fn, static_argnames=("return_all_logits",), donate_argnames=("state",),
+            compiler_options=COMPILER_OPTIONS), prefill_fn,
+    """``prefill_fn`` jitted with the state donated and :data:`COMPILER_OPTIONS`; no host
+    validation. Inside a transformation (your own ``jit``, ``grad``, ``scan``) it is
+    ``prefill_fn`` (:class:`TopLevelJit`).""")
+decode_step_jit = TopLevelJit(
+    jax.jit(decode_step_fn, static_argnames=("attention_impl", "deltanet_impl"),
+            donate_argnames=("state",), compiler_options=COMPILER_OPTIONS), decode_step_fn,
+    """``decode_step_fn`` jitted with the state donated and :data:`COMPILER_OPTIONS`; no host
+    validation. Inside a transformation (your own ``jit``, ``grad``, ``scan``) it is
+    ``decode_step_fn`` (:class:`TopLevelJit`).""")
 
 
 # ----- host-side validation -------------------------------------------------------------------
@@ -570,16 +603,13 @@ def prefill(params: Params, state: DecodeState, tokens, lengths, *,
     Source: HF ``modeling_qwen3_5.py`` (transformers 5.24.0).
 
     Compilation: one executable per distinct (B, T), with :data:`COMPILER_OPTIONS`; pad prompts
-    to a few bucket lengths (as ``jaxdecode.generate`` does) to reuse them. Called with traced
-    arguments (inside your own ``jax.jit``) it is :func:`prefill_fn`, unvalidated.
+    to a few bucket lengths (as ``jaxdecode.generate`` does) to reuse them. Inside your own
+    ``jax.jit`` it is :func:`prefill_fn` inlined (validation skipped for traced arguments).
     """
-    traced = _is_traced(params, state, tokens, lengths)
-    if not traced:  # on the host, before any device work
+    if not _is_traced(params, state, tokens, lengths):  # on the host, before any device work
         check_prefill_inputs(params.config, state, tokens, lengths, params.dtype)
-    tokens, lengths = jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32)
-    if traced:  # inside the caller's jit: the pure function (prefill_jit cannot nest)
-        return prefill_fn(params, state, tokens, lengths, return_all_logits=return_all_logits)
-    return prefill_jit(params, state, tokens, lengths, return_all_logits=return_all_logits)
+    return prefill_jit(params, state, jnp.asarray(tokens, jnp.int32),
+                       jnp.asarray(lengths, jnp.int32), return_all_logits=return_all_logits)
 
 
 def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
@@ -589,8 +619,8 @@ def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
 
     Jitted with the state donated and :data:`COMPILER_OPTIONS`: the compiled executable aliases
     every state buffer to its output (caches are updated in place) and one executable serves
-    every step. Called with traced arguments (inside your own ``jax.jit``) it is
-    :func:`decode_step_fn`, unvalidated, inlined into your program.
+    every step. Inside your own ``jax.jit`` (or ``grad``, ``scan``) it is :func:`decode_step_fn`
+    inlined into your program (validation skipped for traced arguments).
 
     Args:
       params: model weights.
@@ -640,11 +670,7 @@ def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
             return sharding.decode_step(params, state, tokens, active,
                                         attention_impl=attention_impl,
                                         deltanet_impl=deltanet_impl, check_inputs=check_inputs)
-    if _is_traced(params, state, tokens, active):  # inside the caller's jit: the pure function
-        return decode_step_fn(params, state, jnp.asarray(tokens, jnp.int32),
-                              None if active is None else jnp.asarray(active, bool),
-                              attention_impl=attention_impl, deltanet_impl=deltanet_impl)
-    if check_inputs:
+    if check_inputs and not _is_traced(params, state, tokens, active):
         check_decode_inputs(params.config, state, tokens, active, params.dtype)
     tokens = jnp.asarray(tokens, jnp.int32)
     if active is not None:

@@ -58,9 +58,8 @@ Decode attention runs per device under ``shard_map`` (:func:`sharded_decode_atte
 partitioner cannot split, and would otherwise get an all-gathered KV cache every step.
 ``jaxdecode.decode_step`` given a state on such a mesh (:func:`is_on_mesh`) calls
 :func:`decode_step` here; inside your own ``jax.jit`` pass
-``attention_impl=sharded_decode_attention(mesh)`` to ``model.decode_step_fn`` (the functions
-:func:`jit_prefill` / :func:`jit_decode_step` return are top-level only: they carry
-``model.COMPILER_OPTIONS``, which JAX refuses on a nested jit). The
+``attention_impl=sharded_decode_attention(mesh)`` to ``model.decode_step_fn``, or call
+``jit_decode_step``'s function, which then runs un-jitted inside yours. The
 Gated DeltaNet update does the same (:func:`sharded_gated_delta_decode`, its Pallas kernel from
 batch 8 (per device) on Hopper; ``deltanet_impl=`` of ``model.decode_step_fn``). On 2 x H200
 the compiled TP2 step with the kernel under ``shard_map`` has only the residual all-reduces
@@ -375,13 +374,15 @@ def jit_prefill(config: Config, mesh: Mesh, return_all_logits: bool = False):
     """``model.prefill_fn`` jitted with the state donated and the output state pinned to the
     state layout (logits as :func:`logits_partition_spec`). One jitted function per
     (config, mesh, return_all_logits); call it as ``f(params, state, tokens, lengths)`` with
-    inputs already placed (no host validation). Compiled with ``model.COMPILER_OPTIONS``, so
-    top-level only (JAX refuses compiler options on a nested jit)."""
+    inputs already placed (no host validation). Compiled with ``model.COMPILER_OPTIONS``; inside
+    your own ``jax.jit`` it runs un-jitted, inlined (``model.TopLevelJit``), so its output
+    shardings are then your jit's (``constrain_state``)."""
     out = (NamedSharding(mesh, logits_partition_spec(return_all_logits)),
            state_shardings(config, mesh))
     fn = functools.partial(model.prefill_fn, return_all_logits=return_all_logits)
-    return jax.jit(fn, donate_argnums=1, out_shardings=out,
-                   compiler_options=model.COMPILER_OPTIONS)
+    return model.TopLevelJit(jax.jit(fn, donate_argnums=1, out_shardings=out,
+                                     compiler_options=model.COMPILER_OPTIONS), fn,
+                             jit_prefill.__doc__)
 
 
 @functools.cache
@@ -426,7 +427,7 @@ def sharded_gated_delta_decode(mesh: Mesh, implementation: str = "auto"):
 def jit_decode_step(config: Config, mesh: Mesh, attention_impl: str = "auto",
                     deltanet_impl: str = "auto"):
     """``model.decode_step_fn`` jitted like :func:`jit_prefill`; call as
-    ``f(params, state, tokens, active)`` (``active`` may be None; top-level only, as
+    ``f(params, state, tokens, active)`` (``active`` may be None; inside your own jit as
     :func:`jit_prefill`). Decode attention and the
     DeltaNet update run per device (:func:`sharded_decode_attention`,
     :func:`sharded_gated_delta_decode`); a callable implementation is used as given."""
@@ -437,8 +438,9 @@ def jit_decode_step(config: Config, mesh: Mesh, attention_impl: str = "auto",
                   if isinstance(deltanet_impl, str) else deltanet_impl)
     fn = functools.partial(model.decode_step_fn, attention_impl=attend,
                            deltanet_impl=delta_rule)
-    return jax.jit(fn, donate_argnums=1, out_shardings=out,
-                   compiler_options=model.COMPILER_OPTIONS)
+    return model.TopLevelJit(jax.jit(fn, donate_argnums=1, out_shardings=out,
+                                     compiler_options=model.COMPILER_OPTIONS), fn,
+                             jit_decode_step.__doc__)
 
 
 def state_mesh(state: DecodeState) -> Mesh:

@@ -6,7 +6,7 @@ layer (HF ``Qwen3_5GatedDeltaNet``, spec §1.4) is, per row b, for this row's on
   conv window  hist = [conv_state[b] | mixed_qkv[b]]                   [Kc, C]  (model dtype)
   conv         x = silu(sum_t f32(hist[t]) * f32(w[:, t]))  -> model dtype -> float32   [C]
   split        per key head i: [q_i (dk) | k_i (dk) | v of its r value heads (r * dv)]
-  gating       beta = f32(sigmoid(b))  (in the model dtype: op by op, as XLA does jax.nn.sigmoid)
+  gating       beta = f32(sigmoid(b))  (in float32, rounded once to the model dtype)
                g = -exp(f32(A_log)) * softplus(f32(a) + f32(dt_bias))  (float32, <= 0)
   norms        q <- l2norm(q) * dk**-0.5;  k <- l2norm(k);   l2norm(x) = x * rsqrt(sum(x^2) + 1e-6)
   delta rule   value head h reads key head h // r (r = Hv // Hk):
@@ -39,6 +39,7 @@ its CUDA lowering (state aliased in place) is checked on CPU in tests/test_gpu_l
 from __future__ import annotations
 
 import functools
+import operator
 import warnings
 
 import jax
@@ -75,11 +76,18 @@ def _check(name, mixed_qkv, a, b, active, conv_state, recurrent_state, conv_weig
         raise ValueError(f"{name}: recurrent_state must be [B, Hv, dk, dv]; got "
                          f"{recurrent_state.shape=}")
     batch, hv, dk, dv = recurrent_state.shape
-    hk = num_key_heads
-    if not isinstance(hk, int) or hk <= 0 or hv % hk:
+    try:
+        hk = operator.index(num_key_heads)  # ints, numpy ints
+    except TypeError:
+        raise ValueError(f"{name}: num_key_heads must be an integer; got "
+                         f"{num_key_heads!r}") from None
+    if hk <= 0 or hv % hk:
         raise ValueError(f"{name}: {hv} value heads are not a multiple of {hk} key heads "
                          f"(num_key_heads={hk!r})")
-    kc = conv_weight.shape[1] if conv_weight.ndim == 2 else -1
+    if conv_weight.ndim != 2:
+        raise ValueError(f"{name}: conv_weight must be [C, Kc] (the conv1d param [C, 1, Kc] as "
+                         f"conv1d[:, 0, :]); got shape {tuple(conv_weight.shape)}")
+    kc = conv_weight.shape[1]
     channels = hk * (2 * dk + (hv // hk) * dv)
     arrays = dict(mixed_qkv=mixed_qkv, a=a, b=b, active=active, conv_state=conv_state,
                   conv_weight=conv_weight, A_log=A_log, dt_bias=dt_bias)
@@ -121,13 +129,10 @@ def _sigmoid(x):
 
 
 def _sigmoid_in(dtype, x):
-    """``jax.nn.sigmoid`` of a ``dtype`` value as XLA computes it: 1 / (1 + exp(-x)), each op in
-    float32 and rounded to ``dtype`` (for bfloat16 this differs from one rounding of the exact
-    sigmoid in about a third of the values)."""
-    def rnd(y):
-        return y.astype(dtype).astype(f32)
-
-    return rnd(1.0 / rnd(1.0 + rnd(jnp.exp(-x))))
+    """sigmoid of a ``dtype`` value computed in float32 and rounded once to ``dtype`` (as torch's
+    ``sigmoid`` of a bfloat16 tensor, and as jitted XLA computes ``jax.nn.sigmoid``; eager JAX
+    rounds after each op instead)."""
+    return _sigmoid(x).astype(dtype).astype(f32)
 
 
 def _softplus(x):
@@ -281,15 +286,17 @@ def deltanet_decode_pallas(mixed_qkv, a, b, active, conv_state, recurrent_state,
     hk, hv, dk, dv, kc = _check(name, mixed_qkv, a, b, active, conv_state, recurrent_state,
                                 conv_weight, A_log, dt_bias, num_key_heads)
     batch = recurrent_state.shape[0]
-    block_v = block_v or choose_block_v(batch, hv, dv)
+    if block_v is None:
+        block_v = choose_block_v(batch, hv, dv)
     why = None
     if dk % TILE_ROWS or dk > MAX_COPY:
         why = f"linear_key_head_dim={dk} is not a multiple of {TILE_ROWS} up to {MAX_COPY}"
     elif kc < 2:
         why = f"linear_conv_kernel_dim={kc} must be at least 2"
-    elif dv % block_v or block_v % 8 or block_v > MAX_COPY:
-        why = (f"dv={dv} is not a multiple of {block_v=}, or block_v is not a multiple of 8 "
-               f"up to {MAX_COPY}")
+    elif block_v <= 0 or block_v % 8 or block_v > MAX_COPY:
+        why = f"{block_v=} must be a positive multiple of 8 up to {MAX_COPY}"
+    elif dv % block_v:
+        why = f"linear_value_head_dim={dv} is not a multiple of {block_v=}"
     if why is not None:
         raise ValueError(f"{name}: {why}")
     if batch * hv == 0:
@@ -355,7 +362,8 @@ def _deltanet_decode_xla(mixed_qkv, a, b, active, conv_state, recurrent_state, c
     q = grouped[..., :dk].astype(f32)
     k = grouped[..., dk:2 * dk].astype(f32)
     v = grouped[..., 2 * dk:].reshape(batch, hv, dv).astype(f32)
-    beta = jax.nn.sigmoid(b).astype(f32)  # sigmoid in the model dtype, as HF
+    # sigmoid in float32, rounded once to the model dtype (torch's bf16 sigmoid; jitted XLA's)
+    beta = jax.nn.sigmoid(b.astype(f32)).astype(b.dtype).astype(f32)
     # Log-space decay g = -exp(A_log) * softplus(a + dt_bias) <= 0, in float32 (spec §7 item 6).
     g = -jnp.exp(A_log.astype(f32)) * jax.nn.softplus(a.astype(f32) + dt_bias.astype(f32))
     q = _l2_normalize(q) * (dk ** -0.5)
