@@ -89,6 +89,25 @@ def test_library_jits_carry_the_compiler_options_and_compose(params):
     np.testing.assert_allclose(np.asarray(top), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+def test_at_top_level_sees_every_transformation():
+    """model.at_top_level (which picks TopLevelJit's path) reads JAX's current trace by its
+    class name: this fails if a JAX upgrade renames it."""
+    seen = {}
+
+    def probe(name, x):
+        seen[name] = model.at_top_level()
+        return x
+
+    probe("top", 1.0)
+    jax.jit(lambda x: probe("jit", x))(1.0)
+    jax.grad(lambda x: probe("grad", x))(1.0)
+    jax.vmap(lambda x: probe("vmap", x))(jnp.ones(2))
+    jax.lax.scan(lambda c, x: (probe("scan", c), x), 0.0, jnp.ones(2))
+    jax.eval_shape(lambda x: probe("eval_shape", x), 1.0)
+    assert seen == {"top": True, "jit": False, "grad": False, "vmap": False, "scan": False,
+                    "eval_shape": False}
+
+
 def test_decode_steps_compile_once_and_donate(params):
     logits, state = _prefilled(params)
     before = model.decode_step_jit._cache_size()
