@@ -20,7 +20,8 @@ from jaxdecode.generate import GenerateOutput, StreamChunk, generate, generate_s
 
 __all__ = [
     "COMPILER_OPTIONS", "Config", "DecodeState", "GenerateOutput", "KVCache", "PRESETS",
-    "Params", "SamplingParams", "StreamChunk", "decode_attention", "decode_attention_reference", "decode_step", "fork",
+    "Params", "SamplingParams", "StreamChunk", "decode_attention", "decode_attention_reference",
+    "decode_step", "fork",
     "generate", "generate_stream", "init_params", "init_state", "load_checkpoint",
     "load_tokenizer", "model", "num_params", "param_specs", "prefill", "sample", "sharding",
 ]

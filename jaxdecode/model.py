@@ -18,6 +18,7 @@ state donated, so the caches are updated in place.
 
 from __future__ import annotations
 
+import types
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +47,7 @@ L2NORM_EPS = 1e-6
 #   in the 9B) become one GEMM reading the input once: on an H200, one process, the 9B batch-1
 #   step went from 5.032 to 4.818 ms and the 0.8B's kernel time from 1.131 to 1.076 ms
 #   (benchmarks/RESULTS.md, session 6).
-COMPILER_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 1024}
+COMPILER_OPTIONS = types.MappingProxyType({"xla_gpu_dot_merger_threshold_mb": 1024})  # read-only
 # Chunk size of the chunked gated delta rule (HF and FLA use 64).
 CHUNK_SIZE = 64
 
