@@ -23,9 +23,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import statistics
+import os
 import sys
-import time
 
 import jax
 import numpy as np
@@ -33,35 +32,21 @@ import numpy as np
 import jaxdecode as jd
 from jaxdecode import sampling as S
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from generate_loop import compile_loop  # noqa: E402
+from generate_loop import time_loop as time_loop_of  # noqa: E402
+
 G = importlib.import_module("jaxdecode.generate")  # the module (jd.generate is the function)
 
 SETTINGS = (("greedy", None), ("top_p", S.SamplingParams.create(temperature=0.7, top_p=0.9)))
 
 
 def time_loop(params, plan, features, runs=5):
-    """(median ms per generated token, first call s, tokens) of one compiled generation loop."""
-    config = params.config
-    rows = plan.prompts.shape[0]
-
-    @jax.jit
-    def run(params, prompts, lengths, budgets, sampling, keys, eos):
-        state = jd.init_state(config, rows, plan.max_len, dtype=params.dtype)
-        out, _ = G.generate_fn(params, state, prompts, lengths, budgets, sampling, keys, eos,
-                               max_new_tokens=plan.max_new_tokens, chunk_size=plan.chunk_size,
-                               features=features)
-        return out.tokens
-
-    args = (params, plan.prompts, plan.prompt_lengths, plan.budgets, plan.sampling, plan.keys,
-            plan.eos_token_ids)
-    t0 = time.perf_counter()
-    tokens = np.asarray(run(*args))
-    first = time.perf_counter() - t0
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        jax.block_until_ready(run(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) / plan.max_new_tokens * 1e3, first, tokens
+    """(median ms per generated token, compile s, tokens) of one compiled generation loop
+    (``generate_loop.compile_loop``: ``jd.generate``'s program, ``jd.COMPILER_OPTIONS``)."""
+    compiled, args, compile_s = compile_loop(params, plan, features)
+    ms, tokens = time_loop_of(compiled, args, plan.max_new_tokens, runs=runs)
+    return ms, compile_s, tokens
 
 
 def main():
@@ -92,7 +77,7 @@ def main():
         results = {}
         for label, features in (("lax.cond", None), ("host", plan.features)):
             results[label] = time_loop(params, plan, features)
-            print(f"  {name} {label}: {results[label][0]:.4f} ms/token (first call "
+            print(f"  {name} {label}: {results[label][0]:.4f} ms/token (compile "
                   f"{results[label][1]:.1f} s)", flush=True)
         rows.append((name, results))
     print("\n| sampling | lax.cond ms/token | host ms/token | saved us/token | speed-up | "

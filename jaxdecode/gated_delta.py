@@ -27,6 +27,14 @@ from jax.scipy.linalg import solve_triangular
 
 Array = jax.Array
 
+# HF's l2norm adds this to the *sum* of squares (hard-coded, not rms_norm_eps; spec §7 item 5).
+L2NORM_EPS = 1e-6
+
+
+def l2_normalize(x: Array) -> Array:
+    """``x * rsqrt(sum(x²) + 1e-6)`` over the last axis (HF ``l2norm``; eps on the sum)."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
+
 
 def gated_delta_rule_step(q, k, v, g, beta, state):
     """One token of the gated delta rule.

@@ -26,19 +26,16 @@ import numpy as np
 from jax.extend import core as jax_extend_core
 
 from jaxdecode.config import FULL_ATTENTION, Config
-from jaxdecode.gated_delta import chunk_gated_delta_rule
+from jaxdecode.gated_delta import chunk_gated_delta_rule, l2_normalize
 from jaxdecode.kernels import IMPLEMENTATIONS
 from jaxdecode.kernels.decode_attention import decode_attention
-from jaxdecode.kernels.deltanet_decode import deltanet_decode
-from jaxdecode.kernels.gated_delta_decode import gated_delta_decode
+from jaxdecode.kernels.deltanet_decode import deltanet_decode, deltanet_decode_xla
 from jaxdecode.params import AttentionParams, GatedDeltaNetParams, MLPParams, Params
 from jaxdecode.state import DecodeState, KVCache
 
 Array = jax.Array
 f32 = jnp.float32
 
-# HF's l2norm adds this to the *sum* of squares (hard-coded, not rms_norm_eps; spec §7 item 5).
-L2NORM_EPS = 1e-6
 # XLA options every jitted program of the library is compiled with (pass them to your own
 # ``jax.jit(..., compiler_options=COMPILER_OPTIONS)`` around ``decode_step_fn``). GPU options;
 # other backends ignore them.
@@ -73,11 +70,6 @@ def gated_rms_norm(x: Array, z: Array, w: Array, eps: float) -> Array:
     xf = x.astype(f32)
     n = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
     return (w.astype(f32) * n.astype(f32) * jax.nn.silu(z.astype(f32))).astype(x.dtype)
-
-
-def l2_normalize(x: Array) -> Array:
-    """``x * rsqrt(sum(x²) + 1e-6)`` over the last axis (HF ``l2norm``; eps on the sum)."""
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
 
 
 def rope_cos_sin(positions: Array, config: Config) -> tuple[Array, Array]:
@@ -156,13 +148,18 @@ def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurre
     z = linear(x, p.in_proj_z).reshape(batch, length, hv, dv)
     b = linear(x, p.in_proj_b)  # [B, T, Hv]
     a = linear(x, p.in_proj_a)  # [B, T, Hv]
-    if decode and not callable(deltanet_impl):
-        # The whole one-token core (conv window, gating, L2 norms, masking, delta rule) in one
-        # call: one Pallas kernel on Hopper, the same XLA math as below elsewhere.
-        o, new_conv_state, new_state = deltanet_decode(
-            mixed[:, 0], a[:, 0], b[:, 0], valid[:, 0], conv_state, recurrent_state,
-            p.conv1d[:, 0, :], p.A_log, p.dt_bias, num_key_heads=hk,
-            implementation=deltanet_impl)
+    if decode:
+        # The whole one-token core (conv window, gating, L2 norms, masking, delta rule): a
+        # string picks deltanet_decode's implementation (one Pallas kernel on Hopper below
+        # batch 8); a callable replaces the delta rule of its XLA form.
+        args = (mixed[:, 0], a[:, 0], b[:, 0], valid[:, 0], conv_state, recurrent_state,
+                p.conv1d[:, 0, :], p.A_log, p.dt_bias)
+        if callable(deltanet_impl):
+            o, new_conv_state, new_state = deltanet_decode_xla(
+                *args, num_key_heads=hk, delta_rule=deltanet_impl)
+        else:
+            o, new_conv_state, new_state = deltanet_decode(
+                *args, num_key_heads=hk, implementation=deltanet_impl)
         o = gated_rms_norm(o[:, None].astype(x.dtype), z, p.norm, c.rms_norm_eps)
         out = linear(o.reshape(batch, length, hv * dv), p.out_proj)
         return out, new_conv_state, new_state
@@ -175,12 +172,8 @@ def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurre
     conv = sum(hist[:, j:j + length, :].astype(f32) * w[:, j] for j in range(kc))
     conv = jax.nn.silu(conv).astype(x.dtype)
     # The new window is the last Kc-1 *real* inputs: hist[n_new : n_new + Kc - 1] per row.
-    if decode:
-        new_conv_state = jnp.where(valid[:, :, None], hist[:, 1:], hist[:, :kc - 1])
-    else:
-        idx = n_new[:, None] + jnp.arange(kc - 1)[None, :]  # [B, Kc-1]
-        new_conv_state = jnp.take_along_axis(hist, idx[:, :, None], axis=1)
-    new_conv_state = new_conv_state.astype(conv_state.dtype)
+    idx = n_new[:, None] + jnp.arange(kc - 1)[None, :]  # [B, Kc-1]
+    new_conv_state = jnp.take_along_axis(hist, idx[:, :, None], axis=1).astype(conv_state.dtype)
 
     # Channels are grouped per key head, [q_i | k_i | v of its r value heads] (params.py,
     # conv_channel_order), so each head's q, k and v sit together.
@@ -202,17 +195,10 @@ def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurre
     g = jnp.where(valid[:, :, None], g, 0.0)
     beta = jnp.where(valid[:, :, None], beta, 0.0)
 
-    # Value head h reads key head h // r: repeat_interleave, not tiling (spec §7 item 3); the
-    # decode step does it inside gated_delta_decode (the kernel indexes key head h // r).
-    if decode:
-        step = (deltanet_impl if callable(deltanet_impl) else
-                lambda *a: gated_delta_decode(*a, implementation=deltanet_impl))
-        o, new_state = step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], recurrent_state)
-        o = o[:, None]
-    else:
-        r = c.linear_num_value_heads_per_key_head
-        q, k = jnp.repeat(q, r, axis=2), jnp.repeat(k, r, axis=2)
-        o, new_state = chunk_gated_delta_rule(q, k, v, g, beta, recurrent_state, CHUNK_SIZE)
+    # Value head h reads key head h // r: repeat_interleave, not tiling (spec §7 item 3).
+    r = c.linear_num_value_heads_per_key_head
+    q, k = jnp.repeat(q, r, axis=2), jnp.repeat(k, r, axis=2)
+    o, new_state = chunk_gated_delta_rule(q, k, v, g, beta, recurrent_state, CHUNK_SIZE)
 
     o = gated_rms_norm(o.astype(x.dtype), z, p.norm, c.rms_norm_eps)
     out = linear(o.reshape(batch, length, hv * dv), p.out_proj)

@@ -167,33 +167,36 @@ def test_every_conv_channel_written(mode, block_v):
 
 # ----- the reference is the model's decode math --------------------------------------------
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_reference_is_the_models_decode_math(dtype):
+def test_models_decode_equals_its_one_token_prefill():
+    """The model's decode branch (deltanet_decode's reference, and the callable delta-rule path
+    through deltanet_decode_xla) against the model's prefill path for the same one token: its
+    own conv, window update (take_along_axis), masking and chunked delta rule (float32)."""
     config = jd.Config.from_preset("tiny")
-    params = jd.init_params(config, jax.random.key(0), dtype)
+    params = jd.init_params(config, jax.random.key(0))
     p = next(layer.linear_attn for layer in params.layers if layer.linear_attn is not None)
     c = config
     batch, kc = 3, c.linear_conv_kernel_dim
     channels = p.in_proj_qkv.shape[0]
     rng = np.random.default_rng(5)
-    x = jnp.asarray(rng.standard_normal((batch, 1, c.hidden_size)), dtype)
-    conv_state = jnp.asarray(rng.standard_normal((batch, kc - 1, channels)), dtype)
+    x = jnp.asarray(rng.standard_normal((batch, 1, c.hidden_size)), f32)
+    conv_state = jnp.asarray(rng.standard_normal((batch, kc - 1, channels)), f32)
     state = jnp.asarray(rng.standard_normal((batch, c.linear_num_value_heads,
                                              c.linear_key_head_dim, c.linear_value_head_dim)),
                         f32)
     n_new = jnp.asarray([1, 0, 1], jnp.int32)
-    # want: the model's own XLA decode path (taken for a callable delta rule); got: the model
-    # through deltanet_decode's reference (taken for a string implementation)
-    want = jax.jit(lambda *xs: model.gated_delta_net(
-        p, *xs, c, decode=True, deltanet_impl=gated_delta_decode_reference))(
+    want = jax.jit(lambda *xs: model.gated_delta_net(p, *xs, c, decode=False))(
         x, conv_state, state, n_new)
-    got = jax.jit(lambda *xs: model.gated_delta_net(p, *xs, c, decode=True,
-                                                    deltanet_impl="reference"))(
-        x, conv_state, state, n_new)
-    for g, w, what in zip(got, want, ("out", "conv_state", "recurrent_state"), strict=True):
-        assert g.dtype == w.dtype and g.shape == w.shape, what
-        np.testing.assert_array_equal(np.asarray(g, np.float64), np.asarray(w, np.float64),
-                                      err_msg=what)
+    for impl in ("reference", gated_delta_decode_reference):
+        got = jax.jit(lambda *xs: model.gated_delta_net(p, *xs, c, decode=True,
+                                                        deltanet_impl=impl))(
+            x, conv_state, state, n_new)
+        for g, w, what in zip(got, want, ("out", "conv_state", "recurrent_state"), strict=True):
+            assert g.dtype == w.dtype and g.shape == w.shape, what
+            assert_close(g, w, 1e-5, f"{what} ({impl})")
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))  # the window
+        # the inactive row: window and state untouched, output 0
+        np.testing.assert_array_equal(np.asarray(got[2])[1], np.asarray(state)[1])
+        assert (np.asarray(got[0])[1] == 0).all()
     assert not np.array_equal(np.asarray(want[2]), np.asarray(state))  # the step did something
 
 

@@ -48,12 +48,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxdecode.gated_delta import L2NORM_EPS, l2_normalize
 from jaxdecode.kernels import IMPLEMENTATIONS
 from jaxdecode.kernels.decode_attention import _gpu_compute_capability
 from jaxdecode.kernels.gated_delta_decode import TILE_ROWS, choose_block_v, gated_delta_decode
 
 f32 = jnp.float32
-L2NORM_EPS = 1e-6  # jaxdecode.model.L2NORM_EPS (HF ``l2norm``: eps added to the sum of squares)
 MAX_COPY = 256  # one async (TMA) copy moves at most 256 elements along each dimension
 MODEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # "auto" takes this kernel on Hopper below this batch; from it, XLA's conv/gating/norms and the
@@ -63,10 +63,6 @@ MODEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # 13.632 -> 14.562 ms wall (slower; the delta-rule-only kernel took that cell from 13.56 to 12.09
 # ms in session 4). Batches 2-7 not timed.
 MAX_BATCH_AUTO = 8
-
-
-def _l2_normalize(x):
-    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
 
 
 def _check(name, mixed_qkv, a, b, active, conv_state, recurrent_state, conv_weight, A_log,
@@ -336,15 +332,18 @@ def deltanet_decode_reference(mixed_qkv, a, b, active, conv_state, recurrent_sta
     """The XLA form: the decode branch of ``jaxdecode.model.gated_delta_net`` (conv, masking, L2
     norms, gating) then ``gated_delta_decode_reference``. Arguments and result as
     :func:`deltanet_decode_pallas`; any Kc >= 1 and head dims."""
-    return _deltanet_decode_xla(mixed_qkv, a, b, active, conv_state, recurrent_state, conv_weight,
-                                A_log, dt_bias, num_key_heads=num_key_heads,
-                                delta_rule="reference")
+    return deltanet_decode_xla(mixed_qkv, a, b, active, conv_state, recurrent_state, conv_weight,
+                               A_log, dt_bias, num_key_heads=num_key_heads,
+                               delta_rule="reference")
 
 
-def _deltanet_decode_xla(mixed_qkv, a, b, active, conv_state, recurrent_state, conv_weight, A_log,
-                         dt_bias, *, num_key_heads: int, delta_rule: str):
-    """Conv, masking, norms and gating in XLA, then ``gated_delta_decode(implementation=
-    delta_rule)`` ("reference": all XLA; "auto": the delta-rule-only kernel from its batch)."""
+def deltanet_decode_xla(mixed_qkv, a, b, active, conv_state, recurrent_state, conv_weight, A_log,
+                        dt_bias, *, num_key_heads: int, delta_rule="reference"):
+    """Conv, masking, L2 norms and gating in XLA, then the delta rule: ``delta_rule`` is an
+    ``implementation`` of ``gated_delta_decode`` ("reference": all XLA; "auto": its one-pass
+    kernel from its batch) or a callable with that function's signature (such as
+    ``jaxdecode.sharding.sharded_gated_delta_decode(mesh)``). Arguments (but ``delta_rule``),
+    result and errors as :func:`deltanet_decode_reference`."""
     hk, hv, dk, dv, kc = _check("deltanet_decode_reference", mixed_qkv, a, b, active,
                                 conv_state, recurrent_state, conv_weight, A_log, dt_bias,
                                 num_key_heads)
@@ -366,12 +365,16 @@ def _deltanet_decode_xla(mixed_qkv, a, b, active, conv_state, recurrent_state, c
     beta = jax.nn.sigmoid(b.astype(f32)).astype(b.dtype).astype(f32)
     # Log-space decay g = -exp(A_log) * softplus(a + dt_bias) <= 0, in float32 (spec §7 item 6).
     g = -jnp.exp(A_log.astype(f32)) * jax.nn.softplus(a.astype(f32) + dt_bias.astype(f32))
-    q = _l2_normalize(q) * (dk ** -0.5)
-    k = _l2_normalize(k)
+    q = l2_normalize(q) * (dk ** -0.5)
+    k = l2_normalize(k)
     # An inactive row is inert (q = k = v = 0, beta = g = 0): S passes through unchanged.
     q, k, v = (jnp.where(active[:, None, None], t, 0.0) for t in (q, k, v))
     g, beta = (jnp.where(active[:, None], t, 0.0) for t in (g, beta))
-    o, new_state = gated_delta_decode(q, k, v, g, beta, recurrent_state, implementation=delta_rule)
+    if callable(delta_rule):
+        o, new_state = delta_rule(q, k, v, g, beta, recurrent_state)
+    else:
+        o, new_state = gated_delta_decode(q, k, v, g, beta, recurrent_state,
+                                          implementation=delta_rule)
     return o, new_conv_state, new_state
 
 
@@ -424,7 +427,7 @@ def deltanet_decode(mixed_qkv, a, b, active, conv_state, recurrent_state, conv_w
     if cc is None or cc < (9, 0):
         return deltanet_decode_reference(*args, num_key_heads=num_key_heads)
     if recurrent_state.shape[0] >= MAX_BATCH_AUTO:
-        return _deltanet_decode_xla(*args, num_key_heads=num_key_heads, delta_rule="auto")
+        return deltanet_decode_xla(*args, num_key_heads=num_key_heads, delta_rule="auto")
     why = check_supported(recurrent_state.shape, conv_weight.shape[-1])
     if why is not None:
         warnings.warn("deltanet_decode: using the XLA reference instead of the Pallas kernel: "
