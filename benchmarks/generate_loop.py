@@ -2,7 +2,7 @@
 per token, and XLA option variants, all in one process.
 
     python benchmarks/generate_loop.py [--cells 0.8b:1,9b:1] [--tokens 512]
-        [--sampling greedy,top_p] [--options ';name=value,...'] [--layers N]
+        [--sampling greedy,top_p] [--options ';name=value,...'] [--layers N] [--top N]
 
 Per cell (model:batch), sampling setting and XLA compiler-option variant (``--options``,
 ';'-separated, '' = the library's ``jd.COMPILER_OPTIONS`` alone, as in
@@ -23,9 +23,11 @@ The model is the preset's shapes (``--layers`` cuts it, for quick checks), bf16 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import importlib
 import os
+import re
 import statistics
 import sys
 import time
@@ -88,6 +90,8 @@ def main():
                          "('' = defaults), e.g. ';xla_gpu_graph_min_graph_size=1'")
     ap.add_argument("--layers", type=int, default=0, help="cut each model to N layers (0: all)")
     ap.add_argument("--no-cupti", action="store_true", help="skip the kernel-time run")
+    ap.add_argument("--top", type=int, default=0,
+                    help="also list the N kernels (by name) with the most time per token")
     args = ap.parse_args()
     if args.tokens < 16 or args.tokens & (args.tokens - 1):
         ap.error(f"--tokens must be a power of two >= 16 (the generate budget bucket), got "
@@ -146,6 +150,16 @@ def main():
                 print(f"  {row[0]} [{row[1]}]: {ms:.4f} ms/token, kernels "
                       + (f"{kernel_ms:.4f} ms/token ({row[4]:.0f} per token)" if timed else "n/a")
                       + f", compile {compile_s:.1f} s, same tokens {same}", flush=True)
+                if args.top and kernels:
+                    by_name = collections.defaultdict(lambda: [0, 0.0])
+                    for kname, t in kernels:
+                        entry = by_name[re.sub(r"[._]\d+$", "", kname)[:70]]
+                        entry[0] += 1
+                        entry[1] += t
+                    for kname, (count, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[
+                            :args.top]:
+                        print(f"    {t / args.tokens * 1e3:7.2f} us/token {count / args.tokens:6.2f}"
+                              f"/token  {kname}")
                 del compiled
         del params
     print("\n| cell | XLA options | ms/token | tok/s | kernel ms/token | gap ms | kernels/token "

@@ -109,7 +109,8 @@ def mlp(p: MLPParams, x: Array) -> Array:
 
 def token_mask(length: int, n_new: Array) -> Array:
     """[B, T] bool: token t of row b is real (t < n_new[b]). At T == 1 this is ``n_new > 0``,
-    written without the iota compare (see ``_forward``: XLA GPU and batch 1)."""
+    written without the iota compare. (Decode builds its masks from ``active`` instead: see
+    ``_forward``.)"""
     if length == 1:
         return (n_new > 0)[:, None]
     return jnp.arange(length)[None, :] < n_new[:, None]
@@ -118,7 +119,8 @@ def token_mask(length: int, n_new: Array) -> Array:
 # ----- Gated DeltaNet -------------------------------------------------------------------------
 
 def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurrent_state: Array,
-                    n_new: Array, config: Config, *, decode: bool, deltanet_impl="auto"):
+                    n_new: Array, config: Config, *, decode: bool, deltanet_impl="auto",
+                    valid: Array | None = None):
     """Gated DeltaNet mixer (HF ``Qwen3_5GatedDeltaNet``, spec §1.4) over T new tokens per row.
 
     Args:
@@ -127,6 +129,7 @@ def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurre
       conv_state: [B, Kc-1, C] last pre-conv inputs; recurrent_state: [B, Hv, dk, dv] float32.
       n_new: [B] int32.
       decode: T == 1 and the one-token recurrence is used instead of the chunked form.
+      valid: [B, T] bool, ``token_mask(T, n_new)`` (computed from ``n_new`` when None).
       deltanet_impl: the one-token core (decode only). A string is an ``implementation`` of
         ``jaxdecode.kernels.deltanet_decode.deltanet_decode`` (conv window, norms, gating and
         delta rule; "auto": one Pallas kernel on Hopper below batch 8, XLA's form with the
@@ -142,7 +145,8 @@ def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurre
     hk, hv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
                       c.linear_value_head_dim)
     kc = c.linear_conv_kernel_dim
-    valid = token_mask(length, n_new)  # [B, T]
+    if valid is None:
+        valid = token_mask(length, n_new)  # [B, T]
 
     mixed = linear(x, p.in_proj_qkv)  # [B, T, C]  pre-conv q, k, v (grouped per key head)
     z = linear(x, p.in_proj_z).reshape(batch, length, hv, dv)
@@ -208,7 +212,8 @@ def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurre
 # ----- gated full attention -------------------------------------------------------------------
 
 def gated_attention(p: AttentionParams, x: Array, cache: KVCache, start: Array, n_new: Array,
-                    config: Config, *, decode: bool, attention_impl: str):
+                    config: Config, *, decode: bool, attention_impl: str,
+                    valid: Array | None = None):
     """Gated GQA attention (HF ``Qwen3_5Attention``, spec §1.6) writing the new keys/values.
 
     Args:
@@ -217,6 +222,7 @@ def gated_attention(p: AttentionParams, x: Array, cache: KVCache, start: Array, 
       start: [B] int32 tokens already in the cache (= position of the first new token).
       n_new: [B] int32.
       decode: T == 1; attention goes through ``decode_attention`` (the kernel seam).
+      valid: [B, T] bool, ``token_mask(T, n_new)`` (computed from ``n_new`` when None).
 
     Returns:
       (out [B, T, Hd], new cache).
@@ -226,7 +232,8 @@ def gated_attention(p: AttentionParams, x: Array, cache: KVCache, start: Array, 
     hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     max_len = cache.k.shape[2]
     positions = start[:, None] + jnp.arange(length)[None, :]  # [B, T]
-    valid = token_mask(length, n_new)
+    if valid is None:
+        valid = token_mask(length, n_new)
 
     # q_proj holds query and output gate interleaved per head: [Hq, 2D] (spec §7 item 2).
     qg = linear(x, p.q_proj).reshape(batch, length, hq, 2 * d)
@@ -314,8 +321,11 @@ def _attend(q, k_cache, v_cache, positions, end):
 
 # ----- the whole model ------------------------------------------------------------------------
 
-def _forward(params: Params, state: DecodeState, tokens: Array, n_new: Array, *, decode: bool,
-             return_all_logits: bool, attention_impl: str = "auto", deltanet_impl="auto"):
+def _forward(params: Params, state: DecodeState, tokens: Array, n_new: Array | None, *,
+             decode: bool, return_all_logits: bool, attention_impl: str = "auto",
+             deltanet_impl="auto", active: Array | None = None):
+    """The shared body of prefill and decode: ``n_new`` [B] int32 new tokens per row (prefill),
+    or, for decode (T == 1), ``active`` [B] bool with ``n_new`` None."""
     c = params.config
     batch, length = tokens.shape
     start = state.lengths
@@ -324,15 +334,22 @@ def _forward(params: Params, state: DecodeState, tokens: Array, n_new: Array, *,
     # vocabulary; negative ids too, which jnp.take would wrap) is left untouched (no state change,
     # lengths not advanced) and gets NaN logits, never a silently dropped, clamped or wrapped op.
     in_vocab = (tokens >= 0) & (tokens < c.vocab_size)
-    requested = token_mask(length, n_new)  # [B, T]
-    bad_token = requested & ~in_vocab
-    # At T == 1 no any() over the size-1 axis: with a traced n_new (decode with ``active``, as in
-    # generate) at batch 1, XLA GPU (jax 0.11.2) fails to compile that reduction ("Expected
-    # instruction to have shape equal to pred[], actual shape is pred[1]"; test_gpu_compile.py).
-    bad_row = bad_token[:, 0] if length == 1 else jnp.any(bad_token, axis=1)
-    rejected = ((n_new < 0) | (n_new > length) | (start + n_new > state.max_len) | bad_row)
-    n_new = jnp.where(rejected, 0, n_new)
-    valid = token_mask(length, n_new)  # [B, T]
+    if active is not None:
+        # Decode: the masks stay boolean, from ``active``. Written as n_new = int(active) with
+        # masks n_new > 0, XLA GPU (jax 0.11.2) fails to compile a loop of one-row steps
+        # ("Expected instruction to have shape equal to pred[], actual shape is pred[1]" at
+        # compare(convert(active), ...); tests/test_gpu_compile.py), and the same for an any()
+        # over the size-1 token axis.
+        rejected = (active & (start >= state.max_len)) | (active & ~in_vocab[:, 0])
+        valid = (active & ~rejected)[:, None]  # [B, 1]
+        n_new = valid[:, 0].astype(jnp.int32)
+    else:
+        bad_token = token_mask(length, n_new) & ~in_vocab  # [B, T]
+        # no any() over a size-1 axis (see above)
+        bad_row = bad_token[:, 0] if length == 1 else jnp.any(bad_token, axis=1)
+        rejected = ((n_new < 0) | (n_new > length) | (start + n_new > state.max_len) | bad_row)
+        n_new = jnp.where(rejected, 0, n_new)
+        valid = token_mask(length, n_new)  # [B, T]
 
     x = jnp.take(params.embed_tokens, jnp.where(in_vocab, tokens, 0), axis=0)
     x = jnp.where(valid[..., None], x, 0).astype(params.dtype)  # no embedding scale (spec §1.1)
@@ -346,19 +363,19 @@ def _forward(params: Params, state: DecodeState, tokens: Array, n_new: Array, *,
             with jax.named_scope(f"layer{i}_attention"):
                 h, kv_cache[full] = gated_attention(layer.self_attn, h, kv_cache[full], start,
                                                     n_new, c, decode=decode,
-                                                    attention_impl=attention_impl)
+                                                    attention_impl=attention_impl, valid=valid)
             full += 1
         else:
             with jax.named_scope(f"layer{i}_deltanet"):
                 h, conv_state[lin], recurrent_state[lin] = gated_delta_net(
                     layer.linear_attn, h, conv_state[lin], recurrent_state[lin], n_new, c,
-                    decode=decode, deltanet_impl=deltanet_impl)
+                    decode=decode, deltanet_impl=deltanet_impl, valid=valid)
             lin += 1
         x = x + h
         with jax.named_scope(f"layer{i}_mlp"):
             x = x + mlp(layer.mlp, rms_norm(x, layer.post_attention_layernorm, c.rms_norm_eps))
 
-    if not return_all_logits:  # only each row's last real token goes through the LM head
+    if not return_all_logits and length > 1:  # only each row's last real token: the LM head
         last = jnp.maximum(n_new - 1, 0)
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)  # [B, 1, Hd]
         valid = (n_new > 0)[:, None]
@@ -384,11 +401,10 @@ def prefill_fn(params: Params, state: DecodeState, tokens: Array, lengths: Array
 def decode_step_fn(params: Params, state: DecodeState, tokens: Array, active: Array | None = None,
                    attention_impl: str = "auto", deltanet_impl: str = "auto"):
     """Pure, un-jitted, un-validated decode step (see :func:`decode_step`)."""
-    n_new = (jnp.ones(tokens.shape, jnp.int32) if active is None
-             else active.astype(jnp.int32))
-    logits, state = _forward(params, state, tokens[:, None], n_new, decode=True,
+    active = jnp.ones(tokens.shape, bool) if active is None else active.astype(bool)
+    logits, state = _forward(params, state, tokens[:, None], None, decode=True,
                              return_all_logits=False, attention_impl=attention_impl,
-                             deltanet_impl=deltanet_impl)
+                             deltanet_impl=deltanet_impl, active=active)
     return logits, state
 
 
