@@ -7,8 +7,7 @@ per token, and XLA option variants, all in one process.
 Per cell (model:batch), sampling setting and XLA compiler-option variant (``--options``,
 ';'-separated, '' = the library's ``jd.COMPILER_OPTIONS`` alone, as in
 ``benchmarks/step_profile.py``): the program ``jd.generate`` runs (``generate.generate_fn``:
-prefill of a 16-token prompt, then ``lax.scan`` chunks of 32 decode steps with sampling; on a GPU
-a one-row loop carries an idle second row), compiled with ``jd.COMPILER_OPTIONS`` plus the
+prefill of a 16-token prompt, then ``lax.scan`` chunks of 32 decode steps with sampling), compiled with ``jd.COMPILER_OPTIONS`` plus the
 variant's options, and run ``--tokens`` tokens per row with EOS off. Reported:
 
   ms/token     median wall time of 3 runs / tokens (prefill included; it is 1 of the tokens)

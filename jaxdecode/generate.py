@@ -146,42 +146,6 @@ def _record(loop: LoopState, state: DecodeState, token: Array, active: Array,
     return new, emitted
 
 
-def _pads_single_row() -> bool:
-    """Whether one-row loops get an idle second row (:func:`_pad_single_row`): on GPU backends,
-    where XLA (jax 0.11.2) fails to compile the decode loop for a single row ("Expected
-    instruction to have shape equal to pred[], actual shape is pred[1]", from the traced
-    ``active`` mask of shape [1]; with two rows it compiles). Read at trace time."""
-    return jax.default_backend() == "gpu"
-
-
-def _pad_single_row(loop: LoopState) -> LoopState:
-    """A one-row loop plus an idle second row: done from the start (so never written), with a
-    zero state holding one cached position (attention over one zero key, no empty softmax).
-
-    Cost: one more row of state memory (the KV cache at max_len, the recurrent state), one copy
-    of the state when padding, and per decode step one row of recurrent state and conv window
-    read (about 2% of a 0.8B step at batch 1) and one KV position; no effect on the real row.
-    """
-    state = jax.tree.map(lambda x: jnp.concatenate([x, jnp.zeros_like(x[:1])]), loop.state)
-    state = state.replace(lengths=state.lengths.at[1].set(1))
-    rest = jax.tree.map(lambda x: jnp.concatenate([x, x[:1]]), loop.replace(state=None))
-    return rest.replace(state=state, done=rest.done.at[1].set(True))
-
-
-def _pad_single_row_sampling(sampling: SamplingParams) -> SamplingParams:
-    """Sampling values for a loop padded by :func:`_pad_single_row` (per-row leaves get the
-    real row's value again; scalars stay; host numpy leaves stay numpy)."""
-    def pad(x):
-        xp = np if isinstance(x, np.ndarray) else jnp
-        return xp.concatenate([x, x[:1]]) if np.ndim(x) else x
-
-    return jax.tree.map(pad, sampling)
-
-
-def _first_rows(tree, rows: int):
-    return jax.tree.map(lambda x: x[:rows], tree)
-
-
 def _step_keys(keys: Array, num_generated: Array) -> Array:
     return jax.vmap(jax.random.fold_in)(keys, num_generated)
 
@@ -284,19 +248,11 @@ def generate_fn(params: Params, state: DecodeState, prompts: Array, prompt_lengt
     Args as :func:`start_fn`, plus ``max_new_tokens`` (static): the token buffer length N, at
     least ``max(budgets)``; ``chunk_size`` (static): decode steps per scan iteration.
     Returns (GenerateOutput with [R, N] tokens, final LoopState).
-
-    On a GPU backend a one-row loop runs with an idle second row (:func:`_pad_single_row`, an
-    XLA workaround); the outputs, the final LoopState and ``progress`` hold the real row only.
     """
     loop, first = start_fn(params, state, prompts, prompt_lengths, budgets, sampling, keys,
                            eos_token_ids, num_samples=num_samples, track_counts=track_counts,
                            features=features, pad_id=pad_id)
     rows = first.shape[0]
-    if rows == 1 and _pads_single_row():
-        loop, sampling = _pad_single_row(loop), _pad_single_row_sampling(sampling)
-        if progress is not None:  # report the real row only
-            user_progress = progress
-            progress = lambda num_generated: user_progress(num_generated[:rows])  # noqa: E731
     num_chunks = math.ceil((max_new_tokens - 1) / chunk_size)
     if num_chunks:
         loop, chunks = lax.scan(
@@ -305,11 +261,10 @@ def generate_fn(params: Params, state: DecodeState, prompts: Array, prompt_lengt
                                   deltanet_impl=deltanet_impl, features=features,
                                   progress=progress),
             loop, None, length=num_chunks)
-        rest = jnp.transpose(chunks, (1, 0, 2))[:rows].reshape(rows, num_chunks * chunk_size)
+        rest = jnp.transpose(chunks, (1, 0, 2)).reshape(rows, num_chunks * chunk_size)
         tokens = jnp.concatenate([first[:, None], rest], axis=1)[:, :max_new_tokens]
     else:
         tokens = first[:, None]
-    loop = _first_rows(loop, rows)
     return GenerateOutput(tokens=tokens, lengths=loop.num_generated,
                           stop_reason=loop.stop_reason), loop
 
@@ -517,9 +472,6 @@ def _start_jit(params, prompts, prompt_lengths, budgets, sampling, keys, eos_tok
     loop, first = start_fn(params, state, prompts, prompt_lengths, budgets, sampling, keys,
                            eos_token_ids, num_samples=num_samples, features=features,
                            pad_id=pad_id)
-    # one row on a GPU: an idle second row for the chunks (_pads_single_row); sliced back later
-    if first.shape[0] == 1 and _pads_single_row():
-        loop = _pad_single_row(loop)
     return loop, first
 
 
@@ -552,10 +504,7 @@ def _start_args(params: Params, plan: _Plan):
 
 
 def _chunk_args(params: Params, plan: _Plan, loop):
-    sampling = plan.sampling
-    if loop.done.shape[0] != plan.budgets.shape[0]:  # the idle extra row of _pad_single_row
-        sampling = _pad_single_row_sampling(sampling)
-    args = (params, loop, sampling, plan.eos_token_ids, np.int32(plan.pad_id))
+    args = (params, loop, plan.sampling, plan.eos_token_ids, np.int32(plan.pad_id))
     return args, dict(chunk_size=plan.chunk_size, attention_impl=plan.attention_impl,
                       deltanet_impl=plan.deltanet_impl, features=plan.features)
 
@@ -677,17 +626,16 @@ def generate_stream(params: Params, prompts, max_new_tokens=64,
                  attention_impl=attention_impl, deltanet_impl=deltanet_impl, features=features)
     args, static = _start_args(params, plan)
     loop, first = _call(_start_jit, args, static, executables)
-    rows = first.shape[0]  # the loop may carry an idle extra row (_pad_single_row)
-    yield _stream_chunk(first[:, None], loop, rows)
+    yield _stream_chunk(first[:, None], loop)
     while not bool(np.all(np.asarray(loop.done))):
         loop, emitted = _call(_chunk_jit, *_chunk_args(params, plan, loop), executables)
-        yield _stream_chunk(emitted, loop, rows)
+        yield _stream_chunk(emitted, loop)
 
 
-def _stream_chunk(emitted, loop: LoopState, rows: int) -> StreamChunk:
+def _stream_chunk(emitted, loop: LoopState) -> StreamChunk:
     emitted, lengths, stop = jax.device_get((emitted, loop.num_generated, loop.stop_reason))
-    return StreamChunk(tokens=np.asarray(emitted)[:rows], lengths=np.asarray(lengths)[:rows],
-                       stop_reason=np.asarray(stop)[:rows])
+    return StreamChunk(tokens=np.asarray(emitted), lengths=np.asarray(lengths),
+                       stop_reason=np.asarray(stop))
 
 
 generate.__doc__ += _DOC_ARGS

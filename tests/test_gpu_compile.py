@@ -1,7 +1,8 @@
 """Whole-program compiles on a real GPU that CPU CI cannot see (``@pytest.mark.gpu``, skipped
 without an sm_90 GPU): XLA GPU (jax 0.11.2) fails to compile the decode step at batch 1 with a
-traced ``active`` mask, which broke ``jaxdecode.generate`` for one prompt on GPUs only (worked
-around in model.py ``_forward`` and generate.py ``_pad_single_row``)."""
+traced ``active`` mask when the masks are written as ``int(active) > 0``, which broke
+``jaxdecode.generate`` for one prompt on GPUs only (model.py ``_forward`` builds the decode masks
+from the boolean ``active``; until session 7 a one-row loop also carried an idle second row)."""
 
 from __future__ import annotations
 
