@@ -21,9 +21,10 @@ Order of operations, as in Hugging Face ``generate`` (``LogitsProcessorList`` bu
      ``min_p`` times the most likely token's;
   6. one categorical draw per row (Gumbel-max, ``jax.random.categorical``).
 
-Top-k and top-p find their cut-off logit by bisection on the float32 bit pattern (32 passes over
-the vocabulary, exact) instead of sorting the vocabulary: on CPU a sort of 248,320 logits costs
-about 10x more. Tokens tied with the cut-off logit are all kept.
+Top-k and top-p find their cut-off logit by a radix search on the float32 bit pattern (8 passes
+over the vocabulary, 16 candidate cut-offs per pass, exact; a bisection took 32) instead of
+sorting the vocabulary: on CPU a sort of 248,320 logits costs about 10x more. Tokens tied with
+the cut-off logit are all kept.
 
 Skipping unused steps: a step no row uses costs nothing. :class:`SamplingFeatures` says which
 steps some row uses; it is read on the host from concrete values (:func:`features_of`) and is
@@ -238,20 +239,34 @@ def _sortable_key(x: Array) -> Array:
     return lax.bitcast_convert_type(bits, jnp.uint32) ^ jnp.uint32(0x80000000)
 
 
-def _largest_key_where(u: Array, predicate) -> Array:
-    """Per row, the largest uint32 t with ``predicate(u >= t)`` true, for a predicate that is true
-    at ``t = min(u)`` and monotone (true, then false as t grows). u: [B, V] -> [B] uint32."""
-    lo = jnp.min(u, axis=-1)
-    hi = jnp.max(u, axis=-1)
+RADIX_BITS = 4  # cut-off search: 2**RADIX_BITS candidates per pass over the vocabulary
 
-    def body(_, carry):
-        lo, hi = carry
-        mid = lo + (hi - lo + 1) // 2  # upper midpoint: no uint32 overflow, always > lo if hi > lo
-        ok = predicate(u >= mid[:, None])
-        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
 
-    lo, _ = lax.fori_loop(0, 32, body, (lo, hi))
-    return lo
+def _largest_key_where(u: Array, weights: Array, target: Array) -> Array:
+    """Per row, the largest uint32 t with ``sum(weights[u >= t]) >= target``: a most-significant-
+    digit-first radix search, 4 bits per pass, so 8 passes over the vocabulary (each pass sums
+    the weights above 16 candidate cut-offs at once, one reduction) where a bisection needs 32.
+
+    Exact for non-negative weights (the sum then falls as t grows); t = 0 keeps every entry, so
+    a row whose target the total does not reach gets t = 0.
+
+    Args:
+      u: [B, V] uint32 (``_sortable_key`` of the logits).
+      weights: [B, V] int32 or float32, >= 0.
+      target: [B], the weights' dtype.
+    Returns:
+      [B] uint32.
+    """
+    digits = jnp.arange(2 ** RADIX_BITS, dtype=jnp.uint32)  # [D]
+    prefix = jnp.zeros(u.shape[:1], jnp.uint32)
+    zero = jnp.zeros((), weights.dtype)
+    for shift in range(32 - RADIX_BITS, -1, -RADIX_BITS):  # unrolled: no device loop
+        cand = prefix[:, None] | (digits[None, :] << shift)  # [B, D], ascending
+        mass = jnp.sum(jnp.where(u[:, None, :] >= cand[:, :, None], weights[:, None, :], zero),
+                       axis=-1)  # [B, D]
+        digit = jnp.max(jnp.where(mass >= target[:, None], digits[None, :], 0), axis=-1)
+        prefix = prefix | (digit << shift)
+    return prefix
 
 
 def top_k_mask(logits: Array, top_k: Array) -> Array:
@@ -266,7 +281,7 @@ def top_k_mask(logits: Array, top_k: Array) -> Array:
     top_k = jnp.asarray(top_k, jnp.int32)
     u = _sortable_key(logits)
     k = jnp.where(top_k > 0, top_k, logits.shape[-1])
-    cut = _largest_key_where(u, lambda keep: jnp.sum(keep, axis=-1, dtype=jnp.int32) >= k)
+    cut = _largest_key_where(u, jnp.ones(u.shape, jnp.int32), k)
     return jnp.where(u >= cut[:, None], logits, -jnp.inf)
 
 
@@ -284,8 +299,7 @@ def top_p_mask(logits: Array, top_p: Array) -> Array:
     top_p = jnp.asarray(top_p, jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
     u = _sortable_key(logits)
-    cut = _largest_key_where(
-        u, lambda keep: jnp.sum(jnp.where(keep, probs, 0.0), axis=-1) >= top_p)
+    cut = _largest_key_where(u, probs, top_p)
     keep = (u >= cut[:, None]) | (top_p[:, None] >= 1.0)
     return jnp.where(keep, logits, -jnp.inf)
 
