@@ -91,8 +91,8 @@ def step_bytes(config: jd.Config, params, batch: int, context: int) -> dict[str,
           * 2)
     rec = (2 * len(c.linear_attention_layers) * batch * c.linear_num_value_heads
            * c.linear_key_head_dim * c.linear_value_head_dim * 4)
-    conv = 2 * len(c.linear_attention_layers) * batch * (c.linear_conv_kernel_dim - 1) * (
-        c.linear_conv_dim) * 2
+    # the conv ring: the window's Kc-1 slots read, this token's slot written
+    conv = len(c.linear_attention_layers) * batch * c.linear_conv_kernel_dim * c.linear_conv_dim * 2
     return {"weights": weights, "kv": kv, "state": rec + conv}
 
 

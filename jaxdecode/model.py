@@ -31,7 +31,7 @@ from jaxdecode.kernels import IMPLEMENTATIONS
 from jaxdecode.kernels.decode_attention import decode_attention
 from jaxdecode.kernels.deltanet_decode import deltanet_decode, deltanet_decode_xla
 from jaxdecode.params import AttentionParams, GatedDeltaNetParams, MLPParams, Params
-from jaxdecode.state import DecodeState, KVCache
+from jaxdecode.state import DecodeState, KVCache, conv_window
 
 Array = jax.Array
 f32 = jnp.float32
@@ -119,14 +119,16 @@ def token_mask(length: int, n_new: Array) -> Array:
 # ----- Gated DeltaNet -------------------------------------------------------------------------
 
 def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurrent_state: Array,
-                    n_new: Array, config: Config, *, decode: bool, deltanet_impl="auto",
-                    valid: Array | None = None):
+                    start: Array, n_new: Array, config: Config, *, decode: bool,
+                    deltanet_impl="auto", valid: Array | None = None):
     """Gated DeltaNet mixer (HF ``Qwen3_5GatedDeltaNet``, spec §1.4) over T new tokens per row.
 
     Args:
       x: [B, T, Hd] input_layernorm output; row b's first ``n_new[b]`` tokens are real, the rest is
         right padding that must not touch any state.
-      conv_state: [B, Kc-1, C] last pre-conv inputs; recurrent_state: [B, Hv, dk, dv] float32.
+      conv_state: [B, Kc, C] ring of pre-conv inputs (``jaxdecode.state.DecodeState``);
+        recurrent_state: [B, Hv, dk, dv] float32.
+      start: [B] int32 tokens already in the row (the position of the first new token).
       n_new: [B] int32.
       decode: T == 1 and the one-token recurrence is used instead of the chunked form.
       valid: [B, T] bool, ``token_mask(T, n_new)`` (computed from ``n_new`` when None).
@@ -156,7 +158,7 @@ def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurre
         # The whole one-token core (conv window, gating, L2 norms, masking, delta rule): a
         # string picks deltanet_decode's implementation (one Pallas kernel on Hopper below
         # batch 8); a callable replaces the delta rule of its XLA form.
-        args = (mixed[:, 0], a[:, 0], b[:, 0], valid[:, 0], conv_state, recurrent_state,
+        args = (mixed[:, 0], a[:, 0], b[:, 0], valid[:, 0], start, conv_state, recurrent_state,
                 p.conv1d[:, 0, :], p.A_log, p.dt_bias)
         if callable(deltanet_impl):
             o, new_conv_state, new_state = deltanet_decode_xla(
@@ -171,13 +173,20 @@ def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurre
     # Causal depthwise conv over [cached Kc-1 inputs | new inputs]; cross-correlation, so
     # w[:, Kc-1] multiplies the current token (spec §1.4, §7 item 4). Pads sit after the real
     # tokens, so they never enter a real token's window.
-    hist = jnp.concatenate([conv_state.astype(mixed.dtype), mixed], axis=1)  # [B, Kc-1+T, C]
+    window = conv_window(conv_state, start)  # [B, Kc-1, C], positions start-Kc+1 .. start-1
+    hist = jnp.concatenate([window.astype(mixed.dtype), mixed], axis=1)  # [B, Kc-1+T, C]
     w = p.conv1d[:, 0, :].astype(f32)  # [C, Kc]
     conv = sum(hist[:, j:j + length, :].astype(f32) * w[:, j] for j in range(kc))
     conv = jax.nn.silu(conv).astype(x.dtype)
-    # The new window is the last Kc-1 *real* inputs: hist[n_new : n_new + Kc - 1] per row.
-    idx = n_new[:, None] + jnp.arange(kc - 1)[None, :]  # [B, Kc-1]
-    new_conv_state = jnp.take_along_axis(hist, idx[:, :, None], axis=1).astype(conv_state.dtype)
+    # The new ring: slot s holds the last real position p = end-1-((end-1-s) % Kc), which is
+    # hist[p - start + Kc - 1]; with no new token (n_new = 0) the slot of p = start - Kc keeps
+    # its old value (index -1), and every other slot gets its old value back from the window.
+    end = start + n_new
+    slot = jnp.arange(kc, dtype=jnp.int32)[None, :]
+    idx = (end[:, None] - 1 - (end[:, None] - 1 - slot) % kc) - start[:, None] + kc - 1
+    new_conv_state = jnp.take_along_axis(hist, jnp.maximum(idx, 0)[:, :, None], axis=1)
+    new_conv_state = jnp.where((idx >= 0)[:, :, None], new_conv_state.astype(conv_state.dtype),
+                               conv_state)
 
     # Channels are grouped per key head, [q_i | k_i | v of its r value heads] (params.py,
     # conv_channel_order), so each head's q, k and v sit together.
@@ -368,7 +377,7 @@ def _forward(params: Params, state: DecodeState, tokens: Array, n_new: Array | N
         else:
             with jax.named_scope(f"layer{i}_deltanet"):
                 h, conv_state[lin], recurrent_state[lin] = gated_delta_net(
-                    layer.linear_attn, h, conv_state[lin], recurrent_state[lin], n_new, c,
+                    layer.linear_attn, h, conv_state[lin], recurrent_state[lin], start, n_new, c,
                     decode=decode, deltanet_impl=deltanet_impl, valid=valid)
             lin += 1
         x = x + h
@@ -478,7 +487,7 @@ def _check_state(config: Config, state: DecodeState, dtype) -> None:
                         f"{len(c.full_attention_layers)} full_attention layers")
     batch = state.lengths.shape[0]
     expect = {
-        "conv_state": (batch, c.linear_conv_kernel_dim - 1, c.linear_conv_dim),
+        "conv_state": (batch, c.linear_conv_kernel_dim, c.linear_conv_dim),
         "recurrent_state": (batch, c.linear_num_value_heads, c.linear_key_head_dim,
                             c.linear_value_head_dim),
         "kv_cache": (batch, c.num_key_value_heads, state.max_len, c.head_dim)}

@@ -30,7 +30,7 @@ axes and ``-`` means not split):
     linear_attn.in_proj_a, in_proj_b   [Hv, Hd]            (model, -)             value heads
     linear_attn.dt_bias, A_log         [Hv]                (model,)               value heads
     linear_attn.out_proj               [Hd, Hv·dv]         (-, model)             value heads
-    state.conv_state[i]                [B, Kc-1, C]        (data, -, model)       rows; key-head groups
+    state.conv_state[i]                [B, Kc, C]          (data, -, model)       rows; key-head groups
     state.recurrent_state[i]           [B, Hv, dk, dv]     (data, model, -, -)    rows; value heads
     state.kv_cache[i].k, .v            [B, Hkv, S, D]      (data, model, -, -)    rows; KV heads
     state.lengths                      [B]                 (data,)                rows
@@ -149,7 +149,7 @@ PARAM_RULES: dict[str, P] = {
 
 # DecodeState field -> spec of each of its arrays.
 STATE_RULES: dict[str, P] = {
-    "conv_state": P(DATA, None, MODEL),  # [B, Kc-1, C]: key-head groups, as in_proj_qkv
+    "conv_state": P(DATA, None, MODEL),  # [B, Kc, C]: key-head groups, as in_proj_qkv
     "recurrent_state": P(DATA, MODEL, None, None),  # [B, Hv, dk, dv]
     "kv_cache": P(DATA, MODEL, None, None),  # [B, Hkv, S, D] (k and v)
     "lengths": P(DATA),  # [B]

@@ -5,8 +5,11 @@ leaves alike. Shapes are fixed at :func:`init_state` time (no growing caches: on
 serves every position).
 
 Source: the cache semantics of HF ``DynamicCache`` with ``LinearAttentionLayer``
-(transformers 5.24.0 ``cache_utils.py``; spec §2), with the conv window kept at its ``Kc - 1``
-used columns (as vLLM does) and the KV cache laid out ``[B, Hkv, S, D]`` for the decode kernel.
+(transformers 5.24.0 ``cache_utils.py``; spec §2), with the KV cache laid out ``[B, Hkv, S, D]``
+for the decode kernel and the conv window held as a ring of ``Kc`` slots (HF keeps the last ``Kc``
+inputs shifted left on every token): slot ``p % Kc`` holds the pre-conv input of position p, so a
+decode step writes one slot in place, the one slot its own window does not read
+(:func:`conv_window`).
 """
 
 from __future__ import annotations
@@ -40,9 +43,11 @@ class DecodeState:
     """Per-row decoding state.
 
     Attributes:
-      conv_state: one ``[B, Kc - 1, C]`` array per Gated DeltaNet layer (in layer order): the last
-        ``Kc - 1`` pre-conv ``in_proj_qkv`` outputs, oldest first (zeros before the first token);
-        channels grouped per key head (``jaxdecode.params.conv_channel_order``).
+      conv_state: one ``[B, Kc, C]`` array per Gated DeltaNet layer (in layer order), a ring of
+        pre-conv ``in_proj_qkv`` outputs: slot ``p % Kc`` holds position p's (zeros before the
+        first token). The conv window of the next token is positions ``lengths - Kc + 1 ..
+        lengths - 1`` (:func:`conv_window`). Channels grouped per key head
+        (``jaxdecode.params.conv_channel_order``).
       recurrent_state: one ``[B, Hv, dk, dv]`` float32 array per Gated DeltaNet layer: the delta
         rule state S (key dim first, as HF).
       kv_cache: one :class:`KVCache` per full-attention layer (in layer order).
@@ -93,7 +98,7 @@ def init_state(config: Config, batch_size: int, max_len: int, dtype="float32") -
     if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         raise ValueError(f"state dtype={dtype} must be float32 or bfloat16 (the params' dtype)")
     c = config
-    conv = tuple(jnp.zeros((batch_size, c.linear_conv_kernel_dim - 1, c.linear_conv_dim), dtype)
+    conv = tuple(jnp.zeros((batch_size, c.linear_conv_kernel_dim, c.linear_conv_dim), dtype)
                  for _ in c.linear_attention_layers)
     rec = tuple(jnp.zeros((batch_size, c.linear_num_value_heads, c.linear_key_head_dim,
                            c.linear_value_head_dim), jnp.float32)
@@ -103,6 +108,27 @@ def init_state(config: Config, batch_size: int, max_len: int, dtype="float32") -
                for _ in c.full_attention_layers)
     return DecodeState(conv_state=conv, recurrent_state=rec, kv_cache=kv,
                        lengths=jnp.zeros((batch_size,), jnp.int32))
+
+
+def conv_window_slots(lengths: Array, kernel_size: int) -> Array:
+    """[B, Kc-1] int32: the ring slots of positions ``lengths - Kc + 1 .. lengths - 1`` (oldest
+    first), the conv window of the token at position ``lengths`` (``lengths`` [B] int32 >= 0)."""
+    offsets = jnp.arange(1, kernel_size, dtype=jnp.int32)  # (n + t) % Kc == (n - Kc + t) % Kc
+    return (lengths[:, None].astype(jnp.int32) + offsets[None, :]) % kernel_size
+
+
+def conv_window(conv_state: Array, lengths: Array) -> Array:
+    """The conv window before each row's next token, oldest first.
+
+    Args:
+      conv_state: [B, Kc, C] ring (:class:`DecodeState`).
+      lengths: [B] int32 >= 0, the position of each row's next token.
+    Returns:
+      [B, Kc-1, C], conv_state's dtype: the pre-conv inputs of positions ``lengths - Kc + 1 ..
+      lengths - 1`` (zeros for positions before 0).
+    """
+    slots = conv_window_slots(lengths, conv_state.shape[1])
+    return jnp.take_along_axis(conv_state, slots[:, :, None], axis=1)
 
 
 def fork(state: DecodeState, n: int) -> DecodeState:

@@ -35,7 +35,7 @@ def test_state_layout_is_as_documented():
     state = jd.init_state(c, batch_size=3, max_len=40)
     assert len(state.conv_state) == len(state.recurrent_state) == 6
     assert len(state.kv_cache) == 2
-    assert state.conv_state[0].shape == (3, c.linear_conv_kernel_dim - 1, c.linear_conv_dim)
+    assert state.conv_state[0].shape == (3, c.linear_conv_kernel_dim, c.linear_conv_dim)
     assert state.recurrent_state[0].shape == (3, c.linear_num_value_heads, c.linear_key_head_dim,
                                               c.linear_value_head_dim)
     assert state.recurrent_state[0].dtype == jnp.float32

@@ -25,8 +25,8 @@ from test_decode_attention import MODES  # interpret / gpu (skipped without an s
 from test_gated_delta import numpy_recurrence
 
 f32, bf16 = jnp.float32, jnp.bfloat16
-ARG_NAMES = ("mixed_qkv", "a", "b", "active", "conv_state", "recurrent_state", "conv_weight",
-             "A_log", "dt_bias")
+ARG_NAMES = ("mixed_qkv", "a", "b", "active", "lengths", "conv_state", "recurrent_state",
+             "conv_weight", "A_log", "dt_bias")
 
 
 def random_core_inputs(seed, batch, hk, hv, dk, dv, kc, active, dtype=f32, param_dtype=None):
@@ -40,7 +40,10 @@ def random_core_inputs(seed, batch, hk, hv, dk, dv, kc, active, dtype=f32, param
         a=(2.0 * rng.standard_normal((batch, hv)), dtype),
         b=(2.0 * rng.standard_normal((batch, hv)), dtype),
         active=(np.asarray(active, bool), jnp.bool_),
-        conv_state=(rng.standard_normal((batch, kc - 1, channels)), dtype),
+        # positions from 0 (the window wraps to slots of positions before 0) to past several
+        # turns of the ring
+        lengths=(rng.integers(0, 4 * kc + 3, batch), jnp.int32),
+        conv_state=(rng.standard_normal((batch, kc, channels)), dtype),
         recurrent_state=(rng.standard_normal((batch, hv, dk, dv)), f32),
         conv_weight=(0.6 * rng.standard_normal((channels, kc)), param_dtype),
         A_log=(rng.uniform(-1.5, 1.5, hv), f32),  # float32 in the published checkpoints
@@ -50,18 +53,21 @@ def random_core_inputs(seed, batch, hk, hv, dk, dv, kc, active, dtype=f32, param
     return [jnp.asarray(x, d) for x, d in arrays.values()]
 
 
-def numpy_core(mixed_qkv, a, b, active, conv_state, recurrent_state, conv_weight, A_log, dt_bias,
-               *, num_key_heads):
+def numpy_core(mixed_qkv, a, b, active, lengths, conv_state, recurrent_state, conv_weight, A_log,
+               dt_bias, *, num_key_heads):
     """Float64 version of the whole core (spec §1.4): conv + silu, split, gating, L2 norms,
     masking of inactive rows, the GQA delta rule (value head h reads key head h // r) and the
-    new conv window. Inputs already rounded to their dtypes; no intermediate rounding."""
+    new conv ring. Inputs already rounded to their dtypes; no intermediate rounding."""
     mixed, a, b, conv_state, state, w, A_log, dt_bias = (
         np.asarray(x, np.float64) for x in (mixed_qkv, a, b, conv_state, recurrent_state,
                                             conv_weight, A_log, dt_bias))
-    active = np.asarray(active)
+    active, lengths = np.asarray(active), np.asarray(lengths)
     batch, hv, dk, dv = state.shape
-    hk, r = num_key_heads, hv // num_key_heads
-    hist = np.concatenate([conv_state, mixed[:, None]], axis=1)  # [B, Kc, C]
+    hk, r, kc = num_key_heads, hv // num_key_heads, conv_state.shape[1]
+    # the window: positions n-Kc+1 .. n-1, position p in ring slot p mod Kc
+    rows = np.arange(batch)[:, None]
+    slots = (lengths[:, None] - kc + 1 + np.arange(kc - 1)[None, :]) % kc  # [B, Kc-1]
+    hist = np.concatenate([conv_state[rows, slots], mixed[:, None]], axis=1)  # [B, Kc, C]
     conv = np.einsum("btc,ct->bc", hist, w)
     x = conv / (1.0 + np.exp(-conv))  # silu
     grouped = x.reshape(batch, hk, 2 * dk + r * dv)
@@ -77,8 +83,9 @@ def numpy_core(mixed_qkv, a, b, active, conv_state, recurrent_state, conv_weight
     q, k = np.repeat(q, r, axis=1), np.repeat(k, r, axis=1)
     o, new_state = numpy_recurrence(q[:, None], k[:, None], v[:, None], g[:, None],
                                     beta[:, None], state)
-    new_window = np.where(active[:, None, None], hist[:, 1:], hist[:, :-1])
-    return o[:, 0], new_window, new_state
+    new_ring = conv_state.copy()
+    new_ring[active, lengths[active] % kc] = mixed[active]  # this token at slot n mod Kc
+    return o[:, 0], new_ring, new_state
 
 
 def run_pallas(mode, args, hk, block_v=None):
@@ -95,10 +102,10 @@ def assert_close(got, want, rel, what):
 
 
 def assert_inactive_rows_untouched(args, o, new_conv, new_state):
-    """Rows that take no token: state and window bit-exact, o == 0."""
+    """Rows that take no token: state and ring bit-exact, o == 0."""
     active = np.asarray(args[3])
-    np.testing.assert_array_equal(np.asarray(new_state)[~active], np.asarray(args[5])[~active])
-    np.testing.assert_array_equal(np.asarray(new_conv)[~active], np.asarray(args[4])[~active])
+    np.testing.assert_array_equal(np.asarray(new_state)[~active], np.asarray(args[6])[~active])
+    np.testing.assert_array_equal(np.asarray(new_conv)[~active], np.asarray(args[5])[~active])
     assert (np.asarray(o)[~active] == 0).all()
 
 
@@ -119,7 +126,7 @@ def test_matches_float64_core(mode, case):
     args = random_core_inputs(sorted(CASES).index(case), batch, hk, hv, dk, dv, kc, active)
     o, new_conv, new_state = run_pallas(mode, args, hk, block_v)
     want_o, want_conv, want_state = numpy_core(*args, num_key_heads=hk)
-    assert o.dtype == f32 and new_state.dtype == f32 and new_conv.dtype == args[4].dtype
+    assert o.dtype == f32 and new_state.dtype == f32 and new_conv.dtype == args[5].dtype
     assert_close(o, want_o, 2e-5, "o")
     assert_close(new_state, want_state, 2e-5, "recurrent_state")
     np.testing.assert_array_equal(np.asarray(new_conv), want_conv)  # a copy: exact
@@ -156,9 +163,10 @@ def test_bfloat16_model_matches_reference(mode):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("block_v", [8, 16, 64])
 def test_every_conv_channel_written(mode, block_v):
-    """Each channel of the new window comes from exactly one program (v channels by their
+    """Each channel of the ring's new slot comes from exactly one program (v channels by their
     column block, q and k channels by the first program of their key head): with random old
-    windows, any channel a program missed would hold uninitialised memory."""
+    rings, any channel a program missed would keep its old value, and one written twice or
+    into another slot would break a slot some window reads."""
     args = random_core_inputs(block_v, 2, 2, 4, 64, 64, 4, [True, False], dtype=bf16)
     _, new_conv, _ = run_pallas(mode, args, 2, block_v)
     _, want_conv, _ = deltanet_decode_reference(*args, num_key_heads=2)
@@ -170,7 +178,8 @@ def test_every_conv_channel_written(mode, block_v):
 def test_models_decode_equals_its_one_token_prefill():
     """The model's decode branch (deltanet_decode's reference, and the callable delta-rule path
     through deltanet_decode_xla) against the model's prefill path for the same one token: its
-    own conv, window update (take_along_axis), masking and chunked delta rule (float32)."""
+    own conv, ring update (take_along_axis), masking and chunked delta rule (float32), at
+    positions on both sides of the ring's wrap."""
     config = jd.Config.from_preset("tiny")
     params = jd.init_params(config, jax.random.key(0))
     p = next(layer.linear_attn for layer in params.layers if layer.linear_attn is not None)
@@ -179,23 +188,25 @@ def test_models_decode_equals_its_one_token_prefill():
     channels = p.in_proj_qkv.shape[0]
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.standard_normal((batch, 1, c.hidden_size)), f32)
-    conv_state = jnp.asarray(rng.standard_normal((batch, kc - 1, channels)), f32)
+    conv_state = jnp.asarray(rng.standard_normal((batch, kc, channels)), f32)
+    start = jnp.asarray([2, 9, kc], jnp.int32)
     state = jnp.asarray(rng.standard_normal((batch, c.linear_num_value_heads,
                                              c.linear_key_head_dim, c.linear_value_head_dim)),
                         f32)
     n_new = jnp.asarray([1, 0, 1], jnp.int32)
     want = jax.jit(lambda *xs: model.gated_delta_net(p, *xs, c, decode=False))(
-        x, conv_state, state, n_new)
+        x, conv_state, state, start, n_new)
     for impl in ("reference", gated_delta_decode_reference):
         got = jax.jit(lambda *xs: model.gated_delta_net(p, *xs, c, decode=True,
                                                         deltanet_impl=impl))(
-            x, conv_state, state, n_new)
+            x, conv_state, state, start, n_new)
         for g, w, what in zip(got, want, ("out", "conv_state", "recurrent_state"), strict=True):
             assert g.dtype == w.dtype and g.shape == w.shape, what
             assert_close(g, w, 1e-5, f"{what} ({impl})")
-        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))  # the window
-        # the inactive row: window and state untouched, output 0
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))  # the ring
+        # the inactive row: ring and state untouched, output 0
         np.testing.assert_array_equal(np.asarray(got[2])[1], np.asarray(state)[1])
+        np.testing.assert_array_equal(np.asarray(got[1])[1], np.asarray(conv_state)[1])
         assert (np.asarray(got[0])[1] == 0).all()
     assert not np.array_equal(np.asarray(want[2]), np.asarray(state))  # the step did something
 
@@ -242,7 +253,11 @@ def test_bad_inputs_raise_before_any_work():
     with pytest.raises(ValueError, match=r"shapes.*mixed_qkv.*\(2, 1023\).*\(2, 1024\)"):
         deltanet_decode_pallas(*with_("mixed_qkv", args[0][:, 1:]), num_key_heads=2)
     with pytest.raises(ValueError, match=r"shapes.*conv_state"):
-        deltanet_decode_pallas(*with_("conv_state", args[4][:, 1:]), num_key_heads=2)
+        deltanet_decode_pallas(*with_("conv_state", args[5][:, 1:]), num_key_heads=2)
+    with pytest.raises(ValueError, match=r"shapes.*lengths"):
+        deltanet_decode_pallas(*with_("lengths", args[4][:1]), num_key_heads=2)
+    with pytest.raises(ValueError, match="dtypes.*lengths"):
+        deltanet_decode_reference(*with_("lengths", args[4].astype(f32)), num_key_heads=2)
     with pytest.raises(ValueError, match="shapes.*active"):
         deltanet_decode_reference(*with_("active", args[3][:1]), num_key_heads=2)
     with pytest.raises(ValueError, match="4 value heads are not a multiple of 3 key heads"):
@@ -250,11 +265,11 @@ def test_bad_inputs_raise_before_any_work():
     with pytest.raises(ValueError, match="dtypes.*mixed_qkv"):
         deltanet_decode_pallas(*with_("mixed_qkv", args[0].astype(bf16)), num_key_heads=2)
     with pytest.raises(ValueError, match="dtypes.*recurrent_state"):
-        deltanet_decode_pallas(*with_("recurrent_state", args[5].astype(bf16)), num_key_heads=2)
+        deltanet_decode_pallas(*with_("recurrent_state", args[6].astype(bf16)), num_key_heads=2)
     with pytest.raises(ValueError, match="dtypes.*active"):
         deltanet_decode_pallas(*with_("active", args[3].astype(jnp.int32)), num_key_heads=2)
     with pytest.raises(ValueError, match="dtypes.*A_log"):
-        deltanet_decode_pallas(*with_("A_log", args[7].astype(jnp.float16)), num_key_heads=2)
+        deltanet_decode_pallas(*with_("A_log", args[8].astype(jnp.float16)), num_key_heads=2)
     with pytest.raises(ValueError, match="block_v"):
         deltanet_decode_pallas(*args, num_key_heads=2, block_v=48)
     with pytest.raises(ValueError, match="not a multiple of 64"):
@@ -271,7 +286,8 @@ def test_reference_takes_any_head_dims_and_kc_1():
     args = random_core_inputs(2, 2, 2, 4, 16, 24, 1, [True, False])
     o, new_conv, new_state = deltanet_decode_reference(*args, num_key_heads=2)
     want = numpy_core(*args, num_key_heads=2)
-    assert new_conv.shape == (2, 0, args[0].shape[1])
+    assert new_conv.shape == (2, 1, args[0].shape[1])
+    np.testing.assert_array_equal(np.asarray(new_conv), want[1])
     assert_close(o, want[0], 2e-5, "o")
     assert_close(new_state, want[2], 2e-5, "recurrent_state")
 
@@ -279,8 +295,8 @@ def test_reference_takes_any_head_dims_and_kc_1():
 def test_empty_batch():
     args = random_core_inputs(0, 0, 1, 2, 64, 64, 4, np.zeros(0, bool))
     o, new_conv, new_state = deltanet_decode_pallas(*args, num_key_heads=1, interpret=True)
-    assert o.shape == (0, 2, 64) and new_conv.shape == args[4].shape
-    assert new_state.shape == args[5].shape
+    assert o.shape == (0, 2, 64) and new_conv.shape == args[5].shape
+    assert new_state.shape == args[6].shape
 
 
 def test_dispatcher_on_this_machine():

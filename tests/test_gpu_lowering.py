@@ -53,7 +53,7 @@ def deltanet_shapes(batch, key_heads, heads, dk, dv, kc, dtype):
     and dt_bias in the model dtype, A_log float32 (as the checkpoints)."""
     channels = key_heads * (2 * dk + heads // key_heads * dv)
     return (((batch, channels), dtype), ((batch, heads), dtype), ((batch, heads), dtype),
-            ((batch,), jnp.bool_), ((batch, kc - 1, channels), dtype),
+            ((batch,), jnp.bool_), ((batch,), jnp.int32), ((batch, kc, channels), dtype),
             ((batch, heads, dk, dv), f32), ((channels, kc), dtype), ((heads,), f32),
             ((heads,), dtype))
 
@@ -72,17 +72,18 @@ def test_deltanet_decode_lowers_and_updates_the_state_in_place(model, batch, dty
     key_heads, heads, dk, dv, kc = DELTANET_MODELS[model]
     text = lower_for_cuda(
         lambda *args: deltanet_decode_pallas(*args, num_key_heads=key_heads),
-        *deltanet_shapes(batch, key_heads, heads, dk, dv, kc, dtype), donate_argnums=5)
+        *deltanet_shapes(batch, key_heads, heads, dk, dv, kc, dtype), donate_argnums=(5, 6))
     call = re.search(r"custom_call @mosaic_gpu\w*\(([^)]*)\)", text)
     assert call, text[-3000:]
     operands = [x.strip() for x in call.group(1).split(",")]
     aliases = dict(re.findall(r"output_tuple_indices = \[(\d)\], operand_index = (\d+)", text))
-    # the kernel writes the state operand (the function's argument 5) in place ...
-    assert operands[int(aliases["2"])] == "%arg5", (operands, aliases)
-    # ... and the new conv window into a fresh buffer, not the old window (argument 4)
-    assert operands[int(aliases["1"])] != "%arg4", (operands, aliases)
-    # ... and the donated state argument is aliased to the function's state output
-    assert re.search(r"%arg5: tensor<[^>]*> \{[^}]*tf\.aliasing_output = 2", text), text[:3000]
+    # the kernel writes the state (the function's argument 6) and the conv ring (argument 5)
+    # in place ...
+    assert operands[int(aliases["2"])] == "%arg6", (operands, aliases)
+    assert operands[int(aliases["1"])] == "%arg5", (operands, aliases)
+    # ... and the donated arguments are aliased to the function's outputs
+    assert re.search(r"%arg6: tensor<[^>]*> \{[^}]*tf\.aliasing_output = 2", text), text[:3000]
+    assert re.search(r"%arg5: tensor<[^>]*> \{[^}]*tf\.aliasing_output = 1", text), text[:3000]
 
 
 @pytest.mark.parametrize("batch,key_heads,heads,dk,dv,block_v", [
@@ -91,7 +92,7 @@ def test_deltanet_decode_lowers_and_updates_the_state_in_place(model, batch, dty
 def test_deltanet_decode_lowers_at_other_shapes(batch, key_heads, heads, dk, dv, block_v):
     lower_for_cuda(
         lambda *args: deltanet_decode_pallas(*args, num_key_heads=key_heads, block_v=block_v),
-        *deltanet_shapes(batch, key_heads, heads, dk, dv, 4, f32), donate_argnums=5)
+        *deltanet_shapes(batch, key_heads, heads, dk, dv, 4, f32), donate_argnums=(5, 6))
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,dtype", [(16, 4, 256, bf16), (16, 2, 256, bf16),

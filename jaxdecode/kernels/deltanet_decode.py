@@ -3,7 +3,9 @@
 At decode time the core between the input projections and the gated RMSNorm of a Gated DeltaNet
 layer (HF ``Qwen3_5GatedDeltaNet``, spec §1.4) is, per row b, for this row's one new token:
 
-  conv window  hist = [conv_state[b] | mixed_qkv[b]]                   [Kc, C]  (model dtype)
+  conv window  hist = [window[b] | mixed_qkv[b]]                       [Kc, C]  (model dtype)
+               window[b] = the ring conv_state[b] [Kc, C] at the slots of positions
+               n-Kc+1 .. n-1, n = lengths[b] (``jaxdecode.state.conv_window``)
   conv         x = silu(sum_t f32(hist[t]) * f32(w[:, t]))  -> model dtype -> float32   [C]
   split        per key head i: [q_i (dk) | k_i (dk) | v of its r value heads (r * dv)]
   gating       beta = f32(sigmoid(b))  (in float32, rounded once to the model dtype)
@@ -11,12 +13,12 @@ layer (HF ``Qwen3_5GatedDeltaNet``, spec §1.4) is, per row b, for this row's on
   norms        q <- l2norm(q) * dk**-0.5;  k <- l2norm(k);   l2norm(x) = x * rsqrt(sum(x^2) + 1e-6)
   delta rule   value head h reads key head h // r (r = Hv // Hk):
                S <- exp(g) S;  delta = beta (v - S^T k);  S <- S + k delta^T;  o = S^T q
-  new window   hist[1:]
+  new ring     conv_state[b, n % Kc] = mixed_qkv[b] (the one slot the window does not read)
 
 (Yang, Kautz, Hatamizadeh, "Gated Delta Networks", ICLR 2025, eq. 10; HF ``Qwen3_5GatedDeltaNet``
 and ``torch_recurrent_gated_delta_rule``.) A row with ``active[b]`` False takes no token: its
 recurrent state and conv window are left bit-exact and its o is 0 (the model's masking: q = k =
-v = 0, g = beta = 0, window unchanged).
+v = 0, g = beta = 0, ring unchanged).
 
 XLA runs this as about six small kernels per layer (conv window, norms, gating, delta rule,
 readout); :func:`deltanet_decode_pallas` is one. Grid (B, Hv, dv // block_v): program (b, h, j)
@@ -24,11 +26,12 @@ holds columns ``[j*block_v, (j+1)*block_v)`` of S[b, h] as a [dk, block_v] float
 wgmma register layout (as ``gated_delta_decode``), and recomputes what it needs from the raw
 inputs: the conv and L2 norm of key head h // r's q and k (2*dk channels; every program of that
 key head repeats this, cheap next to the tile), the conv of its own block_v v channels, g and
-beta. The recurrent state output aliases the input (updated in place; an inactive row's tile is
-not written at all). The new conv window is a separate output, since programs read the old
-window while others write the new one; each channel is written by exactly one program: program
-(b, h, j) writes its block_v v channels, and program (b, h, 0) with h % r == 0 writes the 2*dk q
-and k channels of key head h // r.
+beta. The recurrent state and the conv ring are updated in place (outputs aliased to the inputs;
+an inactive row's are not written at all). Programs of one key head read its q and k window
+channels while one of them writes them, which is safe because the ring's write slot n % Kc is
+the one slot no window reads; each channel of that slot is written by exactly one program:
+program (b, h, j) its block_v v channels, program (b, h, 0) with h % r == 0 the 2*dk q and k
+channels of key head h // r.
 
 Tested against a float64 numpy version of the whole core in the Mosaic GPU interpreter on CPU;
 its CUDA lowering (state aliased in place) is checked on CPU in tests/test_gpu_lowering.py.
@@ -52,6 +55,7 @@ from jaxdecode.gated_delta import L2NORM_EPS, l2_normalize
 from jaxdecode.kernels import IMPLEMENTATIONS
 from jaxdecode.kernels.decode_attention import _gpu_compute_capability
 from jaxdecode.kernels.gated_delta_decode import TILE_ROWS, choose_block_v, gated_delta_decode
+from jaxdecode.state import conv_window
 
 f32 = jnp.float32
 MAX_COPY = 256  # one async (TMA) copy moves at most 256 elements along each dimension
@@ -65,8 +69,8 @@ MODEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 MAX_BATCH_AUTO = 8
 
 
-def _check(name, mixed_qkv, a, b, active, conv_state, recurrent_state, conv_weight, A_log,
-           dt_bias, num_key_heads):
+def _check(name, mixed_qkv, a, b, active, lengths, conv_state, recurrent_state, conv_weight,
+           A_log, dt_bias, num_key_heads):
     """Shapes and dtypes, with a ValueError naming what disagrees. Returns (hk, hv, dk, dv, kc)."""
     if recurrent_state.ndim != 4:
         raise ValueError(f"{name}: recurrent_state must be [B, Hv, dk, dv]; got "
@@ -85,10 +89,10 @@ def _check(name, mixed_qkv, a, b, active, conv_state, recurrent_state, conv_weig
                          f"conv1d[:, 0, :]); got shape {tuple(conv_weight.shape)}")
     kc = conv_weight.shape[1]
     channels = hk * (2 * dk + (hv // hk) * dv)
-    arrays = dict(mixed_qkv=mixed_qkv, a=a, b=b, active=active, conv_state=conv_state,
-                  conv_weight=conv_weight, A_log=A_log, dt_bias=dt_bias)
+    arrays = dict(mixed_qkv=mixed_qkv, a=a, b=b, active=active, lengths=lengths,
+                  conv_state=conv_state, conv_weight=conv_weight, A_log=A_log, dt_bias=dt_bias)
     want = dict(mixed_qkv=(batch, channels), a=(batch, hv), b=(batch, hv), active=(batch,),
-                conv_state=(batch, kc - 1, channels), conv_weight=(channels, kc),
+                lengths=(batch,), conv_state=(batch, kc, channels), conv_weight=(channels, kc),
                 A_log=(hv,), dt_bias=(hv,))
     wrong = {n: (tuple(arrays[n].shape), s) for n, s in want.items() if arrays[n].shape != s}
     if kc < 1:
@@ -109,12 +113,15 @@ def _check(name, mixed_qkv, a, b, active, conv_state, recurrent_state, conv_weig
             bad[n] = arrays[n].dtype
     if active.dtype != jnp.bool_:
         bad["active"] = active.dtype
+    if lengths.dtype != jnp.int32:
+        bad["lengths"] = lengths.dtype
     if recurrent_state.dtype != f32:
         bad["recurrent_state"] = recurrent_state.dtype
     if bad:
         raise ValueError(f"{name}: dtypes: mixed_qkv, a, b and conv_state share the model dtype "
                          "(float32 or bfloat16), conv_weight/A_log/dt_bias are float32 or "
-                         f"bfloat16, active is bool, recurrent_state float32; got {bad}")
+                         "bfloat16, active is bool, lengths int32, recurrent_state float32; got "
+                         f"{bad}")
     return hk, hv, dk, dv, kc
 
 
@@ -143,14 +150,14 @@ def _softplus(x):
 def _kernel(mixed_gmem,  # [B, C] model dtype
             a_gmem, b_gmem,  # [B, Hv] model dtype
             active_gmem,  # [B] int32
-            conv_gmem,  # [B, Kc-1, C] model dtype (the old window)
+            lengths_gmem,  # [B] int32: this token's position n
             w_gmem,  # [C, Kc]
             a_log_gmem, dt_bias_gmem,  # [Hv]
             o_gmem,  # [B, Hv, dv] float32 (out)
-            new_conv_gmem,  # [B, Kc-1, C] model dtype (out)
+            conv_gmem,  # [B, Kc, C] model dtype: the ring (in and out)
             state_gmem,  # [B, Hv, dk, dv] float32 (in and out)
             s_smem, o_smem,  # scratch: [dk, bv], [bv] float32
-            q_smem, k_smem, v_smem,  # scratch: [Kc-1, dk], [Kc-1, dk], [Kc-1, bv] model dtype
+            q_smem, k_smem, v_smem,  # scratch: [dk], [dk], [bv] model dtype
             *, block_v, r, dk, dv, kc, vrows):
     b, h, j = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("j")
     dtype = mixed_gmem.dtype
@@ -158,13 +165,15 @@ def _kernel(mixed_gmem,  # [B, C] model dtype
     rows, cols = tile.reduce(1), tile.reduce(0)  # [n_rows] and [block_v] vectors of the tile
     channels = mixed_gmem.shape[1]
     act = active_gmem[b] != 0
+    n = lengths_gmem[b]
     group = (h // r) * (2 * dk + r * dv)  # first channel of key head h // r
     c0 = group + 2 * dk + (h % r) * dv + j * block_v  # first of this program's v channels
 
     def window(chans, layout):
-        """The Kc inputs of these channels, oldest first: cached window, then this token."""
-        return ([plgpu.load(conv_gmem.at[b, t, chans], layout=layout, optimized=False)
-                 for t in range(kc - 1)]
+        """The Kc inputs of these channels, oldest first: the ring's slots of positions
+        n-Kc+1 .. n-1 (slot (n + t) % Kc, t = 1 .. Kc-1), then this token."""
+        return ([plgpu.load(conv_gmem.at[b, (n + t) % kc, chans], layout=layout, optimized=False)
+                 for t in range(1, kc)]
                 + [plgpu.load(mixed_gmem.at[b, chans], layout=layout, optimized=False)])
 
     def conv_silu(chans, layout):
@@ -222,34 +231,31 @@ def _kernel(mixed_gmem,  # [B, C] model dtype
     s_smem[...] = s
     o_smem[...] = jnp.where(jnp.broadcast_to(act, o.shape), o, jnp.zeros_like(o))
 
-    # The new window: row t is hist[t + 1] for an active row, the old hist[t] otherwise.
-    def new_window(xs, dst):
-        for t in range(kc - 1):
-            dst[t] = jnp.where(jnp.broadcast_to(act, xs[t].shape), xs[t + 1], xs[t])
-
-    new_window(v_window, v_smem)
-    new_window(q_window, q_smem)
-    new_window(k_window, k_smem)
+    # This token's inputs go to the ring's slot n % Kc, which no program's window reads.
+    v_smem[...] = v_window[-1]
+    q_smem[...] = q_window[-1]
+    k_smem[...] = k_window[-1]
 
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[b, h, cols_v])
-    plgpu.copy_smem_to_gmem(v_smem, new_conv_gmem.at[b, :, pl.ds(c0, block_v)])
+    slot = n % kc
 
-    @pl.when(act)  # an inactive row's state is not written: bit-exact by construction
+    @pl.when(act)  # an inactive row's state and ring are not written: bit-exact
     def _():
         plgpu.copy_smem_to_gmem(s_smem, state_gmem.at[b, h, :, cols_v])
+        plgpu.copy_smem_to_gmem(v_smem, conv_gmem.at[b, slot, pl.ds(c0, block_v)])
 
-    @pl.when((h % r == 0) & (j == 0))  # one program per key head writes its q, k channels
+    @pl.when(act & (h % r == 0) & (j == 0))  # one program per key head writes its q, k channels
     def _():  # (two copies: one async copy moves at most 256 elements along a dimension)
-        plgpu.copy_smem_to_gmem(q_smem, new_conv_gmem.at[b, :, pl.ds(group, dk)])
-        plgpu.copy_smem_to_gmem(k_smem, new_conv_gmem.at[b, :, pl.ds(group + dk, dk)])
+        plgpu.copy_smem_to_gmem(q_smem, conv_gmem.at[b, slot, pl.ds(group, dk)])
+        plgpu.copy_smem_to_gmem(k_smem, conv_gmem.at[b, slot, pl.ds(group + dk, dk)])
 
     plgpu.wait_smem_to_gmem(0)
 
 
-def deltanet_decode_pallas(mixed_qkv, a, b, active, conv_state, recurrent_state, conv_weight,
-                           A_log, dt_bias, *, num_key_heads: int, block_v: int | None = None,
-                           interpret: bool = False):
+def deltanet_decode_pallas(mixed_qkv, a, b, active, lengths, conv_state, recurrent_state,
+                           conv_weight, A_log, dt_bias, *, num_key_heads: int,
+                           block_v: int | None = None, interpret: bool = False):
     """The one-token Gated DeltaNet core in one kernel (math in the module docstring).
 
     Args:
@@ -257,9 +263,12 @@ def deltanet_decode_pallas(mixed_qkv, a, b, active, conv_state, recurrent_state,
         before the conv, channels grouped per key head ``[q_i | k_i | v of its r value heads]``
         (``jaxdecode.params.conv_channel_order``), C = Hk * (2*dk + r*dv), r = Hv // Hk.
       a, b: [B, Hv] model dtype: the ``in_proj_a`` and ``in_proj_b`` outputs.
-      active: [B] bool: the row takes this token (``n_new > 0``). False: its state and window
+      active: [B] bool: the row takes this token (``n_new > 0``). False: its state and ring
         are kept bit-exact and its o is 0.
-      conv_state: [B, Kc-1, C] model dtype: the last Kc-1 pre-conv inputs, oldest first.
+      lengths: [B] int32 >= 0: this token's position (tokens already in the row).
+      conv_state: [B, Kc, C] model dtype: the ring of pre-conv inputs, position p at slot
+        p % Kc (``jaxdecode.state.DecodeState``); donate it under jit and the update (one slot)
+        is in place.
       recurrent_state: [B, Hv, dk, dv] float32; donate it under jit and the update is in place.
       conv_weight: [C, Kc] float32 or bfloat16: the ``conv1d`` param [C, 1, Kc] as
         ``conv1d[:, 0, :]``; ``w[:, Kc-1]`` multiplies the current token.
@@ -270,7 +279,7 @@ def deltanet_decode_pallas(mixed_qkv, a, b, active, conv_state, recurrent_state,
       interpret: run in the Mosaic GPU interpreter (CPU) instead of compiling for the GPU.
 
     Returns:
-      (o [B, Hv, dv] float32, new_conv_state [B, Kc-1, C] (conv_state's dtype),
+      (o [B, Hv, dv] float32, new conv_state [B, Kc, C] (conv_state's dtype),
       new recurrent_state [B, Hv, dk, dv] float32).
 
     Raises:
@@ -279,8 +288,8 @@ def deltanet_decode_pallas(mixed_qkv, a, b, active, conv_state, recurrent_state,
         ``block_v``, or ``block_v`` not a multiple of 8 up to 256.
     """
     name = "deltanet_decode_pallas"
-    hk, hv, dk, dv, kc = _check(name, mixed_qkv, a, b, active, conv_state, recurrent_state,
-                                conv_weight, A_log, dt_bias, num_key_heads)
+    hk, hv, dk, dv, kc = _check(name, mixed_qkv, a, b, active, lengths, conv_state,
+                                recurrent_state, conv_weight, A_log, dt_bias, num_key_heads)
     batch = recurrent_state.shape[0]
     if block_v is None:
         block_v = choose_block_v(batch, hv, dv)
@@ -306,8 +315,8 @@ def deltanet_decode_pallas(mixed_qkv, a, b, active, conv_state, recurrent_state,
                           vrows=vrows),
         out_type=(),
         scratch_types=(plgpu.SMEM((dk, block_v), f32), plgpu.SMEM((block_v,), f32),
-                       plgpu.SMEM((kc - 1, dk), dtype), plgpu.SMEM((kc - 1, dk), dtype),
-                       plgpu.SMEM((kc - 1, block_v), dtype)),
+                       plgpu.SMEM((dk,), dtype), plgpu.SMEM((dk,), dtype),
+                       plgpu.SMEM((block_v,), dtype)),
         grid=(batch, hv, dv // block_v), grid_names=("b", "h", "j"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
@@ -315,47 +324,51 @@ def deltanet_decode_pallas(mixed_qkv, a, b, active, conv_state, recurrent_state,
     # model XLA can fuse the convert into the compare n_new > 0 that computes `active`).
     active = active.astype(jnp.int32)
 
-    # o, the new window and the state are mutable refs: the kernel's writes become outputs
-    # aliased to them. The state is updated in place; o and the window start uninitialised
-    # (lax.empty), since every element is written.
+    # o, the ring and the state are mutable refs: the kernel's writes become outputs aliased to
+    # them. The ring and the state are updated in place; o starts uninitialised (lax.empty),
+    # since every element is written.
     def run(refs):
         o_ref, conv_ref, state_ref = refs
-        kernel(mixed_qkv, a, b, active, conv_state, conv_weight, A_log, dt_bias, o_ref, conv_ref,
+        kernel(mixed_qkv, a, b, active, lengths, conv_weight, A_log, dt_bias, o_ref, conv_ref,
                state_ref)
 
-    return pl.run_state(run)((lax.empty((batch, hv, dv), f32), lax.empty(conv_state.shape, dtype),
-                              recurrent_state))
+    return pl.run_state(run)((lax.empty((batch, hv, dv), f32), conv_state, recurrent_state))
 
 
-def deltanet_decode_reference(mixed_qkv, a, b, active, conv_state, recurrent_state, conv_weight,
-                              A_log, dt_bias, *, num_key_heads: int):
+def deltanet_decode_reference(mixed_qkv, a, b, active, lengths, conv_state, recurrent_state,
+                              conv_weight, A_log, dt_bias, *, num_key_heads: int):
     """The XLA form: the decode branch of ``jaxdecode.model.gated_delta_net`` (conv, masking, L2
     norms, gating) then ``gated_delta_decode_reference``. Arguments and result as
     :func:`deltanet_decode_pallas`; any Kc >= 1 and head dims."""
-    return deltanet_decode_xla(mixed_qkv, a, b, active, conv_state, recurrent_state, conv_weight,
-                               A_log, dt_bias, num_key_heads=num_key_heads,
+    return deltanet_decode_xla(mixed_qkv, a, b, active, lengths, conv_state, recurrent_state,
+                               conv_weight, A_log, dt_bias, num_key_heads=num_key_heads,
                                delta_rule="reference")
 
 
-def deltanet_decode_xla(mixed_qkv, a, b, active, conv_state, recurrent_state, conv_weight, A_log,
-                        dt_bias, *, num_key_heads: int, delta_rule="reference"):
+def deltanet_decode_xla(mixed_qkv, a, b, active, lengths, conv_state, recurrent_state,
+                        conv_weight, A_log, dt_bias, *, num_key_heads: int,
+                        delta_rule="reference"):
     """Conv, masking, L2 norms and gating in XLA, then the delta rule: ``delta_rule`` is an
     ``implementation`` of ``gated_delta_decode`` ("reference": all XLA; "auto": its one-pass
     kernel from its batch) or a callable with that function's signature (such as
     ``jaxdecode.sharding.sharded_gated_delta_decode(mesh)``). Arguments (but ``delta_rule``),
     result and errors as :func:`deltanet_decode_reference`."""
-    hk, hv, dk, dv, kc = _check("deltanet_decode_reference", mixed_qkv, a, b, active,
+    hk, hv, dk, dv, kc = _check("deltanet_decode_reference", mixed_qkv, a, b, active, lengths,
                                 conv_state, recurrent_state, conv_weight, A_log, dt_bias,
                                 num_key_heads)
     batch = mixed_qkv.shape[0]
     # Causal depthwise conv over [cached Kc-1 inputs | this token]; cross-correlation, so
     # w[:, Kc-1] multiplies the current token (spec §1.4).
-    hist = jnp.concatenate([conv_state.astype(mixed_qkv.dtype), mixed_qkv[:, None]], axis=1)
+    window = conv_window(conv_state, lengths)  # [B, Kc-1, C]
+    hist = jnp.concatenate([window.astype(mixed_qkv.dtype), mixed_qkv[:, None]], axis=1)
     w = conv_weight.astype(f32)  # [C, Kc]
     conv = sum(hist[:, t].astype(f32) * w[:, t] for t in range(kc))  # [B, C]
     conv = jax.nn.silu(conv).astype(mixed_qkv.dtype)
-    new_conv_state = jnp.where(active[:, None, None], hist[:, 1:], hist[:, :kc - 1])
-    new_conv_state = new_conv_state.astype(conv_state.dtype)
+    # This token into the ring's slot lengths % Kc (active rows only): a select at equal
+    # indices, which XLA does in place in a donated buffer.
+    write = (jnp.arange(kc)[None, :] == (lengths % kc)[:, None]) & active[:, None]  # [B, Kc]
+    new_conv_state = jnp.where(write[:, :, None], mixed_qkv[:, None].astype(conv_state.dtype),
+                               conv_state)
 
     grouped = conv.reshape(batch, hk, 2 * dk + (hv // hk) * dv)
     q = grouped[..., :dk].astype(f32)
@@ -391,8 +404,8 @@ def check_supported(recurrent_state_shape, kernel_size) -> str | None:
     return None
 
 
-def deltanet_decode(mixed_qkv, a, b, active, conv_state, recurrent_state, conv_weight, A_log,
-                    dt_bias, *, num_key_heads: int, implementation: str = "auto"):
+def deltanet_decode(mixed_qkv, a, b, active, lengths, conv_state, recurrent_state, conv_weight,
+                    A_log, dt_bias, *, num_key_heads: int, implementation: str = "auto"):
     """One-token Gated DeltaNet core dispatcher (arguments as :func:`deltanet_decode_pallas`).
 
     ``implementation`` (a static Python string):
@@ -409,7 +422,7 @@ def deltanet_decode(mixed_qkv, a, b, active, conv_state, recurrent_state, conv_w
     the SPMD partitioner cannot split.
 
     Returns:
-      (o [B, Hv, dv] float32, new_conv_state [B, Kc-1, C], new recurrent_state
+      (o [B, Hv, dv] float32, new conv_state [B, Kc, C], new recurrent_state
       [B, Hv, dk, dv] float32); math in the module docstring (Yang et al., ICLR 2025, eq. 10).
 
     Raises:
@@ -418,7 +431,8 @@ def deltanet_decode(mixed_qkv, a, b, active, conv_state, recurrent_state, conv_w
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"deltanet_decode: {implementation=} must be one of {IMPLEMENTATIONS}")
-    args = (mixed_qkv, a, b, active, conv_state, recurrent_state, conv_weight, A_log, dt_bias)
+    args = (mixed_qkv, a, b, active, lengths, conv_state, recurrent_state, conv_weight, A_log,
+            dt_bias)
     if implementation == "reference":
         return deltanet_decode_reference(*args, num_key_heads=num_key_heads)
     cc = _gpu_compute_capability()
