@@ -21,10 +21,10 @@ Order of operations, as in Hugging Face ``generate`` (``LogitsProcessorList`` bu
      ``min_p`` times the most likely token's;
   6. one categorical draw per row (Gumbel-max, ``jax.random.categorical``).
 
-Top-k and top-p find their cut-off logit by a radix search on the float32 bit pattern (8 passes
-over the vocabulary, 16 candidate cut-offs per pass, exact; a bisection took 32) instead of
-sorting the vocabulary: on CPU a sort of 248,320 logits costs about 10x more. Tokens tied with
-the cut-off logit are all kept.
+Top-k and top-p find their cut-off logit by a radix search on the float32 bit pattern (exact; on
+GPUs 8 passes over the vocabulary with 15 candidate cut-offs each, elsewhere 32 passes of one, a
+bisection) instead of sorting the vocabulary: on CPU a sort of 248,320 logits costs about 10x
+more. Tokens tied with the cut-off logit are all kept.
 
 Skipping unused steps: a step no row uses costs nothing. :class:`SamplingFeatures` says which
 steps some row uses; it is read on the host from concrete values (:func:`features_of`) and is
@@ -239,13 +239,20 @@ def _sortable_key(x: Array) -> Array:
     return lax.bitcast_convert_type(bits, jnp.uint32) ^ jnp.uint32(0x80000000)
 
 
-RADIX_BITS = 4  # cut-off search: 2**RADIX_BITS candidates per pass over the vocabulary
+def _radix_bits() -> int:
+    """Bits of the cut-off found per pass over the vocabulary (a performance choice only: every
+    setting finds the same cut-off). GPU: 4 (8 passes of 15 candidates; the passes are memory
+    bound, so fewer passes win); elsewhere 1 (32 passes of one candidate: a bisection, the least
+    arithmetic). Read at trace time."""
+    return 4 if jax.default_backend() == "gpu" else 1
 
 
 def _largest_key_where(u: Array, weights: Array, target: Array) -> Array:
     """Per row, the largest uint32 t with ``sum(weights[u >= t]) >= target``: a most-significant-
-    digit-first radix search, 4 bits per pass, so 8 passes over the vocabulary (each pass sums
-    the weights above 16 candidate cut-offs at once, one reduction) where a bisection needs 32.
+    digit-first radix search. Each pass fixes the next ``bits`` bits of t (:func:`_radix_bits`)
+    by summing, in one reduction over the vocabulary, the weights above each candidate
+    ``prefix | d << shift`` for d = 1 .. 2**bits - 1 and keeping the largest d that reaches the
+    target (0 if none does: the prefix itself reaches it, or the row's total never does).
 
     Exact for non-negative weights (the sum then falls as t grows); t = 0 keeps every entry, so
     a row whose target the total does not reach gets t = 0.
@@ -257,11 +264,12 @@ def _largest_key_where(u: Array, weights: Array, target: Array) -> Array:
     Returns:
       [B] uint32.
     """
-    digits = jnp.arange(2 ** RADIX_BITS, dtype=jnp.uint32)  # [D]
+    bits = _radix_bits()
+    digits = jnp.arange(1, 2 ** bits, dtype=jnp.uint32)  # [D], ascending
     prefix = jnp.zeros(u.shape[:1], jnp.uint32)
     zero = jnp.zeros((), weights.dtype)
-    for shift in range(32 - RADIX_BITS, -1, -RADIX_BITS):  # unrolled: no device loop
-        cand = prefix[:, None] | (digits[None, :] << shift)  # [B, D], ascending
+    for shift in range(32 - bits, -1, -bits):  # unrolled: no device loop
+        cand = prefix[:, None] | (digits[None, :] << shift)  # [B, D]
         mass = jnp.sum(jnp.where(u[:, None, :] >= cand[:, :, None], weights[:, None, :], zero),
                        axis=-1)  # [B, D]
         digit = jnp.max(jnp.where(mass >= target[:, None], digits[None, :], 0), axis=-1)

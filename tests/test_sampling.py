@@ -67,8 +67,17 @@ def np_processed(x, counts, sp):
 
 # ----- masks ----------------------------------------------------------------------------------------
 
+@pytest.fixture(params=[1, 2, 4], ids=lambda b: f"{b}-bit")
+def radix_bits(request, monkeypatch):
+    """Every width of the cut-off search (1: what CPUs run; 4: what GPUs run). The width is read
+    at trace time, so each test traces afresh."""
+    monkeypatch.setattr(sampling, "_radix_bits", lambda: request.param)
+    jax.clear_caches()
+    return request.param
+
+
 @pytest.mark.parametrize("v", [7, 1000])
-def test_top_k_mask_matches_numpy(v):
+def test_top_k_mask_matches_numpy(v, radix_bits):
     x = _random_logits(6, v, seed=v)
     k = np.array([0, 1, 2, 5, v, v + 3], np.int32)
     got = np.asarray(jax.jit(sampling.top_k_mask)(x, k))
@@ -78,12 +87,31 @@ def test_top_k_mask_matches_numpy(v):
 
 
 @pytest.mark.parametrize("v", [7, 1000])
-def test_top_p_mask_matches_numpy(v):
+def test_top_p_mask_matches_numpy(v, radix_bits):
     x = _random_logits(6, v, seed=v + 1)
     p = np.array([1.0, 0.05, 0.3, 0.5, 0.9, 0.999], np.float32)
     got = np.asarray(jax.jit(sampling.top_p_mask)(x, p))
     np.testing.assert_array_equal(np.isfinite(got), np.isfinite(np_top_p(x, p)))
     assert np.isfinite(got).sum(-1).min() >= 1  # the most likely token always survives
+
+
+def test_cut_off_search_with_ties_and_minus_inf(radix_bits):
+    """Integer logits (many ties at the cut-off: all kept) with -inf entries, every k."""
+    rng = np.random.default_rng(radix_bits)
+    x = rng.integers(-3, 4, (4, 50)).astype(np.float32)
+    x[:, rng.integers(0, 50, 15)] = -np.inf
+    for k in range(1, 52, 5):
+        ks = np.full(4, k, np.int32)
+        np.testing.assert_array_equal(np.asarray(sampling.top_k_mask(x, ks)), np_top_k(x, ks))
+    # top-p keeps every token tied with the cut-off logit: the logit at which the mass of the
+    # sorted tokens first reaches p
+    p = np.array([0.1, 0.5, 0.9, 0.99], np.float32)
+    want = []
+    for row, pi in zip(x, p):
+        desc = np.sort(row)[::-1]
+        mass = np.cumsum(_softmax(desc.astype(np.float64)))
+        want.append(row >= desc[np.argmax(mass >= pi)])
+    np.testing.assert_array_equal(np.isfinite(np.asarray(sampling.top_p_mask(x, p))), want)
 
 
 def test_top_p_mask_with_minus_inf_entries():

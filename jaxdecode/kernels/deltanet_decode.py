@@ -17,7 +17,7 @@ layer (HF ``Qwen3_5GatedDeltaNet``, spec §1.4) is, per row b, for this row's on
 
 (Yang, Kautz, Hatamizadeh, "Gated Delta Networks", ICLR 2025, eq. 10; HF ``Qwen3_5GatedDeltaNet``
 and ``torch_recurrent_gated_delta_rule``.) A row with ``active[b]`` False takes no token: its
-recurrent state and conv window are left bit-exact and its o is 0 (the model's masking: q = k =
+recurrent state and conv ring are left bit-exact and its o is 0 (the model's masking: q = k =
 v = 0, g = beta = 0, ring unchanged).
 
 XLA runs this as about six small kernels per layer (conv window, norms, gating, delta rule,
@@ -34,7 +34,8 @@ program (b, h, j) its block_v v channels, program (b, h, 0) with h % r == 0 the 
 channels of key head h // r.
 
 Tested against a float64 numpy version of the whole core in the Mosaic GPU interpreter on CPU;
-its CUDA lowering (state aliased in place) is checked on CPU in tests/test_gpu_lowering.py.
+its CUDA lowering (state and ring aliased in place) is checked on CPU in
+tests/test_gpu_lowering.py.
 :func:`deltanet_decode_reference` is the model's decode math factored out, and
 :func:`deltanet_decode` the dispatcher.
 """
@@ -320,8 +321,8 @@ def deltanet_decode_pallas(mixed_qkv, a, b, active, lengths, conv_state, recurre
         grid=(batch, hv, dv // block_v), grid_names=("b", "h", "j"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    # A bool in global memory is a byte; int32 keeps the kernel's scalar read plain (in the
-    # model XLA can fuse the convert into the compare n_new > 0 that computes `active`).
+    # A bool in global memory is a byte; int32 keeps the kernel's scalar read plain (XLA fuses
+    # the convert into the op that computes `active`).
     active = active.astype(jnp.int32)
 
     # o, the ring and the state are mutable refs: the kernel's writes become outputs aliased to
