@@ -233,7 +233,9 @@ def _show(x) -> str:
 # ----- masks (each: logits [B, V] float32, per-row knob [B] -> masked logits [B, V]) -------------
 
 def _sortable_key(x: Array) -> Array:
-    """float32 -> uint32 with the same order (for non-NaN values): bisection works on integers."""
+    """float32 -> uint32 with the same order (for non-NaN values; -0.0 and +0.0 equal, ties):
+    the cut-off search works on integers."""
+    x = jnp.where(x == 0, jnp.zeros_like(x), x)  # -0.0 -> +0.0
     bits = lax.bitcast_convert_type(x, jnp.int32)
     bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: reverse their order
     return lax.bitcast_convert_type(bits, jnp.uint32) ^ jnp.uint32(0x80000000)
@@ -255,7 +257,9 @@ def _largest_key_where(u: Array, weights: Array, target: Array) -> Array:
     target (0 if none does: the prefix itself reaches it, or the row's total never does).
 
     Exact for non-negative weights (the sum then falls as t grows); t = 0 keeps every entry, so
-    a row whose target the total does not reach gets t = 0.
+    a row whose target the total does not reach gets t = 0. t is at most the row's largest key,
+    so the largest entry is always kept (also for a target <= 0, e.g. a subnormal ``top_p``
+    flushed to zero).
 
     Args:
       u: [B, V] uint32 (``_sortable_key`` of the logits).
@@ -274,7 +278,7 @@ def _largest_key_where(u: Array, weights: Array, target: Array) -> Array:
                        axis=-1)  # [B, D]
         digit = jnp.max(jnp.where(mass >= target[:, None], digits[None, :], 0), axis=-1)
         prefix = prefix | (digit << shift)
-    return prefix
+    return jnp.minimum(prefix, jnp.max(u, axis=-1))
 
 
 def top_k_mask(logits: Array, top_k: Array) -> Array:

@@ -114,7 +114,7 @@ def conv_window_slots(lengths: Array, kernel_size: int) -> Array:
     """[B, Kc-1] int32: the ring slots of positions ``lengths - Kc + 1 .. lengths - 1`` (oldest
     first), the conv window of the token at position ``lengths`` (``lengths`` [B] int32 >= 0)."""
     offsets = jnp.arange(1, kernel_size, dtype=jnp.int32)  # (n + t) % Kc == (n - Kc + t) % Kc
-    return (lengths[:, None].astype(jnp.int32) + offsets[None, :]) % kernel_size
+    return (lengths[:, None].astype(jnp.int32) % kernel_size + offsets[None, :]) % kernel_size
 
 
 def conv_window(conv_state: Array, lengths: Array) -> Array:

@@ -237,3 +237,15 @@ def test_rollout_example_scans_decode_steps():
     assert tokens.shape == (3, 5)
     assert ((np.asarray(tokens) >= 0) & (np.asarray(tokens) < 248_320)).all()
     np.testing.assert_array_equal(np.asarray(state.lengths), [13, 13, 13])
+
+
+@pytest.mark.parametrize("kernel_size", [2, 4, 7])
+def test_conv_window_slots_at_every_position(kernel_size):
+    """The window of the token at position n is positions n-Kc+1 .. n-1, at slots p mod Kc (also
+    for positions before 0, and without int32 overflow near 2**31)."""
+    from jaxdecode.state import conv_window_slots
+    lengths = [0, 1, kernel_size - 1, kernel_size, 37, 2**31 - 2, 2**31 - 1]
+    got = np.asarray(conv_window_slots(jnp.asarray(lengths, jnp.int32), kernel_size))
+    want = [[(n - kernel_size + 1 + t) % kernel_size for t in range(kernel_size - 1)]
+            for n in lengths]
+    np.testing.assert_array_equal(got, want)

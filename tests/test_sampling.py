@@ -114,6 +114,18 @@ def test_cut_off_search_with_ties_and_minus_inf(radix_bits):
     np.testing.assert_array_equal(np.isfinite(np.asarray(sampling.top_p_mask(x, p))), want)
 
 
+def test_cut_off_keeps_the_top_token_and_treats_signed_zeros_as_ties(radix_bits):
+    """A top_p that float32 flushes to zero (a subnormal) or an unvalidated 0 still keeps the most
+    likely token; -0.0 and +0.0 are tied logits (both kept or both dropped)."""
+    x = np.array([[-5.0, -4.0, -3.0, 9.0], [9.0, 1.0, -3.0, -4.0]], np.float32)
+    for p in (1e-40, 0.0, 1e-45):
+        got = np.asarray(sampling.top_p_mask(x, np.full(2, p, np.float32)))
+        np.testing.assert_array_equal(np.isfinite(got), [[0, 0, 0, 1], [1, 0, 0, 0]])
+    z = np.array([[0.0, -0.0, -1.0, -0.0]], np.float32)
+    got = np.asarray(sampling.top_k_mask(z, np.array([1], np.int32)))
+    np.testing.assert_array_equal(np.isfinite(got), [[1, 1, 0, 1]])
+
+
 def test_top_p_mask_with_minus_inf_entries():
     x = np.array([[2.0, -np.inf, 1.0, 0.0, -np.inf]], np.float32)
     got = np.asarray(sampling.top_p_mask(x, np.array([0.8], np.float32)))

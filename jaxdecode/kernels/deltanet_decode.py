@@ -173,7 +173,8 @@ def _kernel(mixed_gmem,  # [B, C] model dtype
     def window(chans, layout):
         """The Kc inputs of these channels, oldest first: the ring's slots of positions
         n-Kc+1 .. n-1 (slot (n + t) % Kc, t = 1 .. Kc-1), then this token."""
-        return ([plgpu.load(conv_gmem.at[b, (n + t) % kc, chans], layout=layout, optimized=False)
+        return ([plgpu.load(conv_gmem.at[b, (n % kc + t) % kc, chans], layout=layout,
+                            optimized=False)
                  for t in range(1, kc)]
                 + [plgpu.load(mixed_gmem.at[b, chans], layout=layout, optimized=False)])
 
