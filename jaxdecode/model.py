@@ -119,8 +119,8 @@ def token_mask(length: int, n_new: Array) -> Array:
 # ----- Gated DeltaNet -------------------------------------------------------------------------
 
 def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurrent_state: Array,
-                    start: Array, n_new: Array, config: Config, *, decode: bool,
-                    deltanet_impl="auto", valid: Array | None = None):
+                    start: Array, n_new: Array, valid: Array, config: Config, *, decode: bool,
+                    deltanet_impl="auto"):
     """Gated DeltaNet mixer (HF ``Qwen3_5GatedDeltaNet``, spec §1.4) over T new tokens per row.
 
     Args:
@@ -130,8 +130,8 @@ def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurre
         recurrent_state: [B, Hv, dk, dv] float32.
       start: [B] int32 tokens already in the row (the position of the first new token).
       n_new: [B] int32.
+      valid: [B, T] bool, ``token_mask(T, n_new)`` (``_forward`` builds it once for all layers).
       decode: T == 1 and the one-token recurrence is used instead of the chunked form.
-      valid: [B, T] bool, ``token_mask(T, n_new)`` (computed from ``n_new`` when None).
       deltanet_impl: the one-token core (decode only). A string is an ``implementation`` of
         ``jaxdecode.kernels.deltanet_decode.deltanet_decode`` (conv window, norms, gating and
         delta rule; "auto": one Pallas kernel on Hopper below batch 8, XLA's form with the
@@ -147,8 +147,6 @@ def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurre
     hk, hv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
                       c.linear_value_head_dim)
     kc = c.linear_conv_kernel_dim
-    if valid is None:
-        valid = token_mask(length, n_new)  # [B, T]
 
     mixed = linear(x, p.in_proj_qkv)  # [B, T, C]  pre-conv q, k, v (grouped per key head)
     z = linear(x, p.in_proj_z).reshape(batch, length, hv, dv)
@@ -221,8 +219,7 @@ def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurre
 # ----- gated full attention -------------------------------------------------------------------
 
 def gated_attention(p: AttentionParams, x: Array, cache: KVCache, start: Array, n_new: Array,
-                    config: Config, *, decode: bool, attention_impl: str,
-                    valid: Array | None = None):
+                    valid: Array, config: Config, *, decode: bool, attention_impl: str):
     """Gated GQA attention (HF ``Qwen3_5Attention``, spec §1.6) writing the new keys/values.
 
     Args:
@@ -230,8 +227,8 @@ def gated_attention(p: AttentionParams, x: Array, cache: KVCache, start: Array, 
       cache: the layer's KV cache ([B, Hkv, S, D] each).
       start: [B] int32 tokens already in the cache (= position of the first new token).
       n_new: [B] int32.
+      valid: [B, T] bool, ``token_mask(T, n_new)`` (``_forward`` builds it once for all layers).
       decode: T == 1; attention goes through ``decode_attention`` (the kernel seam).
-      valid: [B, T] bool, ``token_mask(T, n_new)`` (computed from ``n_new`` when None).
 
     Returns:
       (out [B, T, Hd], new cache).
@@ -241,8 +238,6 @@ def gated_attention(p: AttentionParams, x: Array, cache: KVCache, start: Array, 
     hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     max_len = cache.k.shape[2]
     positions = start[:, None] + jnp.arange(length)[None, :]  # [B, T]
-    if valid is None:
-        valid = token_mask(length, n_new)
 
     # q_proj holds query and output gate interleaved per head: [Hq, 2D] (spec §7 item 2).
     qg = linear(x, p.q_proj).reshape(batch, length, hq, 2 * d)
@@ -331,10 +326,11 @@ def _attend(q, k_cache, v_cache, positions, end):
 # ----- the whole model ------------------------------------------------------------------------
 
 def _forward(params: Params, state: DecodeState, tokens: Array, n_new: Array | None, *,
-             decode: bool, return_all_logits: bool, attention_impl: str = "auto",
-             deltanet_impl="auto", active: Array | None = None):
+             return_all_logits: bool, attention_impl: str = "auto", deltanet_impl="auto",
+             active: Array | None = None):
     """The shared body of prefill and decode: ``n_new`` [B] int32 new tokens per row (prefill),
     or, for decode (T == 1), ``active`` [B] bool with ``n_new`` None."""
+    decode = active is not None
     c = params.config
     batch, length = tokens.shape
     start = state.lengths
@@ -343,7 +339,7 @@ def _forward(params: Params, state: DecodeState, tokens: Array, n_new: Array | N
     # vocabulary; negative ids too, which jnp.take would wrap) is left untouched (no state change,
     # lengths not advanced) and gets NaN logits, never a silently dropped, clamped or wrapped op.
     in_vocab = (tokens >= 0) & (tokens < c.vocab_size)
-    if active is not None:
+    if decode:
         # Decode: the masks stay boolean, from ``active``. Written as n_new = int(active) with
         # masks n_new > 0, XLA GPU (jax 0.11.2) fails to compile a loop of one-row steps
         # ("Expected instruction to have shape equal to pred[], actual shape is pred[1]" at
@@ -371,14 +367,14 @@ def _forward(params: Params, state: DecodeState, tokens: Array, n_new: Array | N
         if kind == FULL_ATTENTION:
             with jax.named_scope(f"layer{i}_attention"):
                 h, kv_cache[full] = gated_attention(layer.self_attn, h, kv_cache[full], start,
-                                                    n_new, c, decode=decode,
-                                                    attention_impl=attention_impl, valid=valid)
+                                                    n_new, valid, c, decode=decode,
+                                                    attention_impl=attention_impl)
             full += 1
         else:
             with jax.named_scope(f"layer{i}_deltanet"):
                 h, conv_state[lin], recurrent_state[lin] = gated_delta_net(
-                    layer.linear_attn, h, conv_state[lin], recurrent_state[lin], start, n_new, c,
-                    decode=decode, deltanet_impl=deltanet_impl, valid=valid)
+                    layer.linear_attn, h, conv_state[lin], recurrent_state[lin], start, n_new,
+                    valid, c, decode=decode, deltanet_impl=deltanet_impl)
             lin += 1
         x = x + h
         with jax.named_scope(f"layer{i}_mlp"):
@@ -403,7 +399,7 @@ def _forward(params: Params, state: DecodeState, tokens: Array, n_new: Array | N
 def prefill_fn(params: Params, state: DecodeState, tokens: Array, lengths: Array,
                return_all_logits: bool = False):
     """Pure, un-jitted, un-validated prefill (see :func:`prefill`); for use inside your own jit."""
-    return _forward(params, state, tokens, lengths.astype(jnp.int32), decode=False,
+    return _forward(params, state, tokens, lengths.astype(jnp.int32),
                     return_all_logits=return_all_logits)
 
 
@@ -411,7 +407,7 @@ def decode_step_fn(params: Params, state: DecodeState, tokens: Array, active: Ar
                    attention_impl: str = "auto", deltanet_impl: str = "auto"):
     """Pure, un-jitted, un-validated decode step (see :func:`decode_step`)."""
     active = jnp.ones(tokens.shape, bool) if active is None else active.astype(bool)
-    logits, state = _forward(params, state, tokens[:, None], None, decode=True,
+    logits, state = _forward(params, state, tokens[:, None], None,
                              return_all_logits=False, attention_impl=attention_impl,
                              deltanet_impl=deltanet_impl, active=active)
     return logits, state

@@ -110,11 +110,18 @@ def init_state(config: Config, batch_size: int, max_len: int, dtype="float32") -
                        lengths=jnp.zeros((batch_size,), jnp.int32))
 
 
+def conv_slot(position, offset, kernel_size: int):
+    """The ring slot of position ``position + offset`` (mod Kc; ``position`` >= 0 int32, any
+    shape, ``offset`` an int or array broadcasting with it, >= -Kc). Written so that no sum
+    overflows int32 near 2**31; plain integer ops, so a Pallas kernel uses it on scalars."""
+    return (position % kernel_size + offset % kernel_size) % kernel_size
+
+
 def conv_window_slots(lengths: Array, kernel_size: int) -> Array:
     """[B, Kc-1] int32: the ring slots of positions ``lengths - Kc + 1 .. lengths - 1`` (oldest
     first), the conv window of the token at position ``lengths`` (``lengths`` [B] int32 >= 0)."""
-    offsets = jnp.arange(1, kernel_size, dtype=jnp.int32)  # (n + t) % Kc == (n - Kc + t) % Kc
-    return (lengths[:, None].astype(jnp.int32) % kernel_size + offsets[None, :]) % kernel_size
+    offsets = jnp.arange(1 - kernel_size, 0, dtype=jnp.int32)
+    return conv_slot(lengths[:, None].astype(jnp.int32), offsets[None, :], kernel_size)
 
 
 def conv_window(conv_state: Array, lengths: Array) -> Array:

@@ -194,12 +194,13 @@ def test_models_decode_equals_its_one_token_prefill():
                                              c.linear_key_head_dim, c.linear_value_head_dim)),
                         f32)
     n_new = jnp.asarray([1, 0, 1], jnp.int32)
+    valid = model.token_mask(1, n_new)
     want = jax.jit(lambda *xs: model.gated_delta_net(p, *xs, c, decode=False))(
-        x, conv_state, state, start, n_new)
+        x, conv_state, state, start, n_new, valid)
     for impl in ("reference", gated_delta_decode_reference):
         got = jax.jit(lambda *xs: model.gated_delta_net(p, *xs, c, decode=True,
                                                         deltanet_impl=impl))(
-            x, conv_state, state, start, n_new)
+            x, conv_state, state, start, n_new, valid)
         for g, w, what in zip(got, want, ("out", "conv_state", "recurrent_state"), strict=True):
             assert g.dtype == w.dtype and g.shape == w.shape, what
             assert_close(g, w, 1e-5, f"{what} ({impl})")

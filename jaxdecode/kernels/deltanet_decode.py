@@ -56,7 +56,7 @@ from jaxdecode.gated_delta import L2NORM_EPS, l2_normalize
 from jaxdecode.kernels import IMPLEMENTATIONS
 from jaxdecode.kernels.decode_attention import _gpu_compute_capability
 from jaxdecode.kernels.gated_delta_decode import TILE_ROWS, choose_block_v, gated_delta_decode
-from jaxdecode.state import conv_window
+from jaxdecode.state import conv_slot, conv_window
 
 f32 = jnp.float32
 MAX_COPY = 256  # one async (TMA) copy moves at most 256 elements along each dimension
@@ -172,10 +172,10 @@ def _kernel(mixed_gmem,  # [B, C] model dtype
 
     def window(chans, layout):
         """The Kc inputs of these channels, oldest first: the ring's slots of positions
-        n-Kc+1 .. n-1 (slot (n + t) % Kc, t = 1 .. Kc-1), then this token."""
-        return ([plgpu.load(conv_gmem.at[b, (n % kc + t) % kc, chans], layout=layout,
+        n-Kc+1 .. n-1, then this token."""
+        return ([plgpu.load(conv_gmem.at[b, conv_slot(n, t, kc), chans], layout=layout,
                             optimized=False)
-                 for t in range(1, kc)]
+                 for t in range(1 - kc, 0)]
                 + [plgpu.load(mixed_gmem.at[b, chans], layout=layout, optimized=False)])
 
     def conv_silu(chans, layout):
@@ -240,7 +240,7 @@ def _kernel(mixed_gmem,  # [B, C] model dtype
 
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[b, h, cols_v])
-    slot = n % kc
+    slot = conv_slot(n, 0, kc)
 
     @pl.when(act)  # an inactive row's state and ring are not written: bit-exact
     def _():
@@ -368,7 +368,7 @@ def deltanet_decode_xla(mixed_qkv, a, b, active, lengths, conv_state, recurrent_
     conv = jax.nn.silu(conv).astype(mixed_qkv.dtype)
     # This token into the ring's slot lengths % Kc (active rows only): a select at equal
     # indices, which XLA does in place in a donated buffer.
-    write = (jnp.arange(kc)[None, :] == (lengths % kc)[:, None]) & active[:, None]  # [B, Kc]
+    write = (jnp.arange(kc)[None, :] == conv_slot(lengths, 0, kc)[:, None]) & active[:, None]
     new_conv_state = jnp.where(write[:, :, None], mixed_qkv[:, None].astype(conv_state.dtype),
                                conv_state)
 
