@@ -251,6 +251,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--grid", choices=sorted(GRIDS), default="targets",
                     help="cells to time (default: targets; full needs several device calls)")
+    ap.add_argument("--cells", default="",
+                    help="comma-separated model:batch:context cells (e.g. 9b:1:1024,9b:64:8192) "
+                         "timed instead of --grid")
     ap.add_argument("--hf", action="store_true")
     ap.add_argument("--no-prefill", action="store_true")
     ap.add_argument("--no-anatomy", action="store_true",
@@ -280,6 +283,14 @@ def main():
         generate_cells.setdefault(f"qwen3.5-{name}" if name != "tiny" else name,
                                   []).append(int(batch))
     grid = dict(GRIDS[args.grid])
+    if args.cells:
+        grid = {}
+        for cell in args.cells.split(","):
+            parts = cell.split(":")
+            if len(parts) != 3 or not (parts[1].isdigit() and parts[2].isdigit()):
+                ap.error(f"--cells: {cell!r} is not model:batch:context (e.g. 9b:1:1024)")
+            grid.setdefault(f"qwen3.5-{parts[0]}" if parts[0] != "tiny" else "tiny",
+                            []).append((int(parts[1]), int(parts[2])))
     for name in generate_cells:
         grid.setdefault(name, [])
     for name, cells in grid.items():
