@@ -119,3 +119,13 @@ def test_a_kernel_mosaic_gpu_cannot_lower_fails_here():
                           grid_names=("g",))
     with pytest.raises(Exception):
         lower_for_cuda(kernel, ((128, 128), f32))
+
+
+@pytest.mark.parametrize("hidden", [1024, 2048, 2560, 4096, 5120])  # the published widths
+@pytest.mark.parametrize("batch,add", [(1, True), (1, False), (7, True)])
+def test_add_rms_norm_lowers(hidden, batch, add):
+    from jaxdecode.kernels.rms_norm import add_rms_norm_pallas
+    text = lower_for_cuda(
+        lambda x, d, w: add_rms_norm_pallas(x, d if add else None, w, eps=1e-6),
+        ((batch, hidden), bf16), ((batch, hidden), bf16), ((hidden,), bf16))
+    assert re.search(r"custom_call @mosaic_gpu", text), text[-3000:]
