@@ -129,3 +129,5 @@ def test_add_rms_norm_lowers(hidden, batch, add):
         lambda x, d, w: add_rms_norm_pallas(x, d if add else None, w, eps=1e-6),
         ((batch, hidden), bf16), ((batch, hidden), bf16), ((hidden,), bf16))
     assert re.search(r"custom_call @mosaic_gpu", text), text[-3000:]
+    # launched with programmatic dependent launch (jaxdecode.kernels.wait_for_inputs)
+    assert "mosaic_gpu.uses_pdl" in text

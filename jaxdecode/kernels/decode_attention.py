@@ -70,7 +70,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from jaxdecode.kernels import IMPLEMENTATIONS
+from jaxdecode.kernels import IMPLEMENTATIONS, wait_for_inputs
 
 LOG2E = math.log2(math.e)
 # A KV cache whose max_len is a multiple of this is read in whole blocks; any other max_len makes
@@ -234,6 +234,7 @@ def _kernel_16bit(lengths_gmem,  # [B] int32
                   lse_smem,      # [64] f32
                   q_barrier, k_barriers, v_barriers,
                   *, max_len, block_kv, num_stages, num_splits, rows, scale, interpret):
+    wait_for_inputs(interpret)
     (k_smem, v_smem), o_smem = kvo_smem
     head_dim = q_smem.shape[-1]
     b, h, s = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
@@ -315,6 +316,7 @@ def _kernel_f32(lengths_gmem,  # [B] int32
                 lse_smem,      # [64] f32
                 q_barrier,
                 *, max_len, block_kv, num_splits, rows, scale, interpret):
+    wait_for_inputs(interpret)
     (q32_smem,), (k_hi, k_lo, v_hi, v_lo), (o_smem,) = union_smem
     head_dim = q_hi.shape[-1]
     chunk = min(64, head_dim)  # columns converted at a time (bounds register use)

@@ -53,7 +53,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxdecode.gated_delta import L2NORM_EPS, l2_normalize
-from jaxdecode.kernels import IMPLEMENTATIONS
+from jaxdecode.kernels import IMPLEMENTATIONS, wait_for_inputs
 from jaxdecode.kernels.decode_attention import _gpu_compute_capability
 from jaxdecode.kernels.gated_delta_decode import TILE_ROWS, choose_block_v, gated_delta_decode
 from jaxdecode.state import conv_slot, conv_window
@@ -159,7 +159,8 @@ def _kernel(mixed_gmem,  # [B, C] model dtype
             state_gmem,  # [B, Hv, dk, dv] float32 (in and out)
             s_smem, o_smem,  # scratch: [dk, bv], [bv] float32
             q_smem, k_smem, v_smem,  # scratch: [dk], [dk], [bv] model dtype
-            *, block_v, r, dk, dv, kc, vrows):
+            *, block_v, r, dk, dv, kc, vrows, interpret):
+    wait_for_inputs(interpret)
     b, h, j = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("j")
     dtype = mixed_gmem.dtype
     tile = plgpu.Layout.WGMMA
@@ -314,7 +315,7 @@ def deltanet_decode_pallas(mixed_qkv, a, b, active, lengths, conv_state, recurre
     dtype = mixed_qkv.dtype
     kernel = plgpu.kernel(
         functools.partial(_kernel, block_v=block_v, r=hv // hk, dk=dk, dv=dv, kc=kc,
-                          vrows=vrows),
+                          vrows=vrows, interpret=interpret),
         out_type=(),
         scratch_types=(plgpu.SMEM((dk, block_v), f32), plgpu.SMEM((block_v,), f32),
                        plgpu.SMEM((dk,), dtype), plgpu.SMEM((dk,), dtype),

@@ -38,7 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxdecode.gated_delta import gated_delta_rule_step
-from jaxdecode.kernels import IMPLEMENTATIONS
+from jaxdecode.kernels import IMPLEMENTATIONS, wait_for_inputs
 from jaxdecode.kernels.decode_attention import _gpu_compute_capability
 
 TILE_ROWS = 64  # the wgmma register layout covers rows in multiples of 64
@@ -82,7 +82,8 @@ def check_supported(q_shape, state_shape) -> str | None:
 
 
 def _kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, o_gmem, state_gmem, s_smem, o_smem, *,
-            block_v, r):
+            block_v, r, interpret):
+    wait_for_inputs(interpret)
     b, h, j = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("j")
     cols = pl.ds(j * block_v, block_v)
     layout = plgpu.Layout.WGMMA
@@ -141,7 +142,7 @@ def gated_delta_decode_pallas(q, k, v, g, beta, state, *, block_v: int | None = 
     if batch * heads == 0:
         return jnp.zeros((batch, heads, dv), jnp.float32), state
     kernel = plgpu.kernel(
-        functools.partial(_kernel, block_v=block_v, r=heads // key_heads),
+        functools.partial(_kernel, block_v=block_v, r=heads // key_heads, interpret=interpret),
         out_type=(),
         scratch_types=(plgpu.SMEM((dk, block_v), jnp.float32),
                        plgpu.SMEM((block_v,), jnp.float32)),

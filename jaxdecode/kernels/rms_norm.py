@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxdecode.kernels import IMPLEMENTATIONS
+from jaxdecode.kernels import IMPLEMENTATIONS, wait_for_inputs
 from jaxdecode.kernels.decode_attention import _gpu_compute_capability
 
 f32 = jnp.float32
@@ -85,11 +85,12 @@ def check_supported(hidden_size: int) -> str | None:
     return None
 
 
-def _kernel(*refs, eps, hidden, add):
+def _kernel(*refs, eps, hidden, add, interpret):
     if add:
         x_gmem, delta_gmem, w_gmem, x_out_gmem, y_gmem, x_smem, y_smem = refs
     else:
         (x_gmem, w_gmem, x_out_gmem, y_gmem, x_smem, y_smem), delta_gmem = refs, None
+    wait_for_inputs(interpret)
     b = lax.axis_index("b")
     dtype = x_gmem.dtype
     tile = plgpu.Layout.WGMMA
@@ -141,7 +142,8 @@ def add_rms_norm_pallas(x, delta, w, *, eps: float, interpret: bool = False):
         return (x if delta is None else x + delta), x
     shape = (batch, TILE_ROWS, hidden // TILE_ROWS)  # a free reshape of the rows
     kernel = plgpu.kernel(
-        functools.partial(_kernel, eps=float(eps), hidden=hidden, add=delta is not None),
+        functools.partial(_kernel, eps=float(eps), hidden=hidden, add=delta is not None,
+                          interpret=interpret),
         out_type=(jax.ShapeDtypeStruct(shape, x.dtype), jax.ShapeDtypeStruct(shape, x.dtype)),
         scratch_types=(plgpu.SMEM(shape[1:], x.dtype), plgpu.SMEM(shape[1:], x.dtype)),
         grid=(batch,), grid_names=("b",),
