@@ -117,13 +117,12 @@ def randomize_state(state, context):
 
 
 def time_decode(params, state, batch, steps=50, repeats=3, attention_impl="auto",
-                deltanet_impl="auto", compiler_options=None, norm_impl="auto"):
+                deltanet_impl="auto", compiler_options=None):
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 1000, batch), jnp.int32)
     t0 = time.perf_counter()
     compiled = model.decode_step_jit.lower(params, state, tokens, None,
                                            attention_impl=attention_impl,
-                                           deltanet_impl=deltanet_impl,
-                                           norm_impl=norm_impl).compile(
+                                           deltanet_impl=deltanet_impl).compile(
                                                compiler_options=compiler_options)
     compile_s = time.perf_counter() - t0
     for _ in range(5):

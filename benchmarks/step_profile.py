@@ -109,14 +109,9 @@ def main():
                          "(auto: on Hopper the one-kernel DeltaNet core below batch 8 and the "
                          "one-pass delta-rule kernel from 8; pallas: the one-kernel core; "
                          "reference: XLA)")
-    ap.add_argument("--norm", default="auto",
-                    help="comma-separated norm_impl values, each timed in the same process "
-                         "(auto: on Hopper one Pallas kernel per residual add and RMSNorm "
-                         "below batch 8; pallas: that kernel; reference: XLA)")
     ap.add_argument("--dump-hlo", default=None, help="write each cell's optimised HLO here")
     args = ap.parse_args()
-    for flag, values in (("--attention", args.attention), ("--deltanet", args.deltanet),
-                         ("--norm", args.norm)):
+    for flag, values in (("--attention", args.attention), ("--deltanet", args.deltanet)):
         unknown = [v for v in values.split(",") if v not in IMPLEMENTATIONS]
         if unknown:
             ap.error(f"{flag}: unknown {unknown}; choose from {IMPLEMENTATIONS}")
@@ -145,22 +140,20 @@ def main():
                                                   jax.random.key(0), "bfloat16")
         params = params_cache[preset]
         config = params.config
-        variants = [(impl, opts, form, norm) for impl in args.attention.split(",")
+        variants = [(impl, opts, form) for impl in args.attention.split(",")
                     for opts in args.options.split(";")
-                    for form in args.deltanet.split(",")
-                    for norm in args.norm.split(",")]
-        for impl, opts, form, norm in variants:
+                    for form in args.deltanet.split(",")]
+        for impl, opts, form in variants:
             options = parse_options(opts)
             state = randomize_state(jd.init_state(config, batch, context + 256,
                                                    dtype="bfloat16"), context)
             dt, compile_s, compiled = time_decode(params, state, batch, attention_impl=impl,
-                                                  deltanet_impl=form, norm_impl=norm,
+                                                  deltanet_impl=form,
                                                   compiler_options=options or None)
             hlo = compiled.as_text()
             if args.dump_hlo:
                 os.makedirs(args.dump_hlo, exist_ok=True)
-                variant = re.sub(r"[^\w.=-]+", "_", (f"{opts}_{form}" if opts else form)
-                                 + (f"_norm-{norm}" if norm != "auto" else ""))
+                variant = re.sub(r"[^\w.=-]+", "_", f"{opts}_{form}" if opts else form)
                 path = os.path.join(args.dump_hlo, f"{name}_b{batch}_{impl}_{variant}.hlo.txt")
                 with open(path, "w") as f:
                     f.write(hlo)
@@ -200,8 +193,7 @@ def main():
             copies = re.findall(r"= (\S+) copy\(", entry[:entry.index("\n}\n")])
             n_cmd = len(copies)
             tag = (f"{name} b{batch} ctx{context} attention={impl}" + (f" {opts}" if opts else "")
-                   + (f" deltanet={form}" if form != "auto" else "")
-                   + (f" norm={norm}" if norm != "auto" else ""))
+                   + (f" deltanet={form}" if form != "auto" else ""))
             print(f"\n## {tag}\nwall {dt * 1e3:.3f} ms/step; kernels {len(kernels)}, kernel sum "
                   f"{total:.3f} ms; between kernels {dt * 1e3 - total:.3f} ms; compile "
                   f"{compile_s:.1f} s; copies in the step: {collections.Counter(copies)}")

@@ -30,7 +30,6 @@ from jaxdecode.gated_delta import chunk_gated_delta_rule, l2_normalize
 from jaxdecode.kernels import IMPLEMENTATIONS
 from jaxdecode.kernels.decode_attention import decode_attention
 from jaxdecode.kernels.deltanet_decode import deltanet_decode, deltanet_decode_xla
-from jaxdecode.kernels.rms_norm import add_rms_norm, rms_norm  # noqa: F401 (rms_norm: q/k norms)
 from jaxdecode.params import AttentionParams, GatedDeltaNetParams, MLPParams, Params
 from jaxdecode.state import DecodeState, KVCache, conv_window
 
@@ -55,6 +54,14 @@ CHUNK_SIZE = 64
 def linear(x: Array, w: Array) -> Array:
     """``x @ w.T`` with ``w`` in PyTorch layout ``[out, in]`` (no bias anywhere in Qwen3.5)."""
     return jnp.einsum("...i,oi->...o", x, w)
+
+
+def rms_norm(x: Array, w: Array, eps: float) -> Array:
+    """Zero-centred RMSNorm (``Qwen3_5RMSNorm``, spec §1.2): gain is ``1 + w``, applied in float32
+    before the cast back to x's dtype. Used for input/post/final norms and q_norm/k_norm."""
+    xf = x.astype(f32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * (1.0 + w.astype(f32))).astype(x.dtype)
 
 
 def gated_rms_norm(x: Array, z: Array, w: Array, eps: float) -> Array:
@@ -325,7 +332,7 @@ def _attend(q, k_cache, v_cache, positions, end):
 
 def _forward(params: Params, state: DecodeState, tokens: Array, n_new: Array | None, *,
              return_all_logits: bool, attention_impl: str = "auto", deltanet_impl="auto",
-             norm_impl: str = "auto", active: Array | None = None):
+             active: Array | None = None):
     """The shared body of prefill and decode: ``n_new`` [B] int32 new tokens per row (prefill),
     or, for decode (T == 1), ``active`` [B] bool with ``n_new`` None."""
     decode = active is not None
@@ -357,22 +364,11 @@ def _forward(params: Params, state: DecodeState, tokens: Array, n_new: Array | N
     x = jnp.take(params.embed_tokens, jnp.where(in_vocab, tokens, 0), axis=0)
     x = jnp.where(valid[..., None], x, 0).astype(params.dtype)  # no embedding scale (spec §1.1)
 
-    def add_norm(x, delta, w):
-        """(x + delta, RMSNorm of it) (delta None: no add). At decode, one kernel on Hopper
-        (``norm_impl``; jaxdecode.kernels.rms_norm); the XLA form otherwise."""
-        if decode:
-            x, y = add_rms_norm(x[:, 0], None if delta is None else delta[:, 0], w,
-                                eps=c.rms_norm_eps, implementation=norm_impl)
-            return x[:, None], y[:, None]
-        x = x if delta is None else x + delta
-        return x, rms_norm(x, w, c.rms_norm_eps)
-
     conv_state, recurrent_state = list(state.conv_state), list(state.recurrent_state)
     kv_cache = list(state.kv_cache)
     lin = full = 0
-    mlp_out = None  # the previous layer's MLP output, added to x with the next norm
     for i, (layer, kind) in enumerate(zip(params.layers, c.layer_types)):
-        x, h = add_norm(x, mlp_out, layer.input_layernorm)
+        h = rms_norm(x, layer.input_layernorm, c.rms_norm_eps)
         if kind == FULL_ATTENTION:
             with jax.named_scope(f"layer{i}_attention"):
                 h, kv_cache[full] = gated_attention(layer.self_attn, h, kv_cache[full], start,
@@ -385,16 +381,15 @@ def _forward(params: Params, state: DecodeState, tokens: Array, n_new: Array | N
                     layer.linear_attn, h, conv_state[lin], recurrent_state[lin], start, n_new,
                     valid, c, decode=decode, deltanet_impl=deltanet_impl)
             lin += 1
-        x, h = add_norm(x, h, layer.post_attention_layernorm)
+        x = x + h
         with jax.named_scope(f"layer{i}_mlp"):
-            mlp_out = mlp(layer.mlp, h)
+            x = x + mlp(layer.mlp, rms_norm(x, layer.post_attention_layernorm, c.rms_norm_eps))
 
     if not return_all_logits and length > 1:  # only each row's last real token: the LM head
-        last = jnp.maximum(n_new - 1, 0)[:, None, None]
-        x = jnp.take_along_axis(x, last, axis=1)  # [B, 1, Hd]
-        mlp_out = None if mlp_out is None else jnp.take_along_axis(mlp_out, last, axis=1)
+        last = jnp.maximum(n_new - 1, 0)
+        x = jnp.take_along_axis(x, last[:, None, None], axis=1)  # [B, 1, Hd]
         valid = (n_new > 0)[:, None]
-    _, x = add_norm(x, mlp_out, params.norm)
+    x = rms_norm(x, params.norm, c.rms_norm_eps)
     with jax.named_scope("lm_head"):
         logits = jnp.einsum("bti,vi->btv", x, params.lm_head_weight, preferred_element_type=f32)
     logits = jnp.where(valid[..., None], logits, 0.0)
@@ -414,13 +409,12 @@ def prefill_fn(params: Params, state: DecodeState, tokens: Array, lengths: Array
 
 
 def decode_step_fn(params: Params, state: DecodeState, tokens: Array, active: Array | None = None,
-                   attention_impl: str = "auto", deltanet_impl: str = "auto",
-                   norm_impl: str = "auto"):
+                   attention_impl: str = "auto", deltanet_impl: str = "auto"):
     """Pure, un-jitted, un-validated decode step (see :func:`decode_step`)."""
     active = jnp.ones(tokens.shape, bool) if active is None else active.astype(bool)
     logits, state = _forward(params, state, tokens[:, None], None,
                              return_all_logits=False, attention_impl=attention_impl,
-                             deltanet_impl=deltanet_impl, norm_impl=norm_impl, active=active)
+                             deltanet_impl=deltanet_impl, active=active)
     return logits, state
 
 
@@ -459,7 +453,7 @@ prefill_jit = TopLevelJit(
     validation. Inside a transformation (your own ``jit``, ``grad``, ``scan``) it is
     ``prefill_fn`` (:class:`TopLevelJit`).""")
 decode_step_jit = TopLevelJit(
-    jax.jit(decode_step_fn, static_argnames=("attention_impl", "deltanet_impl", "norm_impl"),
+    jax.jit(decode_step_fn, static_argnames=("attention_impl", "deltanet_impl"),
             donate_argnames=("state",), compiler_options=COMPILER_OPTIONS), decode_step_fn,
     """``decode_step_fn`` jitted with the state donated and :data:`COMPILER_OPTIONS`; no host
     validation. Inside a transformation (your own ``jit``, ``grad``, ``scan``) it is
@@ -587,16 +581,13 @@ def check_decode_inputs(config: Config, state: DecodeState, tokens, active=None,
 
 # ----- public API -----------------------------------------------------------------------------
 
-def check_implementations(attention_impl, deltanet_impl, norm_impl="auto") -> None:
+def check_implementations(attention_impl, deltanet_impl) -> None:
     """Raises ValueError, naming the argument, for an implementation that is neither one of
-    ``jaxdecode.kernels.IMPLEMENTATIONS`` nor (attention and DeltaNet) a callable (on the host,
-    before any device work)."""
+    ``jaxdecode.kernels.IMPLEMENTATIONS`` nor a callable (on the host, before any device work)."""
     for name, value in (("attention_impl", attention_impl), ("deltanet_impl", deltanet_impl)):
         if not callable(value) and not (isinstance(value, str) and value in IMPLEMENTATIONS):
             raise ValueError(f"{name}={value!r} must be one of {IMPLEMENTATIONS} or a callable "
                              "with the kernel dispatcher's signature")
-    if not (isinstance(norm_impl, str) and norm_impl in IMPLEMENTATIONS):
-        raise ValueError(f"norm_impl={norm_impl!r} must be one of {IMPLEMENTATIONS}")
 
 
 def prefill(params: Params, state: DecodeState, tokens, lengths, *,
@@ -636,7 +627,7 @@ def prefill(params: Params, state: DecodeState, tokens, lengths, *,
 
 def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
                 attention_impl: str = "auto", deltanet_impl: str = "auto",
-                norm_impl: str = "auto", check_inputs: bool = True):
+                check_inputs: bool = True):
     """Appends one token per row, each at its own position, and returns the next-token logits.
 
     Jitted with the state donated and :data:`COMPILER_OPTIONS`: the compiled executable aliases
@@ -660,10 +651,6 @@ def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
         XLA elsewhere), or a hashable callable replacing the delta rule only, with
         ``gated_delta_decode``'s signature, such as
         ``jaxdecode.sharding.sharded_gated_delta_decode(mesh)``.
-      norm_impl: the residual adds and RMSNorms between blocks, "auto" | "pallas" |
-        "reference" (see ``jaxdecode.kernels.rms_norm``: "auto" on Hopper GPUs is one Pallas
-        kernel per add-and-norm below batch 8, XLA's two kernels elsewhere). A sharded state
-        (below) always uses XLA's form, which the SPMD partitioner splits.
       check_inputs: validate on the host first. Validation reads ``state.lengths`` back from the
         device (one sync per step); pass False in a hot loop whose bounds you checked up front.
         Unchecked, a row that would overflow the cache, or is fed a token id outside the
@@ -681,8 +668,7 @@ def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
     Pallas kernels get all-gathered KV caches and recurrent states.
 
     Raises:
-      ValueError: see :func:`check_decode_inputs` and :func:`check_implementations`;
-        ``norm_impl="pallas"`` with a sharded state.
+      ValueError: see :func:`check_decode_inputs` and :func:`check_implementations`.
 
     Math: one token of every layer (spec §1.3-§1.8): Gated DeltaNet layers run the one-token
     gated delta rule from the cached conv window and recurrent state (Yang et al., "Gated Delta
@@ -690,14 +676,10 @@ def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
     key/value at ``lengths[b]`` and attend over positions ``0..lengths[b]`` through
     ``decode_attention``. Source: HF ``modeling_qwen3_5.py`` (transformers 5.24.0).
     """
-    check_implementations(attention_impl, deltanet_impl, norm_impl)
+    check_implementations(attention_impl, deltanet_impl)
     if isinstance(attention_impl, str) and isinstance(deltanet_impl, str):
         from jaxdecode import sharding  # imports this module
         if sharding.is_on_mesh(state):  # kernels per device; same validation and results
-            if norm_impl == "pallas":
-                raise ValueError("decode_step: norm_impl='pallas' is not available for a state "
-                                 "sharded over a mesh (the SPMD partitioner splits XLA's norms; "
-                                 "pass 'auto' or 'reference')")
             return sharding.decode_step(params, state, tokens, active,
                                         attention_impl=attention_impl,
                                         deltanet_impl=deltanet_impl, check_inputs=check_inputs)
@@ -707,4 +689,4 @@ def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
     if active is not None:
         active = jnp.asarray(active, bool)
     return decode_step_jit(params, state, tokens, active, attention_impl=attention_impl,
-                           deltanet_impl=deltanet_impl, norm_impl=norm_impl)
+                           deltanet_impl=deltanet_impl)

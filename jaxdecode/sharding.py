@@ -436,10 +436,8 @@ def jit_decode_step(config: Config, mesh: Mesh, attention_impl: str = "auto",
               else attention_impl)
     delta_rule = (sharded_gated_delta_decode(mesh, deltanet_impl)
                   if isinstance(deltanet_impl, str) else deltanet_impl)
-    # The norms stay XLA's (norm_impl="reference"): the SPMD partitioner splits them, where the
-    # one-kernel add-and-norm would be a custom call on all-gathered rows.
     fn = functools.partial(model.decode_step_fn, attention_impl=attend,
-                           deltanet_impl=delta_rule, norm_impl="reference")
+                           deltanet_impl=delta_rule)
     return model.TopLevelJit(jax.jit(fn, donate_argnums=1, out_shardings=out,
                                      compiler_options=model.COMPILER_OPTIONS), fn,
                              jit_decode_step.__doc__)

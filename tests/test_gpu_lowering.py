@@ -121,13 +121,18 @@ def test_a_kernel_mosaic_gpu_cannot_lower_fails_here():
         lower_for_cuda(kernel, ((128, 128), f32))
 
 
-@pytest.mark.parametrize("hidden", [1024, 2048, 2560, 4096, 5120])  # the published widths
-@pytest.mark.parametrize("batch,add", [(1, True), (1, False), (7, True)])
-def test_add_rms_norm_lowers(hidden, batch, add):
-    from jaxdecode.kernels.rms_norm import add_rms_norm_pallas
-    text = lower_for_cuda(
-        lambda x, d, w: add_rms_norm_pallas(x, d if add else None, w, eps=1e-6),
-        ((batch, hidden), bf16), ((batch, hidden), bf16), ((hidden,), bf16))
+@pytest.mark.parametrize("kernel", ["decode_attention", "gated_delta_decode", "deltanet_decode"])
+def test_kernels_use_programmatic_dependent_launch(kernel):
+    """Every kernel starts with jaxdecode.kernels.wait_for_inputs, which marks it for
+    programmatic dependent launch (the custom call carries mosaic_gpu.uses_pdl)."""
+    if kernel == "decode_attention":
+        text = lower_for_cuda(decode_attention_pallas, ((1, 16, 256), bf16),
+                              ((1, 4, 1280, 256), bf16), ((1, 4, 1280, 256), bf16),
+                              ((1,), jnp.int32))
+    elif kernel == "gated_delta_decode":
+        text = lower_for_cuda(gated_delta_decode_pallas, *delta_rule_shapes(8, 16, 32, 128, 128))
+    else:
+        text = lower_for_cuda(lambda *args: deltanet_decode_pallas(*args, num_key_heads=16),
+                              *deltanet_shapes(1, 16, 32, 128, 128, 4, bf16))
     assert re.search(r"custom_call @mosaic_gpu", text), text[-3000:]
-    # launched with programmatic dependent launch (jaxdecode.kernels.wait_for_inputs)
     assert "mosaic_gpu.uses_pdl" in text
