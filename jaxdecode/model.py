@@ -141,8 +141,8 @@ def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurre
       decode: T == 1 and the one-token recurrence is used instead of the chunked form.
       deltanet_impl: the one-token core (decode only). A string is an ``implementation`` of
         ``jaxdecode.kernels.deltanet_decode.deltanet_decode`` (conv window, norms, gating and
-        delta rule; "auto": one Pallas kernel on Hopper below batch 8, XLA's form with the
-        one-pass delta-rule kernel from batch 8). A callable replaces only the delta rule and
+        delta rule; "auto": one Pallas kernel on Hopper below batch 4, XLA's form from batch 4,
+        with the one-pass delta-rule kernel from batch 8). A callable replaces only the delta rule and
         has the signature of ``jaxdecode.kernels.gated_delta_decode.gated_delta_decode`` (such
         as ``jaxdecode.sharding.sharded_gated_delta_decode(mesh)``).
 
@@ -160,7 +160,7 @@ def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurre
     if decode:
         # The whole one-token core (conv window, gating, L2 norms, masking, delta rule): a
         # string picks deltanet_decode's implementation (one Pallas kernel on Hopper below
-        # batch 8); a callable replaces the delta rule of its XLA form.
+        # batch 4); a callable replaces the delta rule of its XLA form.
         args = (mixed[:, 0], a[:, 0], b[:, 0], valid[:, 0], start, conv_state, recurrent_state,
                 p.conv1d[:, 0, :], p.A_log, p.dt_bias)
         if callable(deltanet_impl):
@@ -646,8 +646,8 @@ def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
         ``jaxdecode.sharding.sharded_decode_attention(mesh)``.
       deltanet_impl: the Gated DeltaNet one-token core, "auto" | "pallas" | "reference" (see
         ``jaxdecode.kernels.deltanet_decode``: "auto" on Hopper GPUs is one Pallas kernel for
-        the conv window, norms, gating and delta rule below batch 8, and XLA's form with the
-        one-pass delta-rule kernel (``jaxdecode.kernels.gated_delta_decode``) from batch 8;
+        the conv window, norms, gating and delta rule below batch 4, and XLA's form from batch
+        4, with the one-pass delta-rule kernel (``jaxdecode.kernels.gated_delta_decode``) from 8;
         XLA elsewhere), or a hashable callable replacing the delta rule only, with
         ``gated_delta_decode``'s signature, such as
         ``jaxdecode.sharding.sharded_gated_delta_decode(mesh)``.

@@ -7,8 +7,8 @@
   dispatches to it (the kernel on Hopper GPUs from batch 8; benchmarks/RESULTS.md).
 * ``deltanet_decode``: the whole one-token Gated DeltaNet core (conv window, L2 norms, gating,
   delta rule) as one Pallas Mosaic GPU kernel, ``deltanet_decode_reference`` (XLA) beside it; the
-  model's decode step dispatches to it (the kernel on Hopper GPUs below batch 8, where it cuts
-  the small kernels of each layer; from batch 8 XLA's form with ``gated_delta_decode``).
+  model's decode step dispatches to it (the kernel on Hopper GPUs below batch 4, where it cuts
+  the small kernels of each layer; from batch 4 XLA's form, with ``gated_delta_decode`` from 8).
 
 The dispatchers take ``implementation`` in :data:`IMPLEMENTATIONS`.
 """

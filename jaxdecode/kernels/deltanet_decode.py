@@ -66,8 +66,10 @@ MODEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # H200 (benchmarks/RESULTS.md, session 6; whole-step kernel time, same process, vs XLA's form):
 # 0.8B batch 1 1.122 -> 1.029 ms, 9B batch 1 4.901 -> 4.732 ms; but 9B batch 64 at 8k context
 # 13.632 -> 14.562 ms wall (slower; the delta-rule-only kernel took that cell from 13.56 to 12.09
-# ms in session 4). Batches 2-7 not timed.
-MAX_BATCH_AUTO = 8
+# ms in session 4). Session 8, 9B at 1k context, one process: batch 1 4.864 -> 4.686 ms wall
+# with the kernel, batch 4 4.979 -> 5.031 ms (slower; equal kernel time, 5.067 vs 5.076 ms).
+# Batches 2-3 and 5-7 not timed.
+MAX_BATCH_AUTO = 4
 
 
 def _check(name, mixed_qkv, a, b, active, lengths, conv_state, recurrent_state, conv_weight,
