@@ -118,13 +118,6 @@ def token_mask(length: int, n_new: Array) -> Array:
 
 # ----- Gated DeltaNet -------------------------------------------------------------------------
 
-def in_projections(p: GatedDeltaNetParams, x: Array) -> tuple[Array, Array, Array, Array]:
-    """The Gated DeltaNet input projections of x [B, T, Hd]: (mixed_qkv [B, T, C] (pre-conv q,
-    k, v, grouped per key head), z [B, T, Hv*dv], b [B, T, Hv], a [B, T, Hv])."""
-    return (linear(x, p.in_proj_qkv), linear(x, p.in_proj_z), linear(x, p.in_proj_b),
-            linear(x, p.in_proj_a))
-
-
 def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurrent_state: Array,
                     start: Array, n_new: Array, valid: Array, config: Config, *, decode: bool,
                     deltanet_impl="auto"):
@@ -155,8 +148,10 @@ def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurre
                       c.linear_value_head_dim)
     kc = c.linear_conv_kernel_dim
 
-    mixed, z, b, a = in_projections(p, x)
-    z = z.reshape(batch, length, hv, dv)
+    mixed = linear(x, p.in_proj_qkv)  # [B, T, C]  pre-conv q, k, v (grouped per key head)
+    z = linear(x, p.in_proj_z).reshape(batch, length, hv, dv)
+    b = linear(x, p.in_proj_b)  # [B, T, Hv]
+    a = linear(x, p.in_proj_a)  # [B, T, Hv]
     if decode:
         # The whole one-token core (conv window, gating, L2 norms, masking, delta rule): a
         # string picks deltanet_decode's implementation (one Pallas kernel on Hopper below
