@@ -29,7 +29,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxdecode as jd  # noqa: E402
-from jaxdecode.kernels import IMPLEMENTATIONS  # noqa: E402
+from jaxdecode.kernels import IMPLEMENTATIONS, wait_for_inputs  # noqa: E402
+from jaxdecode.kernels import decode_attention, deltanet_decode, gated_delta_decode  # noqa: E402
 from decode import randomize_state, time_decode  # noqa: E402
 
 
@@ -77,6 +78,8 @@ def scope_of(hlo_text: str) -> dict[str, str]:
 
 def family(name: str) -> str:
     n = name.lower()
+    if n.startswith("gemm_fusion") or n.startswith("triton_gemm"):
+        return "XLA GEMM fusion (Triton)"  # XLA's own GEMM emitter, not a library call
     if "gemv" in n:
         return "cuBLAS gemv"
     if "gemm" in n or "xmma" in n or "cutlass" in n or "sm90" in n:
@@ -90,6 +93,15 @@ def family(name: str) -> str:
     if "fusion" in n:
         return "XLA loop fusion"
     return "other: " + name[:30]
+
+
+def set_pdl(on: bool) -> None:
+    """Benchmark-only switch for an A/B in one process: off makes every kernel's
+    ``wait_for_inputs`` a no-op (no programmatic dependent launch); clears JAX's caches so the
+    next step is traced again."""
+    for module in (decode_attention, deltanet_decode, gated_delta_decode):
+        module.wait_for_inputs = wait_for_inputs if on else (lambda interpret: None)
+    jax.clear_caches()
 
 
 def main():
@@ -106,9 +118,13 @@ def main():
                          "';xla_gpu_enable_triton_gemm=false'")
     ap.add_argument("--deltanet", default="auto",
                     help="comma-separated deltanet_impl values, each timed in the same process "
-                         "(auto: on Hopper the one-kernel DeltaNet core below batch 8 and the "
+                         "(auto: on Hopper the one-kernel DeltaNet core below batch 4 and the "
                          "one-pass delta-rule kernel from 8; pallas: the one-kernel core; "
                          "reference: XLA)")
+    ap.add_argument("--pdl", default="on",
+                    help="comma-separated on/off: the Pallas kernels with and without "
+                         "programmatic dependent launch (jaxdecode.kernels.wait_for_inputs), "
+                         "each timed in the same process")
     ap.add_argument("--dump-hlo", default=None, help="write each cell's optimised HLO here")
     args = ap.parse_args()
     for flag, values in (("--attention", args.attention), ("--deltanet", args.deltanet)):
@@ -124,6 +140,8 @@ def main():
                          f"{c.linear_key_head_dim}")
     for opts in args.options.split(";"):
         parse_options(opts)  # fail on a malformed option before any device work
+    if set(args.pdl.split(",")) - {"on", "off"}:
+        ap.error(f"--pdl takes on and/or off; got {args.pdl!r}")
     if args.sequence and not re.fullmatch(r"\d+:\d+", args.sequence):
         ap.error(f"--sequence must be start:stop, e.g. 0:120; got {args.sequence!r}")
     print(f"# {jax.devices()[0].device_kind}; jax {jax.__version__}; "
@@ -140,10 +158,12 @@ def main():
                                                   jax.random.key(0), "bfloat16")
         params = params_cache[preset]
         config = params.config
-        variants = [(impl, opts, form) for impl in args.attention.split(",")
+        variants = [(impl, opts, form, pdl) for impl in args.attention.split(",")
                     for opts in args.options.split(";")
-                    for form in args.deltanet.split(",")]
-        for impl, opts, form in variants:
+                    for form in args.deltanet.split(",")
+                    for pdl in args.pdl.split(",")]
+        for impl, opts, form, pdl in variants:
+            set_pdl(pdl == "on")
             options = parse_options(opts)
             state = randomize_state(jd.init_state(config, batch, context + 256,
                                                    dtype="bfloat16"), context)
@@ -153,7 +173,8 @@ def main():
             hlo = compiled.as_text()
             if args.dump_hlo:
                 os.makedirs(args.dump_hlo, exist_ok=True)
-                variant = re.sub(r"[^\w.=-]+", "_", f"{opts}_{form}" if opts else form)
+                variant = re.sub(r"[^\w.=-]+", "_", (f"{opts}_{form}" if opts else form)
+                                 + ("_nopdl" if pdl == "off" else ""))
                 path = os.path.join(args.dump_hlo, f"{name}_b{batch}_{impl}_{variant}.hlo.txt")
                 with open(path, "w") as f:
                     f.write(hlo)
@@ -193,7 +214,8 @@ def main():
             copies = re.findall(r"= (\S+) copy\(", entry[:entry.index("\n}\n")])
             n_cmd = len(copies)
             tag = (f"{name} b{batch} ctx{context} attention={impl}" + (f" {opts}" if opts else "")
-                   + (f" deltanet={form}" if form != "auto" else ""))
+                   + (f" deltanet={form}" if form != "auto" else "")
+                   + (" pdl=off" if pdl == "off" else ""))
             print(f"\n## {tag}\nwall {dt * 1e3:.3f} ms/step; kernels {len(kernels)}, kernel sum "
                   f"{total:.3f} ms; between kernels {dt * 1e3 - total:.3f} ms; compile "
                   f"{compile_s:.1f} s; copies in the step: {collections.Counter(copies)}")
