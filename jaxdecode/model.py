@@ -135,9 +135,9 @@ def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurre
       deltanet_impl: the one-token core (decode only). A string is an ``implementation`` of
         ``jaxdecode.kernels.deltanet_decode.deltanet_decode`` (conv window, norms, gating and
         delta rule; "auto": one Pallas kernel on Hopper below batch 4, XLA's form from batch 4,
-        with the one-pass delta-rule kernel from batch 8). A callable replaces only the delta rule and
-        has the signature of ``jaxdecode.kernels.gated_delta_decode.gated_delta_decode`` (such
-        as ``jaxdecode.sharding.sharded_gated_delta_decode(mesh)``).
+        with the one-pass delta-rule kernel from batch 8). A callable replaces only the delta
+        rule and has the signature of ``jaxdecode.kernels.gated_delta_decode.gated_delta_decode``
+        (such as ``jaxdecode.sharding.sharded_gated_delta_decode(mesh)``).
 
     Returns:
       (out [B, T, Hd], new conv_state, new recurrent_state).
