@@ -1,0 +1,135 @@
+"""The decode projections at the published shapes: XLA (RMSNorm, then the dot) against
+``jaxdecode.kernels.gemv`` (the norm folded into one GEMV kernel), one process.
+
+    python benchmarks/gemv.py [--models 0.8b,9b] [--batch 1] [--block-k 256] [--stages 4]
+
+Per projection (model, layer part, N x K, with or without the norm before it) and variant: the
+sum of CUPTI kernel times of one call (median of 9 calls, each on another copy of the weight so
+that L2 (50 MB on an H200) does not serve it), the number of kernels, the largest kernel's time
+and the weight bytes / that time (TB/s). The kernel's variant includes the XLA fusion that sums
+its split-K partials and casts (inside the model that sum would fuse into the consumer). Also
+the largest difference between the two outputs, relative to the output's largest entry.
+The question it answers: does the kernel stream at least as fast as XLA's GEMM fusions
+(3.3-4.0 TB/s at 9B shapes, benchmarks/RESULTS.md session 8) while saving the norm's kernels?
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jaxdecode as jd  # noqa: E402
+from jaxdecode import model  # noqa: E402
+from jaxdecode.kernels.gemv import TILE_N, check_supported, gemv_pallas  # noqa: E402
+from step_profile import cupti_kernels  # noqa: E402
+
+COPIES = 3
+
+
+def projections(config: jd.Config):
+    """(name, N, K, norm before it) of one layer's decode GEMVs, and the LM head."""
+    c = config
+    conv = 2 * c.linear_num_key_heads * c.linear_key_head_dim + (
+        c.linear_num_value_heads * c.linear_value_head_dim)
+    z = c.linear_num_value_heads * c.linear_value_head_dim
+    return [("in_proj_qkv+z", conv + z, c.hidden_size, True),
+            ("out_proj", c.hidden_size, z, False),
+            ("gate+up", 2 * c.intermediate_size, c.hidden_size, True),
+            ("down", c.hidden_size, c.intermediate_size, False),
+            ("lm_head", c.vocab_size, c.hidden_size, True)]
+
+
+def choose_splits(n: int, k: int, block_k: int, num_sms: int) -> int:
+    """The fewest K splits (a divisor of K / block_k) giving at least one program per
+    multiprocessor, else the most there are."""
+    steps = max(k // block_k, 1)
+    divisors = [d for d in range(1, steps + 1) if steps % d == 0]
+    return next((d for d in divisors if (n // TILE_N) * d >= num_sms), divisors[-1])
+
+
+def timed(fn, args_list):
+    """Median CUPTI kernel sum (ms), kernel count and largest kernel (ms) over calls that cycle
+    through ``args_list`` (distinct weight copies)."""
+    jax.block_until_ready(fn(*args_list[0]))
+    sums, counts, largest = [], [], []
+    for i in range(9):
+        args = args_list[(i + 1) % len(args_list)]
+        kernels = cupti_kernels(lambda: fn(*args))
+        sums.append(sum(ms for _, ms in kernels))
+        counts.append(len(kernels))
+        largest.append(max((ms for _, ms in kernels), default=0.0))
+    return statistics.median(sums), int(statistics.median(counts)), statistics.median(largest)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="0.8b,9b")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--block-k", type=int, default=256)
+    ap.add_argument("--stages", type=int, default=4)
+    args = ap.parse_args()
+    dev = jax.devices()[0]
+    num_sms = int(getattr(dev, "core_count", 132) or 132)
+    interpret = dev.platform != "gpu"
+    print(f"# {dev.device_kind}; jax {jax.__version__}; batch {args.batch}; block_k "
+          f"{args.block_k}; stages {args.stages}; {num_sms} SMs"
+          + ("; CPU: the Mosaic GPU interpreter, no kernel times" if interpret else ""),
+          flush=True)
+    rows = []
+    rng = np.random.default_rng(0)
+    for name in args.models.split(","):
+        config = jd.Config.from_preset(name if name == "tiny" else f"qwen3.5-{name}")
+        for part, n, k, norm in projections(config):
+            if interpret and n * k > 1 << 22:
+                continue  # the interpreter is slow: CPU runs check only the small shapes
+            x = jnp.asarray(rng.standard_normal((args.batch, k)) * 4, jnp.bfloat16)
+            nw = jnp.asarray(rng.standard_normal(k) * 0.2, jnp.bfloat16) if norm else None
+            weights = [jax.random.normal(jax.random.key(i), (n, k), jnp.bfloat16) * k ** -0.5
+                       for i in range(COPIES)]
+            splits = choose_splits(n, k, args.block_k, num_sms)
+            why = check_supported(x.shape, (n, k), jnp.bfloat16, args.block_k, splits)
+            if why is not None:
+                print(f"  {name} {part}: skipped ({why})", flush=True)
+                continue
+            eps = config.rms_norm_eps
+
+            def xla(x, w, nw):
+                h = model.rms_norm(x, nw, eps) if nw is not None else x
+                return model.linear(h, w)
+
+            def kernel(x, w, nw):
+                return gemv_pallas(x, w, norm_weight=nw, eps=eps, num_splits=splits,
+                                   block_k=args.block_k, num_stages=args.stages,
+                                   interpret=interpret).sum(0).astype(x.dtype)
+
+            f_xla = jax.jit(xla, compiler_options=dict(jd.COMPILER_OPTIONS))
+            f_kernel = jax.jit(kernel)
+            ref = np.asarray(f_xla(x, weights[0], nw), np.float32)
+            got = np.asarray(f_kernel(x, weights[0], nw), np.float32)
+            diff = float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30))
+            args_list = [(x, w, nw) for w in weights]
+            for variant, fn in (("XLA", f_xla), (f"kernel (splits {splits})", f_kernel)):
+                total, count, big = timed(fn, args_list)
+                tbps = n * k * 2 / (big * 1e-3) / 1e12 if big else float("nan")
+                rows.append((name, part + (" (+norm)" if norm else ""), n, k, variant,
+                             total * 1e3, count, big * 1e3, tbps, diff))
+                print(f"  {rows[-1]}", flush=True)
+            del weights
+    print("\n| model | projection | N x K | variant | kernel sum us | kernels | largest us "
+          "| TB/s (largest) | max rel diff |\n|---|---|---|---|---:|---:|---:|---:|---:|")
+    for name, part, n, k, variant, total, count, big, tbps, diff in rows:
+        print(f"| {name} | {part} | {n} x {k} | {variant} | {total:.1f} | {count} | {big:.1f} "
+              f"| {tbps:.2f} | {diff:.1e} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""Few-row matrix products that stream the weight once, with the RMSNorm folded in (Pallas
+Mosaic GPU). Not used by the model yet: see "Status" below.
+
+At decode time (one token per row, B rows) every projection is ``y = x @ w.T`` with w
+``[N, K]`` in PyTorch layout: a pass over N*K weights for a handful of rows, bound by memory
+bandwidth. XLA runs each as one GEMM fusion, and the RMSNorm before it as two more kernels
+(sum of squares, then scale and cast), each about 1.2-1.5 us on an H200
+(benchmarks/RESULTS.md, session 8). A kernel of its own costs a launch, so merging only the
+small kernels did not pay. This kernel takes the norm into the GEMV that reads its output:
+:func:`gemv_pallas` with ``norm_weight`` computes
+
+    x_n = model_dtype(f32(x) * rsqrt(mean(f32(x)**2) + eps) * (1 + f32(norm_weight)))
+    out[s] = sum over the split's K range of f32(x_n) * f32(w)            (float32)
+
+(``Qwen3_5RMSNorm``, spec §1.2, then the projection), so the norm costs no kernel of its own.
+
+Layout: program (n, s) owns output columns ``[64 n, 64 n + 64)`` and K range ``s`` of
+``num_splits``; it streams its [64, K/num_splits] slab of w through shared memory in
+[64, block_k] tiles (a TMA pipeline, ``plgpu.emit_pipeline``) and multiplies each tile with the
+rows of x on the CUDA cores (a memory-bound product needs no tensor cores): the tile times x
+broadcast down its rows, summed along the row, gives 64 partial outputs per row of x. With a
+norm, every program first sums the squares of each whole row of x (K values, read from L2), so
+the scale needs no second kernel. The caller sums the ``num_splits`` float32 partials (XLA fuses
+that into whatever consumes the output, such as the residual add).
+
+Status: tested against float64 numpy in the Mosaic GPU interpreter and lowered for CUDA on
+CPU (tests/test_gemv.py); not timed on a GPU and not used by ``jaxdecode.model``.
+``benchmarks/gemv.py`` times it against XLA at the published shapes; it goes into the model
+only if it streams at least as fast as XLA's GEMM fusions (3.3-4.0 TB/s at 9B shapes).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxdecode.kernels import wait_for_inputs
+
+f32 = jnp.float32
+TILE_N = 64  # output columns per program: the rows of the wgmma register layout
+MAX_ROWS = 8  # rows of x per call (each adds a multiply-reduce per tile)
+MODEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def gemv_reference(x, w, *, norm_weight=None, eps: float = 1e-6, num_splits: int = 1):
+    """The same function in ``jnp``: float32 partials [num_splits, B, N] of ``x_n @ w.T`` (x_n
+    as in the module docstring; x itself without ``norm_weight``)."""
+    if norm_weight is not None:
+        xf = x.astype(f32)
+        scale = lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+        x = (xf * scale * (1.0 + norm_weight.astype(f32))).astype(x.dtype)
+    batch, k = x.shape
+    xs = x.reshape(batch, num_splits, k // num_splits).astype(f32)
+    ws = w.reshape(w.shape[0], num_splits, k // num_splits).astype(f32)
+    return jnp.einsum("bsk,nsk->sbn", xs, ws, precision=lax.Precision.HIGHEST)
+
+
+def check_supported(x_shape, w_shape, dtype, block_k: int, num_splits: int) -> str | None:
+    """Why :func:`gemv_pallas` cannot take these shapes (None if it can)."""
+    batch, k = x_shape
+    n = w_shape[0]
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16),):
+        return f"the weight dtype {jnp.dtype(dtype)} is not bfloat16"
+    if not 1 <= batch <= MAX_ROWS:
+        return f"{batch} rows of x; the kernel takes 1 to {MAX_ROWS}"
+    if n % TILE_N:
+        return f"N={n} is not a multiple of {TILE_N}"
+    if block_k % 64 or block_k > 256:
+        return f"{block_k=} must be a multiple of 64 up to 256"
+    if num_splits < 1 or k % (num_splits * block_k):
+        return f"K={k} is not a multiple of {num_splits=} x {block_k=}"
+    return None
+
+
+def _kernel(*refs, rows, block_k, steps, num_stages, eps, norm, interpret):
+    if norm:
+        x_gmem, w_gmem, nw_gmem, out_gmem, o_smem = refs
+    else:
+        (x_gmem, w_gmem, out_gmem, o_smem), nw_gmem = refs, None
+    wait_for_inputs(interpret)
+    n, s = lax.axis_index("n"), lax.axis_index("s")
+    tile = plgpu.Layout.WGMMA
+    cols, tile_rows = tile.reduce(0), tile.reduce(1)  # [block_k] and [64] vectors of a tile
+    dtype = x_gmem.dtype
+    k_len = x_gmem.shape[1]
+    k_first = s * (steps * block_k)
+
+    def x_block(b, start):  # [block_k] of row b, column layout
+        return plgpu.load(x_gmem.at[b, pl.ds(start, block_k)], layout=cols, optimized=False)
+
+    scales = [None] * rows
+    if norm:
+        # rsqrt(mean(x^2) + eps) of each whole row, as a [block_k] vector of equal entries: the
+        # squares summed per column over the row's K / block_k blocks, then over the columns
+        # (down the rows of a broadcast tile, then back across: a full reduction of a vector
+        # to a scalar does not lower), divided by the 64 equal rows it was summed over.
+        for b in range(rows):
+            sq = None
+            for i in range(k_len // block_k):
+                xb = x_block(b, i * block_k).astype(f32)
+                sq = xb * xb if sq is None else sq + xb * xb
+            per_row = jnp.sum(lax.broadcast_in_dim(sq, (TILE_N, block_k), [1]), axis=1)
+            total = jnp.sum(lax.broadcast_in_dim(per_row, (TILE_N, block_k), [0]), axis=0)
+            scales[b] = lax.rsqrt(total * (1.0 / (TILE_N * k_len)) + eps)
+
+    def body(indices, w_smem, accs):
+        (i,) = indices
+        start = k_first + i * block_k
+        w = plgpu.load(w_smem, layout=tile).astype(f32)  # [64, block_k]
+        if norm:
+            gain = 1.0 + plgpu.load(nw_gmem.at[pl.ds(start, block_k)], layout=cols,
+                                    optimized=False).astype(f32)
+        out = []
+        for b in range(rows):
+            xb = x_block(b, start)
+            if norm:  # the model's norm output, rounded to the model dtype
+                xb = (xb.astype(f32) * scales[b] * gain).astype(dtype)
+            xb = lax.broadcast_in_dim(xb.astype(f32), (TILE_N, block_k), [1])
+            out.append(accs[b] + jnp.sum(w * xb, axis=1))
+        return tuple(out)
+
+    swizzle = 128 if block_k * 2 % 128 == 0 else 64
+    w_spec = plgpu.BlockSpec(
+        (TILE_N, block_k), lambda i: (n, s * steps + i),
+        transforms=(plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle)))
+    zeros = tuple(plgpu.layout_cast(jnp.zeros((TILE_N,), f32), tile_rows) for _ in range(rows))
+    accs = plgpu.emit_pipeline(body, grid=(steps,), in_specs=[w_spec],
+                               max_concurrent_steps=min(num_stages, steps),
+                               init_carry=zeros)(w_gmem)
+    for b in range(rows):
+        o_smem.at[b][...] = accs[b]
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[s, :, pl.ds(n * TILE_N, TILE_N)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def gemv_pallas(x, w, *, norm_weight=None, eps: float = 1e-6, num_splits: int = 1,
+                block_k: int = 256, num_stages: int = 4, interpret: bool = False):
+    """Float32 partials of ``x_n @ w.T`` in one kernel (math in the module docstring).
+
+    Args:
+      x: [B, K] bfloat16, 1 <= B <= 8: the rows (the residual stream when ``norm_weight`` is
+        given, else the projection's input).
+      w: [N, K] bfloat16, PyTorch layout (``nn.Linear.weight``); N a multiple of 64.
+      norm_weight: optional [K]: the RMSNorm weight (gain ``1 + norm_weight``) applied to x in
+        the kernel first; ``eps`` its epsilon (``rms_norm_eps``).
+      num_splits: K ranges, each a program per 64 output columns (more programs for small N);
+        K must be a multiple of ``num_splits * block_k``.
+      block_k: K columns per streamed tile (multiple of 64, at most 256); num_stages: tiles in
+        flight per program.
+      interpret: run in the Mosaic GPU interpreter (CPU) instead of compiling for the GPU.
+
+    Returns:
+      [num_splits, B, N] float32: sum over axis 0 (and cast) for the product.
+
+    Raises:
+      ValueError (before any work): shapes or dtypes that disagree, or outside the above.
+    """
+    name = "gemv_pallas"
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"{name}: x must be [B, K] and w [N, K]; got {x.shape} and {w.shape}")
+    if x.dtype != w.dtype:
+        raise ValueError(f"{name}: x ({x.dtype}) and w ({w.dtype}) must share a dtype")
+    if norm_weight is not None and (norm_weight.shape != (x.shape[1],)
+                                    or norm_weight.dtype not in MODEL_DTYPES):
+        raise ValueError(f"{name}: norm_weight must be [K] = [{x.shape[1]}] float32 or "
+                         f"bfloat16; got {norm_weight.shape} {norm_weight.dtype}")
+    why = check_supported(x.shape, w.shape, w.dtype, block_k, num_splits)
+    if why is not None:
+        raise ValueError(f"{name}: {why}")
+    if num_stages < 1:
+        raise ValueError(f"{name}: {num_stages=} must be >= 1")
+    batch, k = x.shape
+    n = w.shape[0]
+    norm = norm_weight is not None
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, rows=batch, block_k=block_k,
+                          steps=k // (num_splits * block_k), num_stages=num_stages,
+                          eps=float(eps), norm=norm, interpret=interpret),
+        out_type=jax.ShapeDtypeStruct((num_splits, batch, n), f32),
+        scratch_types=(plgpu.SMEM((batch, TILE_N), f32),),
+        grid=(n // TILE_N, num_splits), grid_names=("n", "s"),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+    return kernel(x, w, *((norm_weight,) if norm else ()))

@@ -1,0 +1,87 @@
+"""The few-row GEMV kernel (with its RMSNorm prologue) against float64 numpy.
+
+"interpret" runs the kernel in the Mosaic GPU interpreter (CPU, CI); "gpu" compiles it
+(``@pytest.mark.gpu``, skipped without an sm_90 GPU). Its CUDA lowering at the published shapes
+is checked on CPU in tests/test_gpu_lowering.py.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxdecode import model
+from jaxdecode.kernels.gemv import gemv_pallas, gemv_reference
+from test_decode_attention import MODES  # interpret / gpu (skipped without an sm_90 GPU)
+
+bf16 = jnp.bfloat16
+EPS = 1e-6
+
+
+def numpy_gemv(x, w, norm_weight, num_splits):
+    """float64 partials; with a norm, x is normalised as the model's rms_norm (float64 math,
+    one rounding to bfloat16)."""
+    x64 = np.asarray(x, np.float64)
+    if norm_weight is not None:
+        scale = 1.0 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + EPS)
+        x64 = (x64 * scale * (1.0 + np.asarray(norm_weight, np.float64)))
+        x64 = x64.astype(ml_dtypes.bfloat16).astype(np.float64)
+    batch, k = x64.shape
+    xs = x64.reshape(batch, num_splits, k // num_splits)
+    ws = np.asarray(w, np.float64).reshape(w.shape[0], num_splits, k // num_splits)
+    return np.einsum("bsk,nsk->sbn", xs, ws)
+
+
+def random_inputs(seed, batch, n, k, norm):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((batch, k)) * rng.uniform(0.5, 20, (batch, 1)))
+    w = rng.standard_normal((n, k)) * k ** -0.5
+    nw = rng.standard_normal(k) * 0.3 if norm else None
+    cast = lambda a: None if a is None else jnp.asarray(a, bf16)  # noqa: E731
+    return cast(x), cast(w), cast(nw)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("batch,n,k,num_splits,norm,block_k", [
+    (1, 128, 1024, 1, True, 256), (1, 192, 1024, 2, False, 256), (3, 64, 512, 1, True, 128),
+    (8, 128, 768, 3, False, 256), (2, 64, 1024, 4, True, 64)])
+def test_matches_float64(mode, batch, n, k, num_splits, norm, block_k):
+    x, w, nw = random_inputs(batch * n + k, batch, n, k, norm)
+    got = jax.jit(lambda x, w, nw: gemv_pallas(
+        x, w, norm_weight=nw, eps=EPS, num_splits=num_splits, block_k=block_k,
+        interpret=mode == "interpret"))(x, w, nw)
+    want = numpy_gemv(x, w, nw, num_splits)
+    assert got.shape == (num_splits, batch, n) and got.dtype == jnp.float32
+    # float32 sums of bfloat16 products against float64 (about 1e-7 of the output's scale).
+    # With a norm, x_n is rounded once to bfloat16, and float32 rsqrt and sums can flip that
+    # rounding for an element (about 5e-5 of the scale each; none seen at these seeds).
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=(3e-4 if norm else 1e-5) * scale)
+    assert scale > 0.1
+
+
+def test_reference_is_the_models_norm_then_projection():
+    """gemv_reference (the kernel's contract) equals model.rms_norm followed by model.linear."""
+    x, w, nw = random_inputs(1, 2, 64, 512, True)
+    got = gemv_reference(x, w, norm_weight=nw, eps=EPS, num_splits=2).sum(0)
+    want = model.linear(model.rms_norm(x, nw, EPS).astype(jnp.float32), w.astype(jnp.float32))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_inputs_raise_before_any_work():
+    x, w, nw = random_inputs(2, 1, 128, 512, True)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        gemv_pallas(x, w[:100], interpret=True)
+    with pytest.raises(ValueError, match="rows of x"):
+        gemv_pallas(jnp.zeros((9, 512), bf16), w, interpret=True)
+    with pytest.raises(ValueError, match="num_splits"):
+        gemv_pallas(x, w, num_splits=3, interpret=True)
+    with pytest.raises(ValueError, match="share a dtype"):
+        gemv_pallas(x.astype(jnp.float32), w, interpret=True)
+    with pytest.raises(ValueError, match="norm_weight"):
+        gemv_pallas(x, w, norm_weight=nw[:256], interpret=True)
+    with pytest.raises(ValueError, match="x must be"):
+        gemv_pallas(x[0], w, interpret=True)
