@@ -18,6 +18,7 @@ import pytest
 import jaxdecode as jd
 from jaxdecode import model
 from jaxdecode.kernels import deltanet_decode as dnd
+from jaxdecode.kernels import gated_delta_decode as gdd
 from jaxdecode.kernels.deltanet_decode import (deltanet_decode, deltanet_decode_pallas,
                                                deltanet_decode_reference)
 from jaxdecode.kernels.gated_delta_decode import gated_delta_decode_reference
@@ -318,19 +319,21 @@ def test_dispatcher_on_this_machine():
 
 
 @pytest.mark.parametrize("batch,fused", [(1, True), (dnd.MAX_BATCH_AUTO - 1, True),
-                                         (dnd.MAX_BATCH_AUTO, False)])
+                                         (dnd.MAX_BATCH_AUTO, False),
+                                         (gdd.MIN_BATCH_AUTO, False)])
 def test_auto_on_hopper_takes_this_kernel_below_max_batch_auto(monkeypatch, batch, fused):
     """On a Hopper GPU (faked; lowered for CUDA on CPU) "auto" is this kernel below
     MAX_BATCH_AUTO rows; from it, XLA's conv/gating/norms (a sigmoid in the outer program) and
-    the delta-rule-only kernel (gated_delta_decode "auto", from its own batch 8)."""
-    from jaxdecode.kernels import gated_delta_decode as gdd
+    the delta rule of gated_delta_decode "auto": XLA's below its MIN_BATCH_AUTO, its one-pass
+    kernel from there."""
     for module in (dnd, gdd):
         monkeypatch.setattr(module, "_gpu_compute_capability", lambda: (9, 0))
     args = random_core_inputs(4, batch, 2, 4, 128, 128, 4, [True] * batch, dtype=bf16)
     specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args]
     text = jax.jit(lambda *x: deltanet_decode(*x, num_key_heads=2)).trace(*specs).lower(
         lowering_platforms=("cuda",)).as_text()
-    assert text.count("mosaic_gpu") >= 1  # a Pallas kernel in both cases
+    kernel = fused or batch >= gdd.MIN_BATCH_AUTO  # the whole core, or the delta rule
+    assert ("mosaic_gpu" in text) == kernel
     # XLA's form computes the L2 norms (rsqrt) and the decay (exp) outside any kernel
     assert ("stablehlo.rsqrt" not in text) == fused, "norms outside the kernel: XLA's form"
 
