@@ -47,7 +47,7 @@ def random_inputs(seed, batch, n, k, norm):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("batch,n,k,num_splits,norm,block_k", [
     (1, 128, 1024, 1, True, 256), (1, 192, 1024, 2, False, 256), (3, 64, 512, 1, True, 128),
-    (8, 128, 768, 3, False, 256), (2, 64, 1024, 4, True, 64)])
+    (8, 128, 768, 3, False, 256), (2, 64, 1024, 4, True, 64), (1, 64, 256, 1, True, 128)])
 def test_matches_float64(mode, batch, n, k, num_splits, norm, block_k):
     x, w, nw = random_inputs(batch * n + k, batch, n, k, norm)
     got = jax.jit(lambda x, w, nw: gemv_pallas(
@@ -85,3 +85,5 @@ def test_bad_inputs_raise_before_any_work():
         gemv_pallas(x, w, norm_weight=nw[:256], interpret=True)
     with pytest.raises(ValueError, match="x must be"):
         gemv_pallas(x[0], w, interpret=True)
+    with pytest.raises(ValueError, match="shared memory"):  # 8 rows of 12288 inputs: 196 KiB
+        gemv_pallas(jnp.zeros((8, 12288), bf16), jnp.zeros((64, 12288), bf16), interpret=True)

@@ -16,12 +16,14 @@ small kernels did not pay. This kernel takes the norm into the GEMV that reads i
 
 Layout: program (n, s) owns output columns ``[64 n, 64 n + 64)`` and K range ``s`` of
 ``num_splits``; it streams its [64, K/num_splits] slab of w through shared memory in
-[64, block_k] tiles (a TMA pipeline, ``plgpu.emit_pipeline``) and multiplies each tile with the
+[64, block_k] tiles (TMA copies, ``num_stages`` in flight) and multiplies each tile with the
 rows of x on the CUDA cores (a memory-bound product needs no tensor cores): the tile times x
-broadcast down its rows, summed along the row, gives 64 partial outputs per row of x. With a
-norm, every program first sums the squares of each whole row of x (K values, read from L2), so
-the scale needs no second kernel. The caller sums the ``num_splits`` float32 partials (XLA fuses
-that into whatever consumes the output, such as the residual add).
+broadcast down its rows, summed along the row, gives 64 partial outputs per row of x. While
+the first tiles are in flight, the program puts its K range of x into shared memory; with a
+norm it first sums the squares of each whole row of x (K values, read from L2), so the scale
+needs no second kernel, and stores the normalised, rounded values. The caller sums the
+``num_splits`` float32 partials (XLA fuses that into whatever consumes the output, such as the
+residual add).
 
 Status: tested against float64 numpy in the Mosaic GPU interpreter and lowered for CUDA on
 CPU (tests/test_gemv.py); not timed on a GPU and not used by ``jaxdecode.model``.
@@ -45,6 +47,7 @@ f32 = jnp.float32
 TILE_N = 64  # output columns per program: the rows of the wgmma register layout
 MAX_ROWS = 8  # rows of x per call (each adds a multiply-reduce per tile)
 MODEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+SMEM_BUDGET_BYTES = 200 * 1024  # of the H100/H200's 227 KiB per block, leaving Mosaic's share
 
 
 def gemv_reference(x, w, *, norm_weight=None, eps: float = 1e-6, num_splits: int = 1):
@@ -79,9 +82,9 @@ def check_supported(x_shape, w_shape, dtype, block_k: int, num_splits: int) -> s
 
 def _kernel(*refs, rows, block_k, steps, num_stages, eps, norm, interpret):
     if norm:
-        x_gmem, w_gmem, nw_gmem, out_gmem, o_smem = refs
+        x_gmem, w_gmem, nw_gmem, out_gmem, w_smem, x_smem, o_smem, barriers = refs
     else:
-        (x_gmem, w_gmem, out_gmem, o_smem), nw_gmem = refs, None
+        (x_gmem, w_gmem, out_gmem, w_smem, x_smem, o_smem, barriers), nw_gmem = refs, None
     wait_for_inputs(interpret)
     n, s = lax.axis_index("n"), lax.axis_index("s")
     tile = plgpu.Layout.WGMMA
@@ -90,48 +93,60 @@ def _kernel(*refs, rows, block_k, steps, num_stages, eps, norm, interpret):
     k_len = x_gmem.shape[1]
     k_first = s * (steps * block_k)
 
-    def x_block(b, start):  # [block_k] of row b, column layout
+    def fetch(i, slot):  # weight tile i of this program into a pipeline slot (async, TMA)
+        plgpu.copy_gmem_to_smem(
+            w_gmem.at[pl.ds(n * TILE_N, TILE_N), pl.ds(k_first + i * block_k, block_k)],
+            w_smem.at[slot], barriers.at[slot])
+
+    for i in range(min(num_stages, steps)):  # in flight while x is prepared below
+        fetch(i, i)
+
+    def x_block(b, start):  # [block_k] of row b from global memory, column layout
         return plgpu.load(x_gmem.at[b, pl.ds(start, block_k)], layout=cols, optimized=False)
 
-    scales = [None] * rows
-    if norm:
-        # rsqrt(mean(x^2) + eps) of each whole row, as a [block_k] vector of equal entries: the
-        # squares summed per column over the row's K / block_k blocks, then over the columns
-        # (down the rows of a broadcast tile, then back across: a full reduction of a vector
-        # to a scalar does not lower), divided by the 64 equal rows it was summed over.
-        for b in range(rows):
+    # This split's K range of each row of x (normalised, rounded to the model dtype) into
+    # shared memory once, so the loop below reads it from there.
+    for b in range(rows):
+        if norm:
+            # rsqrt(mean(x^2) + eps) of the whole row, as a [block_k] vector of equal entries:
+            # the squares summed per column over the row's blocks, then over the columns (down
+            # the rows of a broadcast tile, then back across: a full reduction of a vector to a
+            # scalar does not lower), divided by the 64 equal rows it was summed over.
             sq = None
             for i in range(k_len // block_k):
                 xb = x_block(b, i * block_k).astype(f32)
                 sq = xb * xb if sq is None else sq + xb * xb
             per_row = jnp.sum(lax.broadcast_in_dim(sq, (TILE_N, block_k), [1]), axis=1)
             total = jnp.sum(lax.broadcast_in_dim(per_row, (TILE_N, block_k), [0]), axis=0)
-            scales[b] = lax.rsqrt(total * (1.0 / (TILE_N * k_len)) + eps)
+            scale = lax.rsqrt(total * (1.0 / (TILE_N * k_len)) + eps)
+        for i in range(steps):
+            xb = x_block(b, k_first + i * block_k)
+            if norm:  # the model's norm output, rounded to the model dtype
+                gain = 1.0 + plgpu.load(nw_gmem.at[pl.ds(k_first + i * block_k, block_k)],
+                                        layout=cols, optimized=False).astype(f32)
+                xb = (xb.astype(f32) * scale * gain).astype(dtype)
+            x_smem.at[b, pl.ds(i * block_k, block_k)][...] = xb
+    plgpu.commit_smem()  # x visible to every thread
 
-    def body(indices, w_smem, accs):
-        (i,) = indices
-        start = k_first + i * block_k
-        w = plgpu.load(w_smem, layout=tile).astype(f32)  # [64, block_k]
-        if norm:
-            gain = 1.0 + plgpu.load(nw_gmem.at[pl.ds(start, block_k)], layout=cols,
-                                    optimized=False).astype(f32)
+    def step(i, accs):
+        slot = lax.rem(i, num_stages)
+        plgpu.barrier_wait(barriers.at[slot])
+        w = plgpu.load(w_smem.at[slot], layout=tile).astype(f32)  # [64, block_k]
         out = []
         for b in range(rows):
-            xb = x_block(b, start)
-            if norm:  # the model's norm output, rounded to the model dtype
-                xb = (xb.astype(f32) * scales[b] * gain).astype(dtype)
+            xb = plgpu.load(x_smem.at[b, pl.ds(i * block_k, block_k)], layout=cols)
             xb = lax.broadcast_in_dim(xb.astype(f32), (TILE_N, block_k), [1])
             out.append(accs[b] + jnp.sum(w * xb, axis=1))
+        plgpu.commit_smem()  # every thread has read the slot before it is refilled
+
+        @pl.when(i + num_stages < steps)
+        def _refill():
+            fetch(i + num_stages, slot)
+
         return tuple(out)
 
-    swizzle = 128 if block_k * 2 % 128 == 0 else 64
-    w_spec = plgpu.BlockSpec(
-        (TILE_N, block_k), lambda i: (n, s * steps + i),
-        transforms=(plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle)))
     zeros = tuple(plgpu.layout_cast(jnp.zeros((TILE_N,), f32), tile_rows) for _ in range(rows))
-    accs = plgpu.emit_pipeline(body, grid=(steps,), in_specs=[w_spec],
-                               max_concurrent_steps=min(num_stages, steps),
-                               init_carry=zeros)(w_gmem)
+    accs = lax.fori_loop(0, steps, step, zeros)
     for b in range(rows):
         o_smem.at[b][...] = accs[b]
     plgpu.commit_smem()
@@ -159,7 +174,8 @@ def gemv_pallas(x, w, *, norm_weight=None, eps: float = 1e-6, num_splits: int = 
       [num_splits, B, N] float32: sum over axis 0 (and cast) for the product.
 
     Raises:
-      ValueError (before any work): shapes or dtypes that disagree, or outside the above.
+      ValueError (before any work): shapes or dtypes that disagree, or outside the above; the
+        weight tiles and x's K range needing more than ``SMEM_BUDGET_BYTES`` of shared memory.
     """
     name = "gemv_pallas"
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
@@ -178,12 +194,25 @@ def gemv_pallas(x, w, *, norm_weight=None, eps: float = 1e-6, num_splits: int = 
     batch, k = x.shape
     n = w.shape[0]
     norm = norm_weight is not None
+    k_split = k // num_splits
+    smem = num_stages * TILE_N * block_k * 2 + batch * k_split * 2 + batch * TILE_N * 4
+    if smem > SMEM_BUDGET_BYTES:
+        raise ValueError(f"{name}: {num_stages} weight tiles of [64, {block_k}] and {batch} "
+                         f"rows of {k_split} inputs need {smem} bytes of shared memory, more "
+                         f"than {SMEM_BUDGET_BYTES}: use more num_splits or fewer num_stages")
+    swizzle = 128 if block_k * 2 % 128 == 0 else 64
     kernel = plgpu.kernel(
         functools.partial(_kernel, rows=batch, block_k=block_k,
-                          steps=k // (num_splits * block_k), num_stages=num_stages,
+                          steps=k_split // block_k, num_stages=num_stages,
                           eps=float(eps), norm=norm, interpret=interpret),
         out_type=jax.ShapeDtypeStruct((num_splits, batch, n), f32),
-        scratch_types=(plgpu.SMEM((batch, TILE_N), f32),),
+        scratch_types=(
+            plgpu.SMEM((num_stages, TILE_N, block_k), w.dtype,
+                       transforms=(plgpu.TilingTransform((8, swizzle // 2)),
+                                   plgpu.SwizzleTransform(swizzle))),
+            plgpu.SMEM((batch, k_split), x.dtype),
+            plgpu.SMEM((batch, TILE_N), f32),
+            plgpu.Barrier(num_barriers=num_stages)),
         grid=(n // TILE_N, num_splits), grid_names=("n", "s"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
