@@ -1,6 +1,7 @@
 """Whole decode-step benchmark on one GPU, against the memory roofline and Hugging Face.
 
-    XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/decode.py [--grid quick|targets|full] [--hf]
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/decode.py [--grid quick|targets|full]
+        [--cells model:batch:context,...] [--hf]
 
 Each (model, batch, max_len) compiles its own step (13-36 s on the H200), so the full grid does
 not fit one 10-minute device call: ``targets`` (8 cells) does. Per-kernel anatomy of a step:
@@ -253,7 +254,7 @@ def main():
                     help="cells to time (default: targets; full needs several device calls)")
     ap.add_argument("--cells", default="",
                     help="comma-separated model:batch:context cells (e.g. 9b:1:1024,9b:64:8192) "
-                         "timed instead of --grid")
+                         "timed instead of the --grid cells")
     ap.add_argument("--hf", action="store_true")
     ap.add_argument("--no-prefill", action="store_true")
     ap.add_argument("--no-anatomy", action="store_true",
@@ -268,6 +269,21 @@ def main():
                          "loop on device (no host dispatch per step)")
     ap.add_argument("--json", default=None, help="write all rows to this file")
     args = ap.parse_args()
+    cells_grid = None  # --cells, checked before any device work
+    if args.cells:
+        cells_grid = {}
+        for cell in args.cells.split(","):
+            parts = cell.split(":")
+            if (len(parts) != 3 or not (parts[1].isdigit() and parts[2].isdigit())
+                    or int(parts[1]) < 1 or int(parts[2]) < 1):
+                ap.error(f"--cells: {cell!r} is not model:batch:context with batch and context "
+                         "at least 1 (e.g. 9b:1:1024)")
+            preset = f"qwen3.5-{parts[0]}" if parts[0] != "tiny" else "tiny"
+            try:
+                jd.Config.from_preset(preset)
+            except ValueError as e:
+                ap.error(f"--cells: {cell!r}: {e}")
+            cells_grid.setdefault(preset, []).append((int(parts[1]), int(parts[2])))
 
     dev = jax.devices()[0]
     print(f"# device: {dev.device_kind}; jax {jax.__version__}; "
@@ -282,15 +298,7 @@ def main():
         name, batch = cell.split(":")
         generate_cells.setdefault(f"qwen3.5-{name}" if name != "tiny" else name,
                                   []).append(int(batch))
-    grid = dict(GRIDS[args.grid])
-    if args.cells:
-        grid = {}
-        for cell in args.cells.split(","):
-            parts = cell.split(":")
-            if len(parts) != 3 or not (parts[1].isdigit() and parts[2].isdigit()):
-                ap.error(f"--cells: {cell!r} is not model:batch:context (e.g. 9b:1:1024)")
-            grid.setdefault(f"qwen3.5-{parts[0]}" if parts[0] != "tiny" else "tiny",
-                            []).append((int(parts[1]), int(parts[2])))
+    grid = dict(GRIDS[args.grid]) if cells_grid is None else cells_grid
     for name in generate_cells:
         grid.setdefault(name, [])
     for name, cells in grid.items():

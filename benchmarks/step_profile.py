@@ -1,7 +1,7 @@
 """Anatomy of one decode step on the GPU: every kernel it launches, with its CUPTI time.
 
     python benchmarks/step_profile.py [--cells 0.8b:1:1024,9b:1:1024] [--attention auto,reference]
-        [--deltanet auto,reference] [--options ';name=value,...']
+        [--deltanet auto,reference] [--options ';name=value,...'] [--pdl on,off]
 
 Per cell (model:batch:context) and variant (attention and DeltaNet implementations, XLA
 options): wall ms per step (the same timing as ``benchmarks/decode.py``), the sum of kernel
@@ -30,7 +30,6 @@ import numpy as np  # noqa: E402
 
 import jaxdecode as jd  # noqa: E402
 from jaxdecode.kernels import IMPLEMENTATIONS, wait_for_inputs  # noqa: E402
-from jaxdecode.kernels import decode_attention, deltanet_decode, gated_delta_decode  # noqa: E402
 from decode import randomize_state, time_decode  # noqa: E402
 
 
@@ -96,11 +95,12 @@ def family(name: str) -> str:
 
 
 def set_pdl(on: bool) -> None:
-    """Benchmark-only switch for an A/B in one process: off makes every kernel's
-    ``wait_for_inputs`` a no-op (no programmatic dependent launch); clears JAX's caches so the
-    next step is traced again."""
-    for module in (decode_attention, deltanet_decode, gated_delta_decode):
-        module.wait_for_inputs = wait_for_inputs if on else (lambda interpret: None)
+    """Benchmark-only switch for an A/B in one process: off makes ``wait_for_inputs`` a no-op
+    (no programmatic dependent launch) in every kernel module that imported it; clears JAX's
+    caches so the next step is traced again."""
+    for name, module in list(sys.modules.items()):
+        if name.startswith("jaxdecode.kernels.") and hasattr(module, "wait_for_inputs"):
+            module.wait_for_inputs = wait_for_inputs if on else (lambda interpret: None)
     jax.clear_caches()
 
 
@@ -118,9 +118,9 @@ def main():
                          "';xla_gpu_enable_triton_gemm=false'")
     ap.add_argument("--deltanet", default="auto",
                     help="comma-separated deltanet_impl values, each timed in the same process "
-                         "(auto: on Hopper the one-kernel DeltaNet core below batch 4 and the "
-                         "one-pass delta-rule kernel from 8; pallas: the one-kernel core; "
-                         "reference: XLA)")
+                         "(auto: on Hopper the one-kernel DeltaNet core below batch 4, XLA's "
+                         "form from 4, with the one-pass delta-rule kernel from 8; pallas: the "
+                         "one-kernel core; reference: XLA)")
     ap.add_argument("--pdl", default="on",
                     help="comma-separated on/off: the Pallas kernels with and without "
                          "programmatic dependent launch (jaxdecode.kernels.wait_for_inputs), "

@@ -14,19 +14,19 @@ import numpy as np
 import pytest
 
 from jaxdecode import model
-from jaxdecode.kernels.gemv import gemv_pallas, gemv_reference
+from jaxdecode.kernels.gemv import check_supported, gemv_pallas, gemv_reference
 from test_decode_attention import MODES  # interpret / gpu (skipped without an sm_90 GPU)
 
 bf16 = jnp.bfloat16
 EPS = 1e-6
 
 
-def numpy_gemv(x, w, norm_weight, num_splits):
+def numpy_gemv(x, w, norm_weight, num_splits, eps=EPS):
     """float64 partials; with a norm, x is normalised as the model's rms_norm (float64 math,
     one rounding to bfloat16)."""
     x64 = np.asarray(x, np.float64)
     if norm_weight is not None:
-        scale = 1.0 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + EPS)
+        scale = 1.0 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps)
         x64 = (x64 * scale * (1.0 + np.asarray(norm_weight, np.float64)))
         x64 = x64.astype(ml_dtypes.bfloat16).astype(np.float64)
     batch, k = x64.shape
@@ -35,24 +35,26 @@ def numpy_gemv(x, w, norm_weight, num_splits):
     return np.einsum("bsk,nsk->sbn", xs, ws)
 
 
-def random_inputs(seed, batch, n, k, norm):
+def random_inputs(seed, batch, n, k, norm, x_scale=(0.5, 20), norm_dtype=bf16):
     rng = np.random.default_rng(seed)
-    x = (rng.standard_normal((batch, k)) * rng.uniform(0.5, 20, (batch, 1)))
+    x = (rng.standard_normal((batch, k)) * rng.uniform(*x_scale, (batch, 1)))
     w = rng.standard_normal((n, k)) * k ** -0.5
-    nw = rng.standard_normal(k) * 0.3 if norm else None
-    cast = lambda a: None if a is None else jnp.asarray(a, bf16)  # noqa: E731
-    return cast(x), cast(w), cast(nw)
+    nw = jnp.asarray(rng.standard_normal(k) * 0.3, norm_dtype) if norm else None
+    return jnp.asarray(x, bf16), jnp.asarray(w, bf16), nw
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("batch,n,k,num_splits,norm,block_k", [
-    (1, 128, 1024, 1, True, 256), (1, 192, 1024, 2, False, 256), (3, 64, 512, 1, True, 128),
-    (8, 128, 768, 3, False, 256), (2, 64, 1024, 4, True, 64), (1, 64, 256, 1, True, 128)])
-def test_matches_float64(mode, batch, n, k, num_splits, norm, block_k):
+@pytest.mark.parametrize("batch,n,k,num_splits,norm,block_k,num_stages", [
+    (1, 128, 1024, 1, True, 256, 4), (1, 192, 1024, 2, False, 256, 4),
+    (3, 64, 512, 1, True, 128, 4), (8, 128, 768, 3, False, 256, 4),
+    (2, 64, 1024, 4, True, 64, 4), (1, 64, 256, 1, True, 128, 4),
+    # more tiles than stages: every slot is refilled (12 tiles through 2 slots, and through 1)
+    (2, 128, 1536, 1, True, 128, 2), (1, 64, 1536, 2, False, 64, 1)])
+def test_matches_float64(mode, batch, n, k, num_splits, norm, block_k, num_stages):
     x, w, nw = random_inputs(batch * n + k, batch, n, k, norm)
     got = jax.jit(lambda x, w, nw: gemv_pallas(
         x, w, norm_weight=nw, eps=EPS, num_splits=num_splits, block_k=block_k,
-        interpret=mode == "interpret"))(x, w, nw)
+        num_stages=num_stages, interpret=mode == "interpret"))(x, w, nw)
     want = numpy_gemv(x, w, nw, num_splits)
     assert got.shape == (num_splits, batch, n) and got.dtype == jnp.float32
     # float32 sums of bfloat16 products against float64 (about 1e-7 of the output's scale).
@@ -61,6 +63,21 @@ def test_matches_float64(mode, batch, n, k, num_splits, norm, block_k):
     scale = np.abs(want).max()
     np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=(3e-4 if norm else 1e-5) * scale)
     assert scale > 0.1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_norm_epsilon_and_float32_norm_weight(mode):
+    """Rows of mean square about 1e-4 with eps = 1e-2: eps sets the scale (to within 1%), so a
+    kernel that dropped or misplaced it would be far off; the norm weight in float32."""
+    eps = 1e-2
+    x, w, nw = random_inputs(7, 2, 128, 512, True, x_scale=(0.005, 0.02), norm_dtype=jnp.float32)
+    got = gemv_pallas(x, w, norm_weight=nw, eps=eps, block_k=128, num_stages=2,
+                      interpret=mode == "interpret")
+    want = numpy_gemv(x, w, nw, 1, eps=eps)
+    without_eps = numpy_gemv(x, w, nw, 1, eps=0.0)
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=3e-4 * scale)
+    assert np.abs(without_eps - want).max() > scale  # eps matters far beyond the tolerance
 
 
 def test_reference_is_the_models_norm_then_projection():
@@ -75,6 +92,16 @@ def test_bad_inputs_raise_before_any_work():
     x, w, nw = random_inputs(2, 1, 128, 512, True)
     with pytest.raises(ValueError, match="multiple of 64"):
         gemv_pallas(x, w[:100], interpret=True)
+    with pytest.raises(ValueError, match="positive multiple of 64"):
+        gemv_pallas(x, w[:0], interpret=True)
+    for bad in (dict(block_k=0), dict(block_k=-64), dict(num_splits=0), dict(num_stages=0),
+                dict(num_splits=2.0), dict(num_stages=True)):
+        with pytest.raises(ValueError, match="must be a positive int"):
+            gemv_pallas(x, w, interpret=True, **bad)
+    with pytest.raises(ValueError, match="must be 64, 128, 192 or 256"):
+        gemv_pallas(x, w, block_k=96, interpret=True)
+    with pytest.raises(ValueError, match="positive multiple of num_splits"):
+        gemv_pallas(x[:, :0], w[:, :0], interpret=True)
     with pytest.raises(ValueError, match="rows of x"):
         gemv_pallas(jnp.zeros((9, 512), bf16), w, interpret=True)
     with pytest.raises(ValueError, match="num_splits"):
@@ -85,5 +112,7 @@ def test_bad_inputs_raise_before_any_work():
         gemv_pallas(x, w, norm_weight=nw[:256], interpret=True)
     with pytest.raises(ValueError, match="x must be"):
         gemv_pallas(x[0], w, interpret=True)
-    with pytest.raises(ValueError, match="shared memory"):  # 8 rows of 12288 inputs: 196 KiB
+    with pytest.raises(ValueError, match="shared memory"):  # 8 rows of 12288 inputs: 192 KiB
         gemv_pallas(jnp.zeros((8, 12288), bf16), jnp.zeros((64, 12288), bf16), interpret=True)
+    # the same check answers check_supported (what a caller asks before choosing the kernel)
+    assert "shared memory" in check_supported((8, 12288), (64, 12288), bf16)

@@ -121,13 +121,17 @@ def test_a_kernel_mosaic_gpu_cannot_lower_fails_here():
         lower_for_cuda(kernel, ((128, 128), f32))
 
 
-@pytest.mark.parametrize("kernel", ["decode_attention", "gated_delta_decode", "deltanet_decode"])
+@pytest.mark.parametrize("kernel", ["decode_attention", "decode_attention_f32",
+                                    "gated_delta_decode", "deltanet_decode"])
 def test_kernels_use_programmatic_dependent_launch(kernel):
     """Every kernel starts with jaxdecode.kernels.wait_for_inputs, which marks it for
-    programmatic dependent launch (the custom call carries mosaic_gpu.uses_pdl)."""
-    if kernel == "decode_attention":
-        text = lower_for_cuda(decode_attention_pallas, ((1, 16, 256), bf16),
-                              ((1, 4, 1280, 256), bf16), ((1, 4, 1280, 256), bf16),
+    programmatic dependent launch: the custom call carries mosaic_gpu.uses_pdl. (The attribute
+    says the kernel waits for its inputs (griddepcontrol.wait); whether it also lets the next
+    kernel launch early is not visible at this level.)"""
+    if kernel.startswith("decode_attention"):
+        dtype = f32 if kernel.endswith("f32") else bf16
+        text = lower_for_cuda(decode_attention_pallas, ((1, 16, 256), dtype),
+                              ((1, 4, 1280, 256), dtype), ((1, 4, 1280, 256), dtype),
                               ((1,), jnp.int32))
     elif kernel == "gated_delta_decode":
         text = lower_for_cuda(gated_delta_decode_pallas, *delta_rule_shapes(8, 16, 32, 128, 128))
@@ -138,9 +142,10 @@ def test_kernels_use_programmatic_dependent_launch(kernel):
     assert "mosaic_gpu.uses_pdl" in text
 
 
-@pytest.mark.parametrize("batch,n,k,num_splits,norm", [  # 9B: qkv+z, out_proj, down, lm_head
-    (1, 12288, 4096, 1, True), (1, 4096, 4096, 2, False), (1, 4096, 12288, 2, False),
-    (1, 248320, 4096, 1, True), (8, 8192, 1024, 1, True)])
+@pytest.mark.parametrize("batch,n,k,num_splits,norm", [
+    # 9B: qkv+z, out_proj, gate+up, down, lm_head; 0.8B qkv+z at 8 rows
+    (1, 12288, 4096, 1, True), (1, 4096, 4096, 2, False), (1, 24576, 4096, 1, True),
+    (1, 4096, 12288, 3, False), (1, 248320, 4096, 1, True), (8, 8192, 1024, 1, True)])
 def test_gemv_lowers(batch, n, k, num_splits, norm):
     from jaxdecode.kernels.gemv import gemv_pallas
     text = lower_for_cuda(

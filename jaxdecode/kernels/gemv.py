@@ -28,7 +28,10 @@ residual add).
 Status: tested against float64 numpy in the Mosaic GPU interpreter and lowered for CUDA on
 CPU (tests/test_gemv.py); not timed on a GPU and not used by ``jaxdecode.model``.
 ``benchmarks/gemv.py`` times it against XLA at the published shapes; it goes into the model
-only if it streams at least as fast as XLA's GEMM fusions (3.3-4.0 TB/s at 9B shapes).
+only if it streams at least as fast as XLA's GEMM fusions (3.3-4.0 TB/s at 9B shapes). For the
+merged projections (in_proj_qkv with in_proj_z, gate with up) the model would then store those
+weights concatenated at load time: concatenating them inside the step makes XLA copy them every
+step (50.8 us per 9B layer, benchmarks/RESULTS.md, session 8).
 """
 
 from __future__ import annotations
@@ -63,20 +66,38 @@ def gemv_reference(x, w, *, norm_weight=None, eps: float = 1e-6, num_splits: int
     return jnp.einsum("bsk,nsk->sbn", xs, ws, precision=lax.Precision.HIGHEST)
 
 
-def check_supported(x_shape, w_shape, dtype, block_k: int, num_splits: int) -> str | None:
-    """Why :func:`gemv_pallas` cannot take these shapes (None if it can)."""
+def smem_bytes(batch: int, k: int, block_k: int, num_splits: int, num_stages: int) -> int:
+    """Shared memory one program uses: its weight tiles in flight, its K range of x, its
+    output rows."""
+    stages = min(num_stages, k // (num_splits * block_k))
+    return stages * TILE_N * block_k * 2 + batch * (k // num_splits) * 2 + batch * TILE_N * 4
+
+
+def check_supported(x_shape, w_shape, dtype, block_k: int = 256, num_splits: int = 1,
+                    num_stages: int = 4) -> str | None:
+    """Why :func:`gemv_pallas` cannot take these shapes and settings (None if it can)."""
     batch, k = x_shape
     n = w_shape[0]
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16),):
+    for arg, value in (("block_k", block_k), ("num_splits", num_splits),
+                       ("num_stages", num_stages)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            return f"{arg}={value!r} must be a positive int"
+    if jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16):
         return f"the weight dtype {jnp.dtype(dtype)} is not bfloat16"
     if not 1 <= batch <= MAX_ROWS:
         return f"{batch} rows of x; the kernel takes 1 to {MAX_ROWS}"
-    if n % TILE_N:
-        return f"N={n} is not a multiple of {TILE_N}"
+    if n < TILE_N or n % TILE_N:
+        return f"N={n} is not a positive multiple of {TILE_N}"
     if block_k % 64 or block_k > 256:
-        return f"{block_k=} must be a multiple of 64 up to 256"
-    if num_splits < 1 or k % (num_splits * block_k):
-        return f"K={k} is not a multiple of {num_splits=} x {block_k=}"
+        return f"{block_k=} must be 64, 128, 192 or 256"
+    if k < num_splits * block_k or k % (num_splits * block_k):
+        return f"K={k} is not a positive multiple of {num_splits=} x {block_k=}"
+    smem = smem_bytes(batch, k, block_k, num_splits, num_stages)
+    if smem > SMEM_BUDGET_BYTES:
+        return (f"{min(num_stages, k // (num_splits * block_k))} weight tiles of "
+                f"[{TILE_N}, {block_k}] and {batch} rows of {k // num_splits} inputs need "
+                f"{smem} bytes of shared memory, more than {SMEM_BUDGET_BYTES}: use more "
+                "num_splits or fewer num_stages")
     return None
 
 
@@ -174,8 +195,9 @@ def gemv_pallas(x, w, *, norm_weight=None, eps: float = 1e-6, num_splits: int = 
       [num_splits, B, N] float32: sum over axis 0 (and cast) for the product.
 
     Raises:
-      ValueError (before any work): shapes or dtypes that disagree, or outside the above; the
-        weight tiles and x's K range needing more than ``SMEM_BUDGET_BYTES`` of shared memory.
+      ValueError (before any work): shapes or dtypes that disagree, or outside the above
+        (:func:`check_supported`), including the weight tiles and x's K range needing more
+        than ``SMEM_BUDGET_BYTES`` of shared memory.
     """
     name = "gemv_pallas"
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
@@ -186,30 +208,24 @@ def gemv_pallas(x, w, *, norm_weight=None, eps: float = 1e-6, num_splits: int = 
                                     or norm_weight.dtype not in MODEL_DTYPES):
         raise ValueError(f"{name}: norm_weight must be [K] = [{x.shape[1]}] float32 or "
                          f"bfloat16; got {norm_weight.shape} {norm_weight.dtype}")
-    why = check_supported(x.shape, w.shape, w.dtype, block_k, num_splits)
+    why = check_supported(x.shape, w.shape, w.dtype, block_k, num_splits, num_stages)
     if why is not None:
         raise ValueError(f"{name}: {why}")
-    if num_stages < 1:
-        raise ValueError(f"{name}: {num_stages=} must be >= 1")
     batch, k = x.shape
     n = w.shape[0]
     norm = norm_weight is not None
     k_split = k // num_splits
-    smem = num_stages * TILE_N * block_k * 2 + batch * k_split * 2 + batch * TILE_N * 4
-    if smem > SMEM_BUDGET_BYTES:
-        raise ValueError(f"{name}: {num_stages} weight tiles of [64, {block_k}] and {batch} "
-                         f"rows of {k_split} inputs need {smem} bytes of shared memory, more "
-                         f"than {SMEM_BUDGET_BYTES}: use more num_splits or fewer num_stages")
-    swizzle = 128 if block_k * 2 % 128 == 0 else 64
+    steps = k_split // block_k
+    num_stages = min(num_stages, steps)
+    # a [64, block_k] bfloat16 tile row is block_k * 2 bytes, a multiple of 128: 128-byte swizzle
     kernel = plgpu.kernel(
-        functools.partial(_kernel, rows=batch, block_k=block_k,
-                          steps=k_split // block_k, num_stages=num_stages,
-                          eps=float(eps), norm=norm, interpret=interpret),
+        functools.partial(_kernel, rows=batch, block_k=block_k, steps=steps,
+                          num_stages=num_stages, eps=float(eps), norm=norm,
+                          interpret=interpret),
         out_type=jax.ShapeDtypeStruct((num_splits, batch, n), f32),
         scratch_types=(
             plgpu.SMEM((num_stages, TILE_N, block_k), w.dtype,
-                       transforms=(plgpu.TilingTransform((8, swizzle // 2)),
-                                   plgpu.SwizzleTransform(swizzle))),
+                       transforms=(plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))),
             plgpu.SMEM((batch, k_split), x.dtype),
             plgpu.SMEM((batch, TILE_N), f32),
             plgpu.Barrier(num_barriers=num_stages)),
