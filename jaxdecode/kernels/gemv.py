@@ -22,8 +22,8 @@ broadcast down its rows, summed along the row, gives 64 partial outputs per row 
 the first tiles are in flight, the program puts its K range of x into shared memory; with a
 norm it first sums the squares of each whole row of x (K values, read from L2), so the scale
 needs no second kernel, and stores the normalised, rounded values. The caller sums the
-``num_splits`` float32 partials (XLA fuses that into whatever consumes the output, such as the
-residual add).
+``num_splits`` float32 partials; XLA can fuse that sum into the op that consumes the output
+(such as the residual add), as it does for its own split-K GEMMs.
 
 Status: tested against float64 numpy in the Mosaic GPU interpreter and lowered for CUDA on
 CPU (tests/test_gemv.py); not timed on a GPU and not used by ``jaxdecode.model``.
