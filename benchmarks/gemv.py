@@ -1,9 +1,9 @@
-"""The decode projections at the published shapes: XLA (RMSNorm, then the dot) against
-``jaxdecode.kernels.gemv`` (the norm folded into one GEMV kernel), one process.
+"""The decode projections at the published shapes: XLA (RMSNorm or SwiGLU, then the dot)
+against ``jaxdecode.kernels.gemv`` (the norm or SwiGLU folded into one GEMV kernel), one process.
 
     python benchmarks/gemv.py [--models 0.8b,9b] [--batch 1] [--block-k 256] [--stages 4]
 
-Per projection (model, layer part, N x K, with or without the norm before it) and variant: the
+Per projection (model, layer part, N x K, and what precedes it) and variant: the
 sum of CUPTI kernel times of one call (median of 9 calls, each on another copy of the weight,
 with enough copies that together they are at least twice L2 (50 MB on an H200), so L2 does not
 serve the weight), the number of kernels, the largest kernel's time and the weight bytes / that
@@ -13,7 +13,8 @@ would fuse into the consumer). Also the largest difference between the two float
 (before the cast), relative to the product's largest entry. On CPU (the interpreter, no kernel
 times) projections of more than 4M weights are checked on their first 256 output columns.
 The question it answers: does the kernel stream at least as fast as XLA's GEMM fusions
-(3.3-4.0 TB/s at 9B shapes, benchmarks/RESULTS.md session 8) while saving the norm's kernels?
+(3.3-4.0 TB/s at 9B shapes, benchmarks/RESULTS.md session 8) while saving the norm's and
+SwiGLU's kernels?
 """
 
 from __future__ import annotations
@@ -39,16 +40,17 @@ L2_BYTES = 50 << 20  # H200
 
 
 def projections(config: jd.Config):
-    """(name, N, K, norm before it) of one layer's decode GEMVs, and the LM head."""
+    """(name, N, K, what the kernel folds in: "norm", "swiglu" or None) of one layer's decode
+    GEMVs, and the LM head."""
     c = config
     conv = 2 * c.linear_num_key_heads * c.linear_key_head_dim + (
         c.linear_num_value_heads * c.linear_value_head_dim)
     z = c.linear_num_value_heads * c.linear_value_head_dim
-    return [("in_proj_qkv+z", conv + z, c.hidden_size, True),
-            ("out_proj", c.hidden_size, z, False),
-            ("gate+up", 2 * c.intermediate_size, c.hidden_size, True),
-            ("down", c.hidden_size, c.intermediate_size, False),
-            ("lm_head", c.vocab_size, c.hidden_size, True)]
+    return [("in_proj_qkv+z", conv + z, c.hidden_size, "norm"),
+            ("out_proj", c.hidden_size, z, None),
+            ("gate+up", 2 * c.intermediate_size, c.hidden_size, "norm"),
+            ("down", c.hidden_size, c.intermediate_size, "swiglu"),
+            ("lm_head", c.vocab_size, c.hidden_size, "norm")]
 
 
 def choose_splits(batch: int, n: int, k: int, block_k: int, num_stages: int,
@@ -93,12 +95,14 @@ def main():
     rng = np.random.default_rng(0)
     for name in args.models.split(","):
         config = jd.Config.from_preset(name if name == "tiny" else f"qwen3.5-{name}")
-        for part, n, k, norm in projections(config):
+        for part, n, k, fold in projections(config):
             if interpret and n * k > 1 << 22:  # the interpreter is slow: a slice of N
                 print(f"  {name} {part}: on CPU only the first 256 of N = {n}", flush=True)
                 n = 256
-            x = jnp.asarray(rng.standard_normal((args.batch, k)) * 4, jnp.bfloat16)
-            nw = jnp.asarray(rng.standard_normal(k) * 0.2, jnp.bfloat16) if norm else None
+            width = 2 * k if fold == "swiglu" else k  # [gate | up] for the down projection
+            x = jnp.asarray(rng.standard_normal((args.batch, width)) * 4, jnp.bfloat16)
+            nw = (jnp.asarray(rng.standard_normal(k) * 0.2, jnp.bfloat16) if fold == "norm"
+                  else None)
             copies = max(3, -(-2 * L2_BYTES // (n * k * 2)) + 1)
             weights = [jax.random.normal(jax.random.key(i), (n, k), jnp.bfloat16) * k ** -0.5
                        for i in range(copies)]
@@ -112,11 +116,15 @@ def main():
 
             def xla(x, w, nw, out_dtype=jnp.bfloat16):
                 h = model.rms_norm(x, nw, eps) if nw is not None else x
+                if fold == "swiglu":  # as model.mlp
+                    gate, up = jnp.split(h, 2, axis=-1)
+                    h = jax.nn.silu(gate) * up
                 return jnp.einsum("bk,nk->bn", h, w, preferred_element_type=jnp.float32
                                   ).astype(out_dtype)
 
             def kernel(x, w, nw, out_dtype=jnp.bfloat16):
-                return gemv_pallas(x, w, norm_weight=nw, eps=eps, num_splits=splits,
+                return gemv_pallas(x, w, norm_weight=nw, eps=eps, swiglu=fold == "swiglu",
+                                   num_splits=splits,
                                    block_k=args.block_k, num_stages=args.stages,
                                    interpret=interpret).sum(0).astype(out_dtype)
 
@@ -133,7 +141,7 @@ def main():
             for variant, fn in (("XLA", f_xla), (f"kernel (splits {splits})", f_kernel)):
                 total, count, big = timed(fn, args_list)
                 tbps = n * k * 2 / (big * 1e-3) / 1e12 if big else float("nan")
-                rows.append((name, part + (" (+norm)" if norm else ""), n, k, variant,
+                rows.append((name, part + (f" (+{fold})" if fold else ""), n, k, variant,
                              total * 1e3, count, big * 1e3, tbps, diff))
                 print(f"  {rows[-1]}", flush=True)
             del weights

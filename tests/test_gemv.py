@@ -65,6 +65,32 @@ def test_matches_float64(mode, batch, n, k, num_splits, norm, block_k, num_stage
     assert scale > 0.1
 
 
+def numpy_swiglu(x):
+    """[gate | up] -> bfloat16(bfloat16(silu(gate)) * up) in float64 math."""
+    gate, up = np.split(np.asarray(x, np.float64), 2, axis=-1)
+    act = (gate / (1.0 + np.exp(-gate))).astype(ml_dtypes.bfloat16).astype(np.float64)
+    return (act * up).astype(ml_dtypes.bfloat16)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("batch,n,k,num_splits,block_k,num_stages", [
+    (1, 128, 512, 1, 256, 4), (3, 64, 1536, 2, 128, 2)])
+def test_swiglu_matches_float64(mode, batch, n, k, num_splits, block_k, num_stages):
+    """The down projection of silu(gate) * up, with x = [gate | up] (2K columns)."""
+    rng = np.random.default_rng(batch + k)
+    x = jnp.asarray(rng.standard_normal((batch, 2 * k)) * 3, bf16)
+    w = jnp.asarray(rng.standard_normal((n, k)) * k ** -0.5, bf16)
+    got = gemv_pallas(x, w, swiglu=True, num_splits=num_splits, block_k=block_k,
+                      num_stages=num_stages, interpret=mode == "interpret")
+    want = numpy_gemv(numpy_swiglu(x), w, None, num_splits)
+    scale = np.abs(want).max()
+    # silu in float32 against float64 can flip the one bfloat16 rounding (as for the norm)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=3e-4 * scale)
+    assert scale > 0.1
+    ref = gemv_reference(x, w, swiglu=True, num_splits=num_splits)
+    np.testing.assert_allclose(np.asarray(ref), want, rtol=0, atol=3e-4 * scale)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_norm_epsilon_and_float32_norm_weight(mode):
     """Rows of mean square about 1e-4 with eps = 1e-2: eps sets the scale (to within 1%), so a
@@ -112,6 +138,10 @@ def test_bad_inputs_raise_before_any_work():
         gemv_pallas(x, w, norm_weight=nw[:256], interpret=True)
     with pytest.raises(ValueError, match="x must be"):
         gemv_pallas(x[0], w, interpret=True)
+    with pytest.raises(ValueError, match=r"\[gate \| up\]"):
+        gemv_pallas(x, w, swiglu=True, interpret=True)  # x must be 2K wide
+    with pytest.raises(ValueError, match="do not go together"):
+        gemv_pallas(jnp.concatenate([x, x], 1), w, swiglu=True, norm_weight=nw, interpret=True)
     with pytest.raises(ValueError, match="shared memory"):  # 8 rows of 12288 inputs: 192 KiB
         gemv_pallas(jnp.zeros((8, 12288), bf16), jnp.zeros((64, 12288), bf16), interpret=True)
     # the same check answers check_supported (what a caller asks before choosing the kernel)

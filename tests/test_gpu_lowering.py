@@ -154,3 +154,10 @@ def test_gemv_lowers(batch, n, k, num_splits, norm):
         ((batch, k), bf16), ((n, k), bf16), ((k,), bf16))
     assert re.search(r"custom_call @mosaic_gpu", text), text[-3000:]
     assert "mosaic_gpu.uses_pdl" in text
+
+
+def test_gemv_with_swiglu_lowers():  # the 9B down projection from [gate | up]
+    from jaxdecode.kernels.gemv import gemv_pallas
+    text = lower_for_cuda(lambda x, w: gemv_pallas(x, w, swiglu=True, num_splits=3),
+                          ((1, 2 * 12288), bf16), ((4096, 12288), bf16))
+    assert re.search(r"custom_call @mosaic_gpu", text), text[-3000:]

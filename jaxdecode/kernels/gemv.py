@@ -13,6 +13,13 @@ small kernels did not pay. This kernel takes the norm into the GEMV that reads i
     out[s] = sum over the split's K range of f32(x_n) * f32(w)            (float32)
 
 (``Qwen3_5RMSNorm``, spec §1.2, then the projection), so the norm costs no kernel of its own.
+With ``swiglu`` (the MLP's down projection, spec §1.7) x is the gate and up projections side by
+side, ``[gate | up]`` of 2K columns, and
+
+    x_n = model_dtype(model_dtype(silu(f32(gate))) * f32(up))
+
+(torch's bfloat16 ``silu`` rounds once, then the product; HF ``Qwen3_5MLP``), which saves the
+SwiGLU kernel.
 
 Layout: program (n, s) owns output columns ``[64 n, 64 n + 64)`` and K range ``s`` of
 ``num_splits``; it streams its [64, K/num_splits] slab of w through shared memory in
@@ -53,9 +60,14 @@ MODEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 SMEM_BUDGET_BYTES = 200 * 1024  # of the H100/H200's 227 KiB per block, leaving Mosaic's share
 
 
-def gemv_reference(x, w, *, norm_weight=None, eps: float = 1e-6, num_splits: int = 1):
+def gemv_reference(x, w, *, norm_weight=None, eps: float = 1e-6, swiglu: bool = False,
+                   num_splits: int = 1):
     """The same function in ``jnp``: float32 partials [num_splits, B, N] of ``x_n @ w.T`` (x_n
-    as in the module docstring; x itself without ``norm_weight``)."""
+    as in the module docstring; x itself without ``norm_weight`` or ``swiglu``)."""
+    if swiglu:
+        gate, up = jnp.split(x.astype(f32), 2, axis=-1)
+        act = (gate * jax.nn.sigmoid(gate)).astype(x.dtype).astype(f32)
+        x = (act * up).astype(x.dtype)
     if norm_weight is not None:
         xf = x.astype(f32)
         scale = lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
@@ -75,9 +87,10 @@ def smem_bytes(batch: int, k: int, block_k: int, num_splits: int, num_stages: in
 
 def check_supported(x_shape, w_shape, dtype, block_k: int = 256, num_splits: int = 1,
                     num_stages: int = 4) -> str | None:
-    """Why :func:`gemv_pallas` cannot take these shapes and settings (None if it can)."""
-    batch, k = x_shape
-    n = w_shape[0]
+    """Why :func:`gemv_pallas` cannot take these shapes and settings (None if it can). K is
+    w's; x's width (K, or 2K with ``swiglu``) is checked by :func:`gemv_pallas`."""
+    batch = x_shape[0]
+    n, k = w_shape
     for arg, value in (("block_k", block_k), ("num_splits", num_splits),
                        ("num_stages", num_stages)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -101,7 +114,7 @@ def check_supported(x_shape, w_shape, dtype, block_k: int = 256, num_splits: int
     return None
 
 
-def _kernel(*refs, rows, block_k, steps, num_stages, eps, norm, interpret):
+def _kernel(*refs, rows, block_k, steps, num_stages, eps, norm, swiglu, interpret):
     if norm:
         x_gmem, w_gmem, nw_gmem, out_gmem, w_smem, x_smem, o_smem, barriers = refs
     else:
@@ -111,7 +124,7 @@ def _kernel(*refs, rows, block_k, steps, num_stages, eps, norm, interpret):
     tile = plgpu.Layout.WGMMA
     cols, tile_rows = tile.reduce(0), tile.reduce(1)  # [block_k] and [64] vectors of a tile
     dtype = x_gmem.dtype
-    k_len = x_gmem.shape[1]
+    k_len = w_gmem.shape[1]
     k_first = s * (steps * block_k)
 
     def fetch(i, slot):  # weight tile i of this program into a pipeline slot (async, TMA)
@@ -125,8 +138,8 @@ def _kernel(*refs, rows, block_k, steps, num_stages, eps, norm, interpret):
     def x_block(b, start):  # [block_k] of row b from global memory, column layout
         return plgpu.load(x_gmem.at[b, pl.ds(start, block_k)], layout=cols, optimized=False)
 
-    # This split's K range of each row of x (normalised, rounded to the model dtype) into
-    # shared memory once, so the loop below reads it from there.
+    # This split's K range of each row of x (normalised or gated, rounded to the model dtype)
+    # into shared memory once, so the loop below reads it from there.
     for b in range(rows):
         if norm:
             # rsqrt(mean(x^2) + eps) of the whole row, as a [block_k] vector of equal entries:
@@ -142,6 +155,11 @@ def _kernel(*refs, rows, block_k, steps, num_stages, eps, norm, interpret):
             scale = lax.rsqrt(total * (1.0 / (TILE_N * k_len)) + eps)
         for i in range(steps):
             xb = x_block(b, k_first + i * block_k)
+            if swiglu:  # x = [gate | up]: silu(gate) rounded to the model dtype, times up
+                g = xb.astype(f32)
+                up = x_block(b, k_len + k_first + i * block_k).astype(f32)
+                act = (g / (1.0 + jnp.exp(-g))).astype(dtype).astype(f32)
+                xb = (act * up).astype(dtype)
             if norm:  # the model's norm output, rounded to the model dtype
                 gain = 1.0 + plgpu.load(nw_gmem.at[pl.ds(k_first + i * block_k, block_k)],
                                         layout=cols, optimized=False).astype(f32)
@@ -175,8 +193,9 @@ def _kernel(*refs, rows, block_k, steps, num_stages, eps, norm, interpret):
     plgpu.wait_smem_to_gmem(0)
 
 
-def gemv_pallas(x, w, *, norm_weight=None, eps: float = 1e-6, num_splits: int = 1,
-                block_k: int = 256, num_stages: int = 4, interpret: bool = False):
+def gemv_pallas(x, w, *, norm_weight=None, eps: float = 1e-6, swiglu: bool = False,
+                num_splits: int = 1, block_k: int = 256, num_stages: int = 4,
+                interpret: bool = False):
     """Float32 partials of ``x_n @ w.T`` in one kernel (math in the module docstring).
 
     Args:
@@ -185,6 +204,8 @@ def gemv_pallas(x, w, *, norm_weight=None, eps: float = 1e-6, num_splits: int = 
       w: [N, K] bfloat16, PyTorch layout (``nn.Linear.weight``); N a multiple of 64.
       norm_weight: optional [K]: the RMSNorm weight (gain ``1 + norm_weight``) applied to x in
         the kernel first; ``eps`` its epsilon (``rms_norm_eps``).
+      swiglu: x is [B, 2K], ``[gate | up]``, and the kernel multiplies with
+        ``silu(gate) * up`` (module docstring); not together with ``norm_weight``.
       num_splits: K ranges, each a program per 64 output columns (more programs for small N);
         K must be a multiple of ``num_splits * block_k``.
       block_k: K columns per streamed tile (multiple of 64, at most 256); num_stages: tiles in
@@ -200,8 +221,12 @@ def gemv_pallas(x, w, *, norm_weight=None, eps: float = 1e-6, num_splits: int = 
         than ``SMEM_BUDGET_BYTES`` of shared memory.
     """
     name = "gemv_pallas"
-    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"{name}: x must be [B, K] and w [N, K]; got {x.shape} and {w.shape}")
+    width = 2 if swiglu else 1
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != width * w.shape[1]:
+        want = "[B, 2K] ([gate | up])" if swiglu else "[B, K]"
+        raise ValueError(f"{name}: x must be {want} and w [N, K]; got {x.shape} and {w.shape}")
+    if swiglu and norm_weight is not None:
+        raise ValueError(f"{name}: swiglu and norm_weight do not go together")
     if x.dtype != w.dtype:
         raise ValueError(f"{name}: x ({x.dtype}) and w ({w.dtype}) must share a dtype")
     if norm_weight is not None and (norm_weight.shape != (x.shape[1],)
@@ -211,8 +236,8 @@ def gemv_pallas(x, w, *, norm_weight=None, eps: float = 1e-6, num_splits: int = 
     why = check_supported(x.shape, w.shape, w.dtype, block_k, num_splits, num_stages)
     if why is not None:
         raise ValueError(f"{name}: {why}")
-    batch, k = x.shape
-    n = w.shape[0]
+    batch = x.shape[0]
+    n, k = w.shape
     norm = norm_weight is not None
     k_split = k // num_splits
     steps = k_split // block_k
@@ -221,7 +246,7 @@ def gemv_pallas(x, w, *, norm_weight=None, eps: float = 1e-6, num_splits: int = 
     kernel = plgpu.kernel(
         functools.partial(_kernel, rows=batch, block_k=block_k, steps=steps,
                           num_stages=num_stages, eps=float(eps), norm=norm,
-                          interpret=interpret),
+                          swiglu=bool(swiglu), interpret=interpret),
         out_type=jax.ShapeDtypeStruct((num_splits, batch, n), f32),
         scratch_types=(
             plgpu.SMEM((num_stages, TILE_N, block_k), w.dtype,
