@@ -102,9 +102,22 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
     return jnp.concatenate([x_rot * cos + rotated * sin, x_pass], axis=-1)
 
 
+def silu(x: Array) -> Array:
+    """``silu`` of a model-dtype tensor as torch computes it (HF, spec §1.7): in float32, rounded
+    once to x's dtype. (``jax.nn.silu`` on bfloat16 under jit rounds its sigmoid first: about
+    40% of random bfloat16 inputs then differ from torch by an ulp; tests/test_activations.py.)"""
+    return jax.nn.silu(x.astype(f32)).astype(x.dtype)
+
+
+def sigmoid(x: Array) -> Array:
+    """``sigmoid`` of a model-dtype tensor as torch computes it: in float32, rounded once."""
+    return jax.nn.sigmoid(x.astype(f32)).astype(x.dtype)
+
+
 def mlp(p: MLPParams, x: Array) -> Array:
-    """Dense SwiGLU (spec §1.7): ``down_proj(silu(gate_proj x) * up_proj x)``."""
-    return linear(jax.nn.silu(linear(x, p.gate_proj)) * linear(x, p.up_proj), p.down_proj)
+    """Dense SwiGLU (spec §1.7): ``down_proj(silu(gate_proj x) * up_proj x)``, elementwise in
+    the model dtype (each op rounded once, as torch)."""
+    return linear(silu(linear(x, p.gate_proj)) * linear(x, p.up_proj), p.down_proj)
 
 
 def token_mask(length: int, n_new: Array) -> Array:
@@ -271,7 +284,7 @@ def gated_attention(p: AttentionParams, x: Array, cache: KVCache, start: Array, 
         o = o[:, None]  # [B, 1, Hq, D]
     else:
         o = causal_attention(q, cache.k, cache.v, positions, end)
-    o = o.reshape(batch, length, hq * d) * jax.nn.sigmoid(gate.reshape(batch, length, hq * d))
+    o = o.reshape(batch, length, hq * d) * sigmoid(gate.reshape(batch, length, hq * d))
     return linear(o, p.o_proj), cache
 
 

@@ -21,6 +21,10 @@ REQUESTS.json is a list of actions, run in order (one torch start-up for all of 
       each case runs the prompt (logits at every position), then K greedy cached decode steps.
       Writes N/prefill_logits [T, V], N/decode_tokens [K] (the token fed at each step) and
       N/decode_logits [K, V] (float32).
+
+  {"action": "activations", "in": X.npy, "out": F.npz}
+      torch's silu and sigmoid of X (float32 values exact in bfloat16) as bfloat16 tensors,
+      written as float32 arrays "silu" and "sigmoid".
 """
 
 import json
@@ -117,12 +121,18 @@ def run(req):
     np.savez(req["out"], **out)
 
 
+def activations(req):
+    x = torch.from_numpy(np.load(req["in"])).to(torch.bfloat16)
+    np.savez(req["out"], silu=torch.nn.functional.silu(x).float().numpy(),
+             sigmoid=torch.sigmoid(x).float().numpy())
+
+
 def main():
     torch.set_num_threads(2)
     with open(sys.argv[1]) as f:
         requests = json.load(f)
     for req in requests:
-        {"make": make, "run": run}[req["action"]](req)
+        {"make": make, "run": run, "activations": activations}[req["action"]](req)
 
 
 if __name__ == "__main__":
