@@ -10,8 +10,9 @@
   model's decode step dispatches to it (the kernel on Hopper GPUs below batch 4, where it cuts
   the small kernels of each layer; from batch 4 XLA's form, with ``gated_delta_decode`` from 8).
 * ``gemv``: a few-row matrix-vector product that streams the weight once, with the RMSNorm
-  before it folded in (Pallas Mosaic GPU), and ``gemv_reference``; tested, not yet timed on a
-  GPU, so the model does not use it (``benchmarks/gemv.py`` decides).
+  (or the MLP's SwiGLU) before it folded in (Pallas Mosaic GPU), and ``gemv_reference``;
+  tested, not yet timed on a GPU, so the model does not use it (``benchmarks/gemv.py``
+  decides).
 
 The dispatchers take ``implementation`` in :data:`IMPLEMENTATIONS`.
 """
