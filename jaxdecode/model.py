@@ -205,9 +205,7 @@ def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurre
     q = grouped[..., :dk].astype(f32)
     k = grouped[..., dk:2 * dk].astype(f32)
     v = grouped[..., 2 * dk:].reshape(batch, length, hv, dv).astype(f32)
-    # sigmoid in float32 rounded once to the model dtype, as torch's sigmoid of a bf16 tensor
-    # (HF); jax.nn.sigmoid on bf16 rounds differently, and differently eager and under jit
-    beta = jax.nn.sigmoid(b.astype(f32)).astype(b.dtype).astype(f32)
+    beta = sigmoid(b).astype(f32)  # torch's bf16 sigmoid: float32 math, one rounding
     # Log-space decay g = -exp(A_log) * softplus(a + dt_bias) <= 0, in float32 (spec §7 item 6).
     g = -jnp.exp(p.A_log.astype(f32)) * jax.nn.softplus(a.astype(f32) + p.dt_bias.astype(f32))
 
