@@ -24,7 +24,8 @@ REQUESTS.json is a list of actions, run in order (one torch start-up for all of 
 
   {"action": "activations", "in": X.npy, "out": F.npz}
       torch's silu and sigmoid of X (float32 values exact in bfloat16) as bfloat16 tensors,
-      written as float32 arrays "silu" and "sigmoid".
+      and the MLP's silu(gate) * up with gate, up = the two halves of X, written as float32
+      arrays "silu", "sigmoid" and "swiglu".
 """
 
 import json
@@ -123,8 +124,10 @@ def run(req):
 
 def activations(req):
     x = torch.from_numpy(np.load(req["in"])).to(torch.bfloat16)
+    gate, up = x.chunk(2)
     np.savez(req["out"], silu=torch.nn.functional.silu(x).float().numpy(),
-             sigmoid=torch.sigmoid(x).float().numpy())
+             sigmoid=torch.sigmoid(x).float().numpy(),
+             swiglu=(torch.nn.functional.silu(gate) * up).float().numpy())
 
 
 def main():

@@ -1,5 +1,6 @@
 """The model's elementwise activations on bfloat16 match torch's bit for bit (HF runs them on
-bfloat16 tensors: float32 math, one rounding per op)."""
+bfloat16 tensors: float32 math, one rounding per op), alone and as fused in the MLP under jit.
+Checked on CPU; XLA's GPU fusions were not compared."""
 
 from __future__ import annotations
 
@@ -30,6 +31,11 @@ def test_silu_and_sigmoid_match_torch_on_bfloat16(tmp_path):
         mismatched = int((got != want[name])[~tiny].sum())
         assert mismatched == 0, f"{name}: {mismatched} of {x.size} differ from torch"
         assert np.abs(got - want[name])[tiny].max(initial=0.0) < 1e-30
+    # the MLP's elementwise part, fused under jit as in model.mlp: silu rounded, then the product
+    gate, up = jnp.split(xb, 2)
+    got = np.asarray(jax.jit(lambda g, u: model.silu(g) * u)(gate, up), np.float32)
+    tiny = np.abs(want["swiglu"]) < 1e-30
+    assert int((got != want["swiglu"])[~tiny].sum()) == 0
     # the check has teeth: jax.nn.silu on bfloat16 (its sigmoid rounded first) does not match
     plain = np.asarray(jax.jit(jax.nn.silu)(xb), np.float32)
     assert (plain != want["silu"]).mean() > 0.05
