@@ -163,7 +163,8 @@ def main():
                     for form in args.deltanet.split(",")
                     for pdl in args.pdl.split(",")]
         for impl, opts, form, pdl in variants:
-            set_pdl(pdl == "on")
+            if args.pdl != "on":  # only an on/off comparison patches the kernel modules
+                set_pdl(pdl == "on")
             options = parse_options(opts)
             state = randomize_state(jd.init_state(config, batch, context + 256,
                                                    dtype="bfloat16"), context)

@@ -107,10 +107,9 @@ def check_supported(x_shape, w_shape, dtype, block_k: int = 256, num_splits: int
         return f"K={k} is not a positive multiple of {num_splits=} x {block_k=}"
     smem = smem_bytes(batch, k, block_k, num_splits, num_stages)
     if smem > SMEM_BUDGET_BYTES:
-        return (f"{min(num_stages, k // (num_splits * block_k))} weight tiles of "
-                f"[{TILE_N}, {block_k}] and {batch} rows of {k // num_splits} inputs need "
-                f"{smem} bytes of shared memory, more than {SMEM_BUDGET_BYTES}: use more "
-                "num_splits or fewer num_stages")
+        return (f"the weight tiles in flight ([{TILE_N}, {block_k}] each) and {batch} rows of "
+                f"{k // num_splits} inputs need {smem} bytes of shared memory, more than "
+                f"{SMEM_BUDGET_BYTES}: use more num_splits or fewer num_stages")
     return None
 
 
