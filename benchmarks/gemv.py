@@ -1,16 +1,19 @@
 """The decode projections at the published shapes: XLA (RMSNorm or SwiGLU, then the dot)
 against ``jaxdecode.kernels.gemv`` (the norm or SwiGLU folded into one GEMV kernel), one process.
 
-    python benchmarks/gemv.py [--models 0.8b,9b] [--batch 1] [--block-k 256] [--stages 4]
+    python benchmarks/gemv.py [--models 0.8b,9b] [--batch 1] [--block-k 128,256]
+                              [--splits auto,2,4] [--stages 4]
 
 Per projection (model, layer part, N x K, and what precedes it) and variant: the
 sum of CUPTI kernel times of one call (median of 9 calls, each on another copy of the weight,
 with enough copies that together they are at least twice L2 (50 MB on an H200), so L2 does not
 serve the weight), the number of kernels, the largest kernel's time and the weight bytes / that
-time (TB/s). Both variants are compiled with ``jd.COMPILER_OPTIONS``. The kernel's variant
+time (TB/s). ``--block-k`` and ``--splits`` take comma lists: every supported combination is
+timed (``auto``: the fewest K splits that give a program per multiprocessor). Both variants are compiled with ``jd.COMPILER_OPTIONS``. The kernel's variant
 includes the XLA fusion that sums its split-K partials and casts (inside the model that sum
-would fuse into the consumer). Also the largest difference between the two float32 products
-(before the cast), relative to the product's largest entry. On CPU (the interpreter, no kernel
+would fuse into the consumer). Both variants return the float32 product (the cast to bfloat16
+would fuse into the same last kernel), and the table gives the largest difference between
+the kernel's and XLA's, relative to the product's largest entry. On CPU (the interpreter, no kernel
 times) projections of more than 4M weights are checked on their first 256 output columns.
 The question it answers: does the kernel stream at least as fast as XLA's GEMM fusions
 (3.3-4.0 TB/s at 9B shapes, benchmarks/RESULTS.md session 8) while saving the norm's and
@@ -81,9 +84,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="0.8b,9b")
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--block-k", type=int, default=256)
+    ap.add_argument("--block-k", default="256", help="comma list of tile widths")
+    ap.add_argument("--splits", default="auto", help="comma list: auto or K-split counts")
     ap.add_argument("--stages", type=int, default=4)
     args = ap.parse_args()
+    block_ks = [int(v) for v in args.block_k.split(",")]
+    split_opts = [v if v == "auto" else int(v) for v in args.splits.split(",")]
     dev = jax.devices()[0]
     num_sms = int(getattr(dev, "core_count", 132) or 132)
     interpret = dev.platform != "gpu"
@@ -106,39 +112,43 @@ def main():
             copies = max(3, -(-2 * L2_BYTES // (n * k * 2)) + 1)
             weights = [jax.random.normal(jax.random.key(i), (n, k), jnp.bfloat16) * k ** -0.5
                        for i in range(copies)]
-            splits = choose_splits(args.batch, n, k, args.block_k, args.stages, num_sms)
-            why = check_supported(x.shape, (n, k), jnp.bfloat16, args.block_k, splits,
-                                  args.stages)
-            if why is not None:
-                print(f"  {name} {part}: skipped ({why})", flush=True)
-                continue
             eps = config.rms_norm_eps
 
-            def xla(x, w, nw, out_dtype=jnp.bfloat16):
+            def xla(x, w, nw):
                 h = model.rms_norm(x, nw, eps) if nw is not None else x
                 if fold == "swiglu":  # as model.mlp
                     gate, up = jnp.split(h, 2, axis=-1)
-                    h = jax.nn.silu(gate) * up
-                return jnp.einsum("bk,nk->bn", h, w, preferred_element_type=jnp.float32
-                                  ).astype(out_dtype)
-
-            def kernel(x, w, nw, out_dtype=jnp.bfloat16):
-                return gemv_pallas(x, w, norm_weight=nw, eps=eps, swiglu=fold == "swiglu",
-                                   num_splits=splits,
-                                   block_k=args.block_k, num_stages=args.stages,
-                                   interpret=interpret).sum(0).astype(out_dtype)
+                    h = model.silu(gate) * up
+                return jnp.einsum("bk,nk->bn", h, w, preferred_element_type=jnp.float32)
 
             options = dict(jd.COMPILER_OPTIONS)
-            f_xla = jax.jit(xla, compiler_options=options)
-            f_kernel = jax.jit(kernel, compiler_options=options)
-            # the float32 products, before the cast
-            ref = np.asarray(jax.jit(lambda *a: xla(*a, out_dtype=jnp.float32))(
-                x, weights[0], nw))
-            got = np.asarray(jax.jit(lambda *a: kernel(*a, out_dtype=jnp.float32))(
-                x, weights[0], nw))
-            diff = float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30))
+            variants = [("XLA", jax.jit(xla, compiler_options=options))]
+            for block_k in block_ks:
+                for opt in split_opts:
+                    splits = (choose_splits(args.batch, n, k, block_k, args.stages, num_sms)
+                              if opt == "auto" else opt)
+                    why = check_supported(x.shape, (n, k), jnp.bfloat16, block_k, splits,
+                                          args.stages)
+                    label = f"kernel bk {block_k} splits {splits}"
+                    if why is not None:
+                        print(f"  {name} {part} {label}: skipped ({why})", flush=True)
+                        continue
+                    if any(v[0] == label for v in variants):
+                        continue
+
+                    def kernel(x, w, nw, block_k=block_k, splits=splits):
+                        return gemv_pallas(x, w, norm_weight=nw, eps=eps,
+                                           swiglu=fold == "swiglu", num_splits=splits,
+                                           block_k=block_k, num_stages=args.stages,
+                                           interpret=interpret).sum(0)
+
+                    variants.append((label, jax.jit(kernel, compiler_options=options)))
             args_list = [(x, w, nw) for w in weights]
-            for variant, fn in (("XLA", f_xla), (f"kernel (splits {splits})", f_kernel)):
+            ref = None
+            for variant, fn in variants:
+                got = np.asarray(fn(*args_list[0]))
+                ref = got if ref is None else ref
+                diff = float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30))
                 total, count, big = timed(fn, args_list)
                 tbps = n * k * 2 / (big * 1e-3) / 1e12 if big else float("nan")
                 rows.append((name, part + (f" (+{fold})" if fold else ""), n, k, variant,
