@@ -38,7 +38,9 @@ import transformers
 from transformers import (Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration,
                           Qwen3_5TextConfig)
 
-assert transformers.__version__ == "5.24.0", transformers.__version__
+# The model actions are pinned to the transformers version CI installs (its Qwen3.5 code is the
+# reference); "activations" needs only torch, so it also runs with the GPU machine's version.
+TRANSFORMERS_VERSION = "5.24.0"
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
 
@@ -67,7 +69,14 @@ def randomize(model, seed):
             p.copy_(val.to(p.dtype))
 
 
+def check_transformers():
+    assert transformers.__version__ == TRANSFORMERS_VERSION, (
+        f"the model actions are pinned to transformers {TRANSFORMERS_VERSION}; "
+        f"this is {transformers.__version__}")
+
+
 def make(req):
+    check_transformers()
     text = dict(req["text_config"])
     layout = req.get("layout", "causal_lm")
     if layout == "causal_lm":
@@ -95,6 +104,7 @@ def make(req):
 
 
 def run(req):
+    check_transformers()
     with open(f"{req['dir']}/config.json") as f:
         arch = json.load(f)["architectures"][0]
     cls = Qwen3_5ForConditionalGeneration if "Conditional" in arch else Qwen3_5ForCausalLM
