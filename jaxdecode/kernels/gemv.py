@@ -57,7 +57,6 @@ f32 = jnp.float32
 TILE_N = 64  # output columns per program: the rows of the wgmma register layout
 MAX_ROWS = 8  # rows of x per call (each adds a multiply-reduce per tile)
 MODEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-ELEMENTWISE_MAX = 256  # rows * block_k up to which the K sum waits for the loop's end
 SMEM_BUDGET_BYTES = 200 * 1024  # of the H100/H200's 227 KiB per block, leaving Mosaic's share
 
 
@@ -167,11 +166,6 @@ def _kernel(*refs, rows, block_k, steps, num_stages, eps, norm, swiglu, interpre
             x_smem.at[b, pl.ds(i * block_k, block_k)][...] = xb
     plgpu.commit_smem()  # x visible to every thread
 
-    # With few enough rows the products accumulate elementwise in a [64, block_k] tile per row
-    # (rows * block_k / 2 float32 registers per thread) and are summed along K once at the end;
-    # otherwise each step sums its tile along K (a cross-thread reduction per step and row).
-    elementwise = rows * block_k <= ELEMENTWISE_MAX
-
     def step(i, accs):
         slot = lax.rem(i, num_stages)
         plgpu.barrier_wait(barriers.at[slot])
@@ -180,7 +174,7 @@ def _kernel(*refs, rows, block_k, steps, num_stages, eps, norm, swiglu, interpre
         for b in range(rows):
             xb = plgpu.load(x_smem.at[b, pl.ds(i * block_k, block_k)], layout=cols)
             xb = lax.broadcast_in_dim(xb.astype(f32), (TILE_N, block_k), [1])
-            out.append(accs[b] + (w * xb if elementwise else jnp.sum(w * xb, axis=1)))
+            out.append(accs[b] + jnp.sum(w * xb, axis=1))
         plgpu.commit_smem()  # every thread has read the slot before it is refilled
 
         @pl.when(i + num_stages < steps)
@@ -189,13 +183,8 @@ def _kernel(*refs, rows, block_k, steps, num_stages, eps, norm, swiglu, interpre
 
         return tuple(out)
 
-    if elementwise:
-        zero = plgpu.layout_cast(jnp.zeros((TILE_N, block_k), f32), tile)
-    else:
-        zero = plgpu.layout_cast(jnp.zeros((TILE_N,), f32), tile_rows)
-    accs = lax.fori_loop(0, steps, step, (zero,) * rows)
-    if elementwise:
-        accs = [jnp.sum(acc, axis=1) for acc in accs]
+    zeros = tuple(plgpu.layout_cast(jnp.zeros((TILE_N,), f32), tile_rows) for _ in range(rows))
+    accs = lax.fori_loop(0, steps, step, zeros)
     for b in range(rows):
         o_smem.at[b][...] = accs[b]
     plgpu.commit_smem()
