@@ -1,5 +1,5 @@
 """Few-row matrix products that stream the weight once, with the RMSNorm folded in (Pallas
-Mosaic GPU). Not used by the model yet: see "Status" below.
+Mosaic GPU). Not used by the model: it measured slower than XLA (see "Status" below).
 
 At decode time (one token per row, B rows) every projection is ``y = x @ w.T`` with w
 ``[N, K]`` in PyTorch layout: a pass over N*K weights for a handful of rows, bound by memory
@@ -32,13 +32,16 @@ needs no second kernel, and stores the normalised, rounded values. The caller su
 ``num_splits`` float32 partials; XLA can fuse that sum into the op that consumes the output
 (such as the residual add), as it does for its own split-K GEMMs.
 
-Status: tested against float64 numpy in the Mosaic GPU interpreter and lowered for CUDA on
-CPU (tests/test_gemv.py); not timed on a GPU and not used by ``jaxdecode.model``.
-``benchmarks/gemv.py`` times it against XLA at the published shapes; it goes into the model
-only if it streams at least as fast as XLA's GEMM fusions (3.3-4.0 TB/s at 9B shapes). For the
-merged projections (in_proj_qkv with in_proj_z, gate with up) the model would then store those
-weights concatenated at load time: concatenating them inside the step makes XLA copy them every
-step (50.8 us per 9B layer, benchmarks/RESULTS.md, session 8).
+Status: correct (tested against float64 numpy in the Mosaic GPU interpreter and compiled on an
+H200, tests/test_gemv.py) but too slow to use, so ``jaxdecode.model`` does not. On an H200
+(``benchmarks/gemv.py``, benchmarks/RESULTS.md, session 9) it streams the 9B projections'
+weights at 0.9-2.9 TB/s at best (per projection, over tile widths and split counts) against
+XLA's 2.9-4.5 TB/s for the norm and the GEMM together: the 9B gate+up projection takes 98 us at
+best where XLA's three kernels take 53 us, and the down projection with SwiGLU 113 us against
+30 us. Summing the products elementwise over the loop (one K reduction at the end instead of
+one per tile) moved the best times by at most 10% (gate+up 88 us) and was reverted. The likely
+cause is the CUDA-core multiply with a layout-changing broadcast per tile; the next form to try
+is tensor cores on a swapped product, ``w_tile [64, block_k] @ x.T [block_k, 8]`` (wgmma with N = 8).
 """
 
 from __future__ import annotations
