@@ -41,7 +41,8 @@ best where XLA's three kernels take 53 us, and the down projection with SwiGLU 1
 30 us. Summing the products elementwise over the loop (one K reduction at the end instead of
 one per tile) moved the best times by at most 10% (gate+up 88 us) and was reverted. The likely
 cause is the CUDA-core multiply with a layout-changing broadcast per tile; the next form to try
-is tensor cores on a swapped product, ``w_tile [64, block_k] @ x.T [block_k, 8]`` (wgmma with N = 8).
+is tensor cores on a swapped product, ``w_tile [64, block_k] @ x.T [block_k, 8]`` (wgmma,
+N = 8).
 """
 
 from __future__ import annotations
