@@ -4,17 +4,18 @@ against ``jaxdecode.kernels.gemv`` (the norm or SwiGLU folded into one GEMV kern
     python benchmarks/gemv.py [--models 0.8b,9b] [--batch 1] [--block-k 128,256]
                               [--splits auto,2,4] [--stages 4]
 
-Per projection (model, layer part, N x K, and what precedes it) and variant: the
-sum of CUPTI kernel times of one call (median of 9 calls, each on another copy of the weight,
-with enough copies that together they are at least twice L2 (50 MB on an H200), so L2 does not
-serve the weight), the number of kernels, the largest kernel's time and the weight bytes / that
-time (TB/s). ``--block-k`` and ``--splits`` take comma lists: every supported combination is
-timed (``auto``: the fewest K splits that give a program per multiprocessor). Both variants
-are compiled with ``jd.COMPILER_OPTIONS``. The kernel's variant includes the XLA fusion that
-sums its split-K partials (inside the model that sum would fuse into the consumer). Both variants return the float32 product (the cast to bfloat16
-would fuse into the same last kernel), and the table gives the largest difference between
-the kernel's and XLA's, relative to the product's largest entry. On CPU (the interpreter, no kernel
-times) projections of more than 4M weights are checked on their first 256 output columns.
+Per projection (model, layer part, N x K, and what precedes it) and variant: the sum of CUPTI
+kernel times of one call (median of 9 calls, each on another copy of the weight, with enough
+copies that together they are at least twice L2 (50 MB on an H200), so L2 does not serve the
+weight), the number of kernels, the largest kernel's time and the weight bytes / that time
+(TB/s). ``--block-k`` and ``--splits`` take comma lists: every supported combination is timed
+(``auto``: the fewest K splits that give a program per multiprocessor). Both variants are
+compiled with ``jd.COMPILER_OPTIONS``. The kernel's variant includes the XLA fusion that sums
+its split-K partials (inside the model that sum would fuse into the consumer). Both variants
+return the float32 product (the cast to bfloat16 would fuse into the same last kernel), and
+the table gives the largest difference between the kernel's and XLA's, relative to the
+product's largest entry. On CPU (the interpreter, no kernel times) projections of more than 4M
+weights are checked on their first 256 output columns.
 The question it answers: does the kernel stream at least as fast as XLA's GEMM fusions
 (3.3-4.0 TB/s at 9B shapes, benchmarks/RESULTS.md session 8) while saving the norm's and
 SwiGLU's kernels?
