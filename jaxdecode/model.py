@@ -31,7 +31,7 @@ from jaxdecode.kernels import IMPLEMENTATIONS
 from jaxdecode.kernels.decode_attention import decode_attention
 from jaxdecode.kernels.deltanet_decode import deltanet_decode, deltanet_decode_xla
 from jaxdecode.params import AttentionParams, GatedDeltaNetParams, MLPParams, Params
-from jaxdecode.state import DecodeState, KVCache, conv_window
+from jaxdecode.state import DecodeState, KVCache, conv_slot_position, conv_window
 
 Array = jax.Array
 f32 = jnp.float32
@@ -189,12 +189,12 @@ def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurre
     w = p.conv1d[:, 0, :].astype(f32)  # [C, Kc]
     conv = sum(hist[:, j:j + length, :].astype(f32) * w[:, j] for j in range(kc))
     conv = jax.nn.silu(conv).astype(x.dtype)
-    # The new ring: slot s holds the last real position p = end-1-((end-1-s) % Kc), which is
+    # The new ring: slot s holds the last real position p in it (conv_slot_position), which is
     # hist[p - start + Kc - 1]; with no new token (n_new = 0) the slot of p = start - Kc keeps
     # its old value (index -1), and every other slot gets its old value back from the window.
     end = start + n_new
     slot = jnp.arange(kc, dtype=jnp.int32)[None, :]
-    idx = (end[:, None] - 1 - (end[:, None] - 1 - slot) % kc) - start[:, None] + kc - 1
+    idx = conv_slot_position(end[:, None], slot, kc) - start[:, None] + kc - 1
     new_conv_state = jnp.take_along_axis(hist, jnp.maximum(idx, 0)[:, :, None], axis=1)
     new_conv_state = jnp.where((idx >= 0)[:, :, None], new_conv_state.astype(conv_state.dtype),
                                conv_state)

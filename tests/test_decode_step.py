@@ -249,3 +249,20 @@ def test_conv_window_slots_at_every_position(kernel_size):
     want = [[(n - kernel_size + 1 + t) % kernel_size for t in range(kernel_size - 1)]
             for n in lengths]
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("kernel_size", [2, 4, 7])
+def test_conv_slot_position_inverts_conv_slot(kernel_size):
+    """conv_slot_position(end, s) is the last position before end in ring slot s (searched
+    downward in Python), also below 0 and near 2**31; and conv_slot maps it back to s."""
+    from jaxdecode.state import conv_slot, conv_slot_position
+    ends = [0, 1, kernel_size - 1, kernel_size, 38, 2**31 - 1]
+    slots = np.arange(kernel_size, dtype=np.int32)
+    got = np.asarray(conv_slot_position(jnp.asarray(ends, jnp.int32)[:, None],
+                                        jnp.asarray(slots)[None, :], kernel_size))
+    want = [[next(p for p in range(end - 1, end - 1 - kernel_size, -1) if p % kernel_size == s)
+             for s in slots] for end in ends]
+    np.testing.assert_array_equal(got, want)
+    nonneg = got >= 0
+    back = np.asarray(conv_slot(jnp.asarray(np.maximum(got, 0)), 0, kernel_size))
+    np.testing.assert_array_equal(back[nonneg], np.broadcast_to(slots, got.shape)[nonneg])
