@@ -1,24 +1,26 @@
 """The decode projections at the published shapes: XLA (RMSNorm or SwiGLU, then the dot)
-against ``jaxdecode.kernels.gemv`` (the norm or SwiGLU folded into one GEMV kernel), one process.
+against the GEMV kernels of ``jaxdecode.kernels.gemv``, one process.
 
     python benchmarks/gemv.py [--models 0.8b,9b] [--batch 1] [--block-k 128,256]
-                              [--splits auto,2,4] [--stages 4]
+                              [--splits auto,2,4] [--stages 4] [--kernels cuda,wgmma]
 
-Per projection (model, layer part, N x K, and what precedes it) and variant: the sum of CUPTI
-kernel times of one call (median of 9 calls, each on another copy of the weight, with enough
-copies that together they are at least twice L2 (50 MB on an H200), so L2 does not serve the
-weight), the number of kernels, the largest kernel's time and the weight bytes / that time
-(TB/s). ``--block-k`` and ``--splits`` take comma lists: every supported combination is timed
-(``auto``: the fewest K splits that give a program per multiprocessor). Both variants are
-compiled with ``jd.COMPILER_OPTIONS``. The kernel's variant includes the XLA fusion that sums
-its split-K partials (inside the model that sum would fuse into the consumer). Both variants
-return the float32 product (the cast to bfloat16 would fuse into the same last kernel), and
-the table gives the largest difference between the kernel's and XLA's, relative to the
-product's largest entry. On CPU (the interpreter, no kernel times) projections of more than 4M
-weights are checked on their first 256 output columns.
-The question it answers: does the kernel stream at least as fast as XLA's GEMM fusions
-(3.3-4.0 TB/s at 9B shapes, benchmarks/RESULTS.md session 8) while saving the norm's and
-SwiGLU's kernels?
+Kernels: ``cuda`` is ``gemv_pallas`` (the norm or SwiGLU folded into its prologue, the product
+on the CUDA cores); ``wgmma`` is XLA's norm or SwiGLU followed by ``gemv_wgmma`` (the product
+on the tensor cores, no prologue). Per projection (model, layer part, N x K, and what precedes
+it) and variant: the sum of CUPTI kernel times of one call (median of 9 calls, each on another
+copy of the weight, with enough copies that together they are at least twice L2 (50 MB on an
+H200), so L2 does not serve the weight), the number of kernels, the largest kernel's time and
+the weight bytes / that time (TB/s). ``--block-k`` and ``--splits`` take comma lists: every
+supported combination is timed (``auto``: the fewest K splits that give a program per
+multiprocessor). All variants are compiled with ``jd.COMPILER_OPTIONS``. A kernel's variant
+includes the XLA fusion that sums its split-K partials (inside the model that sum would fuse
+into the consumer). Every variant returns the float32 product (the cast to bfloat16 would
+fuse into the same last kernel), and the table gives the largest difference from XLA's,
+relative to the product's largest entry. On CPU (the interpreter, no kernel times)
+projections of more than 4M weights are checked on their first 256 output columns.
+The questions it answers: does a kernel stream the weight at least as fast as XLA's GEMM
+fusions (2.9-4.5 TB/s at 9B shapes, benchmarks/RESULTS.md session 9), and does folding the
+norm or SwiGLU in pay?
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ import numpy as np  # noqa: E402
 
 import jaxdecode as jd  # noqa: E402
 from jaxdecode import model  # noqa: E402
-from jaxdecode.kernels.gemv import TILE_N, check_supported, gemv_pallas  # noqa: E402
+from jaxdecode.kernels.gemv import (TILE_N, check_supported, gemv_pallas,  # noqa: E402
+                                    gemv_wgmma)
 from step_profile import cupti_kernels  # noqa: E402
 
 L2_BYTES = 50 << 20  # H200
@@ -58,12 +61,12 @@ def projections(config: jd.Config):
 
 
 def choose_splits(batch: int, n: int, k: int, block_k: int, num_stages: int,
-                  num_sms: int) -> int:
+                  num_sms: int, tensor_cores: bool = False) -> int:
     """The fewest K splits (a divisor of K / block_k) the kernel takes that give at least one
     program per multiprocessor, else the most it takes (1 if none)."""
     steps = max(k // block_k, 1)
     fits = [d for d in range(1, steps + 1) if steps % d == 0 and check_supported(
-        (batch, k), (n, k), jnp.bfloat16, block_k, d, num_stages) is None]
+        (batch, k), (n, k), jnp.bfloat16, block_k, d, num_stages, tensor_cores) is None]
     return next((d for d in fits if (n // TILE_N) * d >= num_sms), fits[-1] if fits else 1)
 
 
@@ -88,6 +91,9 @@ def main():
     ap.add_argument("--block-k", default="256", help="comma list of tile widths")
     ap.add_argument("--splits", default="auto", help="comma list: auto or K-split counts")
     ap.add_argument("--stages", type=int, default=4)
+    ap.add_argument("--kernels", default="cuda,wgmma",
+                    help="comma list: cuda (gemv_pallas, the norm or SwiGLU in its prologue), "
+                         "wgmma (XLA's norm or SwiGLU, then gemv_wgmma on the tensor cores)")
     args = ap.parse_args()
     block_ks = [int(v) for v in args.block_k.split(",")]
     split_opts = [v if v == "auto" else int(v) for v in args.splits.split(",")]
@@ -115,35 +121,43 @@ def main():
                        for i in range(copies)]
             eps = config.rms_norm_eps
 
-            def xla(x, w, nw):
+            def prologue(x, nw):  # the norm or SwiGLU as the model computes it
                 h = model.rms_norm(x, nw, eps) if nw is not None else x
                 if fold == "swiglu":  # as model.mlp
                     gate, up = jnp.split(h, 2, axis=-1)
                     h = model.silu(gate) * up
-                return jnp.einsum("bk,nk->bn", h, w, preferred_element_type=jnp.float32)
+                return h
+
+            def xla(x, w, nw):
+                return jnp.einsum("bk,nk->bn", prologue(x, nw), w,
+                                  preferred_element_type=jnp.float32)
 
             options = dict(jd.COMPILER_OPTIONS)
             variants = [("XLA", jax.jit(xla, compiler_options=options))]
-            for block_k in block_ks:
-                for opt in split_opts:
-                    splits = (choose_splits(args.batch, n, k, block_k, args.stages, num_sms)
-                              if opt == "auto" else opt)
-                    why = check_supported(x.shape, (n, k), jnp.bfloat16, block_k, splits,
-                                          args.stages)
-                    label = f"kernel bk {block_k} splits {splits}"
-                    if why is not None:
-                        print(f"  {name} {part} {label}: skipped ({why})", flush=True)
-                        continue
-                    if any(v[0] == label for v in variants):
-                        continue
+            for kind, block_k, opt in ((kind, b, o) for kind in args.kernels.split(",")
+                                       for b in block_ks for o in split_opts):
+                wg = kind == "wgmma"
+                splits = (choose_splits(args.batch, n, k, block_k, args.stages, num_sms, wg)
+                          if opt == "auto" else opt)
+                why = check_supported((args.batch, k), (n, k), jnp.bfloat16, block_k, splits,
+                                      args.stages, wg)
+                label = f"{kind} bk {block_k} splits {splits}"
+                if why is not None:
+                    print(f"  {name} {part} {label}: skipped ({why})", flush=True)
+                    continue
+                if any(v[0] == label for v in variants):
+                    continue
 
-                    def kernel(x, w, nw, block_k=block_k, splits=splits):
-                        return gemv_pallas(x, w, norm_weight=nw, eps=eps,
-                                           swiglu=fold == "swiglu", num_splits=splits,
-                                           block_k=block_k, num_stages=args.stages,
-                                           interpret=interpret).sum(0)
+                def kernel(x, w, nw, block_k=block_k, splits=splits, wg=wg):
+                    if wg:
+                        return gemv_wgmma(prologue(x, nw), w, num_splits=splits,
+                                          block_k=block_k, num_stages=args.stages,
+                                          interpret=interpret).sum(0)
+                    return gemv_pallas(x, w, norm_weight=nw, eps=eps, swiglu=fold == "swiglu",
+                                       num_splits=splits, block_k=block_k,
+                                       num_stages=args.stages, interpret=interpret).sum(0)
 
-                    variants.append((label, jax.jit(kernel, compiler_options=options)))
+                variants.append((label, jax.jit(kernel, compiler_options=options)))
             args_list = [(x, w, nw) for w in weights]
             ref = None
             for variant, fn in variants:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxdecode import model
-from jaxdecode.kernels.gemv import check_supported, gemv_pallas, gemv_reference
+from jaxdecode.kernels.gemv import check_supported, gemv_pallas, gemv_reference, gemv_wgmma
 from test_decode_attention import MODES  # interpret / gpu (skipped without an sm_90 GPU)
 
 bf16 = jnp.bfloat16
@@ -156,3 +156,37 @@ def test_bad_inputs_raise_before_any_work():
         gemv_pallas(jnp.zeros((8, 12288), bf16), jnp.zeros((64, 12288), bf16), interpret=True)
     # the same check answers check_supported (what a caller asks before choosing the kernel)
     assert "shared memory" in check_supported((8, 12288), (64, 12288), bf16)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("batch,n,k,num_splits,block_k,num_stages", [
+    (1, 128, 512, 1, 128, 4), (3, 64, 1024, 2, 64, 2), (8, 192, 768, 3, 128, 1),
+    # 12 tiles through 2 slots: every slot refilled
+    (5, 64, 1536, 1, 128, 2)])
+def test_wgmma_matches_float64(mode, batch, n, k, num_splits, block_k, num_stages):
+    """The tensor-core GEMV (x zero-padded to 8 rows inside) against float64 partials."""
+    x, w, _ = random_inputs(batch * n + k + 1, batch, n, k, False)
+    with device_for(mode):
+        got = gemv_wgmma(x, w, num_splits=num_splits, block_k=block_k, num_stages=num_stages,
+                         interpret=mode == "interpret")
+    want = numpy_gemv(x, w, None, num_splits)
+    assert got.shape == (num_splits, batch, n) and got.dtype == jnp.float32
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-5 * scale)
+    assert scale > 0.1
+
+
+def test_wgmma_bad_inputs_raise_before_any_work():
+    x, w, _ = random_inputs(3, 2, 128, 512, False)
+    with pytest.raises(ValueError, match="x must be"):
+        gemv_wgmma(x[:, :256], w, interpret=True)
+    with pytest.raises(ValueError, match="share a dtype"):
+        gemv_wgmma(x.astype(jnp.float32), w, interpret=True)
+    with pytest.raises(ValueError, match="rows of x"):
+        gemv_wgmma(jnp.zeros((9, 512), bf16), w, interpret=True)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        gemv_wgmma(x, w[:96], interpret=True)
+    # x is padded to 8 rows in shared memory whatever B is: 8 rows of 12288 inputs do not fit
+    with pytest.raises(ValueError, match=r"padded to 8 rows.*shared memory"):
+        gemv_wgmma(jnp.zeros((1, 12288), bf16), jnp.zeros((64, 12288), bf16), interpret=True)
+    assert check_supported((1, 12288), (64, 12288), bf16, 128) is None  # the CUDA-core kernel

@@ -161,3 +161,15 @@ def test_gemv_with_swiglu_lowers():  # the 9B down projection from [gate | up]
     text = lower_for_cuda(lambda x, w: gemv_pallas(x, w, swiglu=True, num_splits=3),
                           ((1, 2 * 12288), bf16), ((4096, 12288), bf16))
     assert re.search(r"custom_call @mosaic_gpu", text), text[-3000:]
+
+
+@pytest.mark.parametrize("batch,n,k,num_splits", [
+    # 9B: qkv+z, out_proj, gate+up, down, lm_head
+    (1, 12288, 4096, 2), (1, 4096, 4096, 4), (1, 24576, 4096, 2), (1, 4096, 12288, 6),
+    (8, 248320, 4096, 1)])
+def test_gemv_wgmma_lowers(batch, n, k, num_splits):
+    from jaxdecode.kernels.gemv import gemv_wgmma
+    text = lower_for_cuda(lambda x, w: gemv_wgmma(x, w, num_splits=num_splits),
+                          ((batch, k), bf16), ((n, k), bf16))
+    assert re.search(r"custom_call @mosaic_gpu", text), text[-3000:]
+    assert "mosaic_gpu.uses_pdl" in text

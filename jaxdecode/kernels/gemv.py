@@ -1,5 +1,6 @@
 """Few-row matrix products that stream the weight once, with the RMSNorm folded in (Pallas
-Mosaic GPU). Not used by the model: it measured slower than XLA (see "Status" below).
+Mosaic GPU). Not used by the model: it measured slower than XLA (see "Status" below), and a
+tensor-core form without the norm (:func:`gemv_wgmma`) is not timed yet.
 
 At decode time (one token per row, B rows) every projection is ``y = x @ w.T`` with w
 ``[N, K]`` in PyTorch layout: a pass over N*K weights for a handful of rows, bound by memory
@@ -40,9 +41,13 @@ XLA's 2.9-4.5 TB/s for the norm and the GEMM together: the 9B gate+up projection
 best where XLA's three kernels take 53 us, and the down projection with SwiGLU 113 us against
 30 us. Summing the products elementwise over the loop (one K reduction at the end instead of
 one per tile) moved the best times by at most 10% (gate+up 88 us) and was reverted. The likely
-cause is the CUDA-core multiply with a layout-changing broadcast per tile; the next form to try
-is tensor cores on a swapped product, ``w_tile [64, block_k] @ x.T [block_k, 8]`` (wgmma,
-N = 8).
+cause is the CUDA-core multiply with a layout-changing broadcast per tile.
+
+:func:`gemv_wgmma` is that next form, for timing only: the swapped product
+``w_tile [64, block_k] @ x.T [block_k, 8]`` on the tensor cores (wgmma with N = 8, x
+zero-padded to 8 rows), without a prologue, because Mosaic GPU (JAX 0.11.2) does not lower a
+store of a normalised x from registers into the swizzled tiles wgmma reads. Correct in the
+interpreter and lowered for CUDA on CPU; not yet timed (``benchmarks/gemv.py --kernels wgmma``).
 """
 
 from __future__ import annotations
@@ -82,17 +87,20 @@ def gemv_reference(x, w, *, norm_weight=None, eps: float = 1e-6, swiglu: bool = 
     return jnp.einsum("bsk,nsk->sbn", xs, ws, precision=lax.Precision.HIGHEST)
 
 
-def smem_bytes(batch: int, k: int, block_k: int, num_splits: int, num_stages: int) -> int:
-    """Shared memory one program uses: its weight tiles in flight, its K range of x, its
-    output rows."""
+def smem_bytes(batch: int, k: int, block_k: int, num_splits: int, num_stages: int,
+               tensor_cores: bool = False) -> int:
+    """Shared memory one program uses: its weight tiles in flight, its K range of x (padded to
+    ``MAX_ROWS`` rows with ``tensor_cores``), its output rows."""
     stages = min(num_stages, k // (num_splits * block_k))
-    return stages * TILE_N * block_k * 2 + batch * (k // num_splits) * 2 + batch * TILE_N * 4
+    rows = MAX_ROWS if tensor_cores else batch
+    return stages * TILE_N * block_k * 2 + rows * (k // num_splits) * 2 + rows * TILE_N * 4
 
 
 def check_supported(x_shape, w_shape, dtype, block_k: int = 256, num_splits: int = 1,
-                    num_stages: int = 4) -> str | None:
-    """Why :func:`gemv_pallas` cannot take these shapes and settings (None if it can). K is
-    w's; x's width (K, or 2K with ``swiglu``) is checked by :func:`gemv_pallas`."""
+                    num_stages: int = 4, tensor_cores: bool = False) -> str | None:
+    """Why :func:`gemv_pallas` (or, with ``tensor_cores``, :func:`gemv_wgmma`) cannot take
+    these shapes and settings (None if it can). K is w's; x's width (K, or 2K with
+    ``swiglu``) is checked by :func:`gemv_pallas`."""
     batch = x_shape[0]
     n, k = w_shape
     for arg, value in (("block_k", block_k), ("num_splits", num_splits),
@@ -109,10 +117,11 @@ def check_supported(x_shape, w_shape, dtype, block_k: int = 256, num_splits: int
         return f"{block_k=} must be 64, 128, 192 or 256"
     if k < num_splits * block_k or k % (num_splits * block_k):
         return f"K={k} is not a positive multiple of {num_splits=} x {block_k=}"
-    smem = smem_bytes(batch, k, block_k, num_splits, num_stages)
+    smem = smem_bytes(batch, k, block_k, num_splits, num_stages, tensor_cores)
     if smem > SMEM_BUDGET_BYTES:
         return (f"the weight tiles in flight ([{TILE_N}, {block_k}] each) and {batch} rows of "
-                f"{k // num_splits} inputs need {smem} bytes of shared memory, more than "
+                f"{k // num_splits} inputs{' (padded to 8 rows)' if tensor_cores else ''} "
+                f"need {smem} bytes of shared memory, more than "
                 f"{SMEM_BUDGET_BYTES}: use more num_splits or fewer num_stages")
     return None
 
@@ -261,3 +270,100 @@ def gemv_pallas(x, w, *, norm_weight=None, eps: float = 1e-6, swiglu: bool = Fal
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
     return kernel(x, w, *((norm_weight,) if norm else ()))
+
+
+def _wgmma_kernel(x_gmem, w_gmem, out_gmem, w_smem, x_smem, o_smem, w_barriers, x_barriers, *,
+                  block_k, steps, num_stages, interpret):
+    wait_for_inputs(interpret)
+    n, s = lax.axis_index("n"), lax.axis_index("s")
+    k_first = s * (steps * block_k)
+
+    def fetch(i, slot):  # weight tile i of this program into a pipeline slot (async, TMA)
+        plgpu.copy_gmem_to_smem(
+            w_gmem.at[pl.ds(n * TILE_N, TILE_N), pl.ds(k_first + i * block_k, block_k)],
+            w_smem.at[slot], w_barriers.at[slot])
+
+    for i in range(min(num_stages, steps)):
+        fetch(i, i)
+    for i in range(steps):  # this split's K range of x, [8, block_k] tiles (L2, small)
+        plgpu.copy_gmem_to_smem(x_gmem.at[:, pl.ds(k_first + i * block_k, block_k)],
+                                x_smem.at[i], x_barriers.at[i])
+    for i in range(steps):
+        plgpu.barrier_wait(x_barriers.at[i])
+
+    def step(i, acc):
+        slot = lax.rem(i, num_stages)
+        plgpu.barrier_wait(w_barriers.at[slot])
+
+        def product(acc_ref):  # [64, block_k] @ [block_k, 8] on the tensor cores
+            plgpu.wgmma(acc_ref, w_smem.at[slot], x_smem.at[i].transpose((1, 0)))
+            return acc_ref[...]  # waits for the wgmma: the slot is free below
+
+        acc = acc + pl.run_scoped(product, plgpu.ACC((TILE_N, MAX_ROWS), f32))
+
+        @pl.when(i + num_stages < steps)
+        def _refill():
+            fetch(i + num_stages, slot)
+
+        return acc
+
+    acc = lax.fori_loop(0, steps, step, plgpu.layout_cast(
+        jnp.zeros((TILE_N, MAX_ROWS), f32), plgpu.Layout.WGMMA))
+    o_smem[...] = acc
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[s, pl.ds(n * TILE_N, TILE_N), :])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def gemv_wgmma(x, w, *, num_splits: int = 1, block_k: int = 128, num_stages: int = 4,
+               interpret: bool = False):
+    """Float32 partials of ``x @ w.T`` on the tensor cores, for a timing comparison (no norm
+    or SwiGLU prologue; not used by the model).
+
+    The swapped product: each program multiplies its [64, block_k] weight tiles (TMA-streamed,
+    ``num_stages`` in flight) with x's [block_k, 8] (x zero-padded to 8 rows, the narrowest
+    wgmma) into a [64, 8] float32 accumulator, so the CUDA cores only move data. A normalised
+    x cannot be written from registers into the swizzled [8, block_k] tiles wgmma reads (Mosaic
+    GPU's layout inference rejects the store in JAX 0.11.2), which is why x arrives through
+    TMA as given and the RMSNorm stays outside (benchmarks/RESULTS.md, session 9).
+
+    Args:
+      x: [B, K] bfloat16, 1 <= B <= 8.  w: [N, K] bfloat16 (PyTorch layout), N a multiple of 64.
+      num_splits, block_k, num_stages, interpret: as :func:`gemv_pallas`.
+
+    Returns:
+      [num_splits, B, N] float32: sum over axis 0 (and cast) for the product.
+
+    Raises:
+      ValueError (before any work): shapes, dtypes or settings :func:`check_supported` rejects
+        (with ``tensor_cores=True``).
+    """
+    name = "gemv_wgmma"
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"{name}: x must be [B, K] and w [N, K]; got {x.shape} and {w.shape}")
+    if x.dtype != w.dtype:
+        raise ValueError(f"{name}: x ({x.dtype}) and w ({w.dtype}) must share a dtype")
+    why = check_supported(x.shape, w.shape, w.dtype, block_k, num_splits, num_stages,
+                          tensor_cores=True)
+    if why is not None:
+        raise ValueError(f"{name}: {why}")
+    batch = x.shape[0]
+    n, k = w.shape
+    steps = k // num_splits // block_k
+    num_stages = min(num_stages, steps)
+    tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    kernel = plgpu.kernel(
+        functools.partial(_wgmma_kernel, block_k=block_k, steps=steps, num_stages=num_stages,
+                          interpret=interpret),
+        out_type=jax.ShapeDtypeStruct((num_splits, n, MAX_ROWS), f32),
+        scratch_types=(
+            plgpu.SMEM((num_stages, TILE_N, block_k), w.dtype, transforms=tiles),
+            plgpu.SMEM((steps, MAX_ROWS, block_k), x.dtype, transforms=tiles),
+            plgpu.SMEM((TILE_N, MAX_ROWS), f32),
+            plgpu.Barrier(num_barriers=num_stages),
+            plgpu.Barrier(num_barriers=steps)),
+        grid=(n // TILE_N, num_splits), grid_names=("n", "s"),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+    padded = jnp.pad(x, ((0, MAX_ROWS - batch), (0, 0)))
+    return kernel(padded, w)[:, :, :batch].transpose(0, 2, 1)
