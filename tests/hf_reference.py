@@ -34,9 +34,6 @@ import sys
 
 import numpy as np
 import torch
-import transformers
-from transformers import (Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration,
-                          Qwen3_5TextConfig)
 
 # The model actions are pinned to the transformers version CI installs (its Qwen3.5 code is the
 # reference); "activations" needs only torch, so it also runs with the GPU machine's version.
@@ -70,24 +67,28 @@ def randomize(model, seed):
 
 
 def check_transformers():
+    """Imports transformers (only the model actions need it) and checks its version."""
+    import transformers
     assert transformers.__version__ == TRANSFORMERS_VERSION, (
         f"the model actions are pinned to transformers {TRANSFORMERS_VERSION}; "
         f"this is {transformers.__version__}")
+    return transformers
 
 
 def make(req):
-    check_transformers()
+    tf = check_transformers()
     text = dict(req["text_config"])
     layout = req.get("layout", "causal_lm")
     if layout == "causal_lm":
-        config = Qwen3_5TextConfig(**text)
-        model = Qwen3_5ForCausalLM(config)
+        config = tf.Qwen3_5TextConfig(**text)
+        model = tf.Qwen3_5ForCausalLM(config)
     else:
         tie = text.pop("tie_word_embeddings", False)
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
                       out_hidden_size=text["hidden_size"], num_position_embeddings=16)
-        config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=tie)
-        model = Qwen3_5ForConditionalGeneration(config)
+        config = tf.Qwen3_5Config(text_config=text, vision_config=vision,
+                                  tie_word_embeddings=tie)
+        model = tf.Qwen3_5ForConditionalGeneration(config)
     model = model.float()
     randomize(model, req["seed"])
     if req.get("dtype", "float32") == "bfloat16":
@@ -104,10 +105,10 @@ def make(req):
 
 
 def run(req):
-    check_transformers()
+    tf = check_transformers()
     with open(f"{req['dir']}/config.json") as f:
         arch = json.load(f)["architectures"][0]
-    cls = Qwen3_5ForConditionalGeneration if "Conditional" in arch else Qwen3_5ForCausalLM
+    cls = tf.Qwen3_5ForConditionalGeneration if "Conditional" in arch else tf.Qwen3_5ForCausalLM
     model = cls.from_pretrained(req["dir"], dtype=torch.float32, attn_implementation="eager")
     model.eval()
     out = {}

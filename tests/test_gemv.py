@@ -7,6 +7,8 @@ is checked on CPU in tests/test_gpu_lowering.py.
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -24,8 +26,10 @@ EPS = 1e-6
 def device_for(mode):
     """The interpreter runs on the CPU even where a GPU is the default device: XLA's GPU fusions
     of the interpreter's jnp ops keep excess precision across the kernel's bfloat16 roundings
-    (the SwiGLU case then missed float64 by 1.6e-3 of the scale on the H200)."""
-    return jax.default_device(jax.devices("cpu")[0] if mode == "interpret" else None)
+    (the SwiGLU cases then missed float64 by 2.4e-3 and 3.0e-3 of the scale on the H200)."""
+    if mode == "interpret":
+        return jax.default_device(jax.devices("cpu")[0])
+    return contextlib.nullcontext()
 
 
 def numpy_gemv(x, w, norm_weight, num_splits, eps=EPS):

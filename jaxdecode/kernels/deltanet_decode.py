@@ -68,8 +68,9 @@ MODEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # 13.632 -> 14.562 ms wall (slower; the delta-rule-only kernel took that cell from 13.56 to 12.09
 # ms in session 4). Session 8, 9B at 1k context, one process: batch 1 4.864 -> 4.686 ms wall
 # with the kernel, batch 4 4.979 -> 5.031 ms (slower; equal kernel time, 5.067 vs 5.076 ms).
-# One cell, a 1% margin (about 4x the run-to-run noise of that session); batches 2-3 and 5-7,
-# and the 0.8B model at batch 4, not timed.
+# One cell, a 1% margin (about 4x the run-to-run noise of that session). Session 9: 9B batch 2
+# 4.860 -> 4.793 ms wall with the kernel. Batches 3 and 5-7, and the 0.8B model at batch 4, not
+# timed.
 MAX_BATCH_AUTO = 4
 
 

@@ -36,11 +36,12 @@ needs no second kernel, and stores the normalised, rounded values. The caller su
 Status: correct (tested against float64 numpy in the Mosaic GPU interpreter and compiled on an
 H200, tests/test_gemv.py) but too slow to use, so ``jaxdecode.model`` does not. On an H200
 (``benchmarks/gemv.py``, benchmarks/RESULTS.md, session 9) it streams the 9B projections'
-weights at 0.9-2.9 TB/s at best (per projection, over tile widths and split counts) against
-XLA's 2.9-4.5 TB/s for the norm and the GEMM together: the 9B gate+up projection takes 98 us at
-best where XLA's three kernels take 53 us, and the down projection with SwiGLU 113 us against
-30 us. Summing the products elementwise over the loop (one K reduction at the end instead of
-one per tile) moved the best times by at most 10% (gate+up 88 us) and was reverted. The likely
+weights at 0.9-3.0 TB/s at best (per projection, over tile widths and split counts) where
+XLA's GEMMs stream them at 2.9-4.5 TB/s; with everything each call launches summed, the 9B
+gate+up projection takes 99 us at best where XLA's three kernels (norm and GEMM) take 53 us,
+and the down projection with SwiGLU 114 us against 30 us. Summing the products elementwise over
+the loop (one K reduction at the end instead of one per tile) moved the best times by at most
+10% (gate+up 89 us) and was reverted. The likely
 cause is the CUDA-core multiply with a layout-changing broadcast per tile.
 
 :func:`gemv_wgmma` is that next form, for timing only: the swapped product
