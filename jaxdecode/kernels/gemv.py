@@ -41,8 +41,8 @@ XLA's GEMMs stream them at 2.9-4.5 TB/s; with everything each call launches summ
 gate+up projection takes 99 us at best where XLA's three kernels (norm and GEMM) take 53 us,
 and the down projection with SwiGLU 114 us against 30 us. Summing the products elementwise over
 the loop (one K reduction at the end instead of one per tile) moved the best times by at most
-10% (gate+up 89 us) and was reverted. The likely
-cause is the CUDA-core multiply with a layout-changing broadcast per tile.
+10% (gate+up 89 us) and was reverted. The likely cause is the CUDA-core multiply with a
+layout-changing broadcast per tile.
 
 :func:`gemv_wgmma` is that next form, for timing only: the swapped product
 ``w_tile [64, block_k] @ x.T [block_k, 8]`` on the tensor cores (wgmma with N = 8, x
