@@ -38,7 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxdecode as jd  # noqa: E402
-from jaxdecode import model  # noqa: E402
+from jaxdecode import activations, model  # noqa: E402
 from jaxdecode.kernels.gemv import (TILE_N, check_supported, gemv_pallas,  # noqa: E402
                                     gemv_wgmma)
 from step_profile import cupti_kernels  # noqa: E402
@@ -125,7 +125,7 @@ def main():
                 h = model.rms_norm(x, nw, eps) if nw is not None else x
                 if fold == "swiglu":  # as model.mlp
                     gate, up = jnp.split(h, 2, axis=-1)
-                    h = model.silu(gate) * up
+                    h = activations.silu(gate) * up
                 return h
 
             def xla(x, w, nw):

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jax_extend_core
 
+from jaxdecode.activations import sigmoid, silu
 from jaxdecode.config import FULL_ATTENTION, Config
 from jaxdecode.gated_delta import chunk_gated_delta_rule, l2_normalize
 from jaxdecode.kernels import IMPLEMENTATIONS
@@ -100,18 +101,6 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
     x1, x2 = x_rot[..., : rd // 2], x_rot[..., rd // 2:]
     rotated = jnp.concatenate([-x2, x1], axis=-1)
     return jnp.concatenate([x_rot * cos + rotated * sin, x_pass], axis=-1)
-
-
-def silu(x: Array) -> Array:
-    """``silu`` of a model-dtype tensor as torch computes it (HF, spec §1.7): in float32, rounded
-    once to x's dtype. (``jax.nn.silu`` on bfloat16 under jit rounds its sigmoid first: about
-    40% of random bfloat16 inputs then differ from torch by an ulp; tests/test_activations.py.)"""
-    return jax.nn.silu(x.astype(f32)).astype(x.dtype)
-
-
-def sigmoid(x: Array) -> Array:
-    """``sigmoid`` of a model-dtype tensor as torch computes it: in float32, rounded once."""
-    return jax.nn.sigmoid(x.astype(f32)).astype(x.dtype)
 
 
 def mlp(p: MLPParams, x: Array) -> Array:

@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 
 from conftest import run_hf
-from jaxdecode import model
+from jaxdecode import activations
 
 
 def test_silu_and_sigmoid_match_torch_on_bfloat16(tmp_path):
@@ -22,7 +22,7 @@ def test_silu_and_sigmoid_match_torch_on_bfloat16(tmp_path):
              "out": str(tmp_path / "torch.npz")}], tmp_path)
     want = np.load(tmp_path / "torch.npz")
     xb = jnp.asarray(x, jnp.bfloat16)
-    for name, fn in (("silu", model.silu), ("sigmoid", model.sigmoid)):
+    for name, fn in (("silu", activations.silu), ("sigmoid", activations.sigmoid)):
         got = np.asarray(jax.jit(fn)(xb), np.float32)
         assert jax.jit(fn)(xb).dtype == jnp.bfloat16
         # Bit for bit, except where torch's result is below 1e-30 (x < -85): XLA's float32
@@ -33,7 +33,7 @@ def test_silu_and_sigmoid_match_torch_on_bfloat16(tmp_path):
         assert np.abs(got - want[name])[tiny].max(initial=0.0) < 1e-30
     # the MLP's elementwise part, fused under jit as in model.mlp: silu rounded, then the product
     gate, up = jnp.split(xb, 2)
-    got = np.asarray(jax.jit(lambda g, u: model.silu(g) * u)(gate, up), np.float32)
+    got = np.asarray(jax.jit(lambda g, u: activations.silu(g) * u)(gate, up), np.float32)
     tiny = np.abs(want["swiglu"]) < 1e-30
     assert int((got != want["swiglu"])[~tiny].sum()) == 0
     # the check has teeth: jax.nn.silu on bfloat16 (its sigmoid rounded first) does not match

@@ -52,6 +52,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxdecode.activations import sigmoid
 from jaxdecode.gated_delta import L2NORM_EPS, l2_normalize
 from jaxdecode.kernels import IMPLEMENTATIONS, wait_for_inputs
 from jaxdecode.kernels.decode_attention import _gpu_compute_capability
@@ -381,8 +382,7 @@ def deltanet_decode_xla(mixed_qkv, a, b, active, lengths, conv_state, recurrent_
     q = grouped[..., :dk].astype(f32)
     k = grouped[..., dk:2 * dk].astype(f32)
     v = grouped[..., 2 * dk:].reshape(batch, hv, dv).astype(f32)
-    # sigmoid in float32, rounded once to the model dtype (torch's bf16 sigmoid; jitted XLA's)
-    beta = jax.nn.sigmoid(b.astype(f32)).astype(b.dtype).astype(f32)
+    beta = sigmoid(b).astype(f32)  # torch's bf16 sigmoid: float32 math, one rounding
     # Log-space decay g = -exp(A_log) * softplus(a + dt_bias) <= 0, in float32 (spec §7 item 6).
     g = -jnp.exp(A_log.astype(f32)) * jax.nn.softplus(a.astype(f32) + dt_bias.astype(f32))
     q = l2_normalize(q) * (dk ** -0.5)

@@ -61,6 +61,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxdecode.activations import silu
 from jaxdecode.kernels import wait_for_inputs
 
 f32 = jnp.float32
@@ -75,9 +76,8 @@ def gemv_reference(x, w, *, norm_weight=None, eps: float = 1e-6, swiglu: bool = 
     """The same function in ``jnp``: float32 partials [num_splits, B, N] of ``x_n @ w.T`` (x_n
     as in the module docstring; x itself without ``norm_weight`` or ``swiglu``)."""
     if swiglu:
-        gate, up = jnp.split(x.astype(f32), 2, axis=-1)
-        act = (gate * jax.nn.sigmoid(gate)).astype(x.dtype).astype(f32)
-        x = (act * up).astype(x.dtype)
+        gate, up = jnp.split(x, 2, axis=-1)
+        x = (silu(gate).astype(f32) * up.astype(f32)).astype(x.dtype)
     if norm_weight is not None:
         xf = x.astype(f32)
         scale = lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
@@ -127,6 +127,14 @@ def check_supported(x_shape, w_shape, dtype, block_k: int = 256, num_splits: int
     return None
 
 
+def _fetch_weight_tile(w_gmem, w_smem, barriers, n, k_first, block_k, i, slot):
+    """Weight tile i of program (n, split starting at k_first), [64, block_k], into pipeline
+    slot ``slot`` (an async TMA copy that arrives on ``barriers[slot]``)."""
+    plgpu.copy_gmem_to_smem(
+        w_gmem.at[pl.ds(n * TILE_N, TILE_N), pl.ds(k_first + i * block_k, block_k)],
+        w_smem.at[slot], barriers.at[slot])
+
+
 def _kernel(*refs, rows, block_k, steps, num_stages, eps, norm, swiglu, interpret):
     if norm:
         x_gmem, w_gmem, nw_gmem, out_gmem, w_smem, x_smem, o_smem, barriers = refs
@@ -140,10 +148,7 @@ def _kernel(*refs, rows, block_k, steps, num_stages, eps, norm, swiglu, interpre
     k_len = w_gmem.shape[1]
     k_first = s * (steps * block_k)
 
-    def fetch(i, slot):  # weight tile i of this program into a pipeline slot (async, TMA)
-        plgpu.copy_gmem_to_smem(
-            w_gmem.at[pl.ds(n * TILE_N, TILE_N), pl.ds(k_first + i * block_k, block_k)],
-            w_smem.at[slot], barriers.at[slot])
+    fetch = functools.partial(_fetch_weight_tile, w_gmem, w_smem, barriers, n, k_first, block_k)
 
     for i in range(min(num_stages, steps)):  # in flight while x is prepared below
         fetch(i, i)
@@ -279,10 +284,8 @@ def _wgmma_kernel(x_gmem, w_gmem, out_gmem, w_smem, x_smem, o_smem, w_barriers, 
     n, s = lax.axis_index("n"), lax.axis_index("s")
     k_first = s * (steps * block_k)
 
-    def fetch(i, slot):  # weight tile i of this program into a pipeline slot (async, TMA)
-        plgpu.copy_gmem_to_smem(
-            w_gmem.at[pl.ds(n * TILE_N, TILE_N), pl.ds(k_first + i * block_k, block_k)],
-            w_smem.at[slot], w_barriers.at[slot])
+    fetch = functools.partial(_fetch_weight_tile, w_gmem, w_smem, w_barriers, n, k_first,
+                              block_k)
 
     for i in range(min(num_stages, steps)):
         fetch(i, i)
