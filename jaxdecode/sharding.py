@@ -8,28 +8,28 @@ insert every collective. No hand-written communication anywhere.
     mesh = sharding.make_mesh(data=2, model=4)
     params = jd.load_checkpoint(path, "bfloat16", mesh=mesh)     # or sharding.shard_params(p, mesh)
     state = sharding.init_state_sharded(params.config, mesh, batch_size=8, max_len=4096)
-    logits, state = sharding.prefill(params, state, tokens, lengths)
-    logits, state = sharding.decode_step(params, state, jnp.argmax(logits, -1))
+    logits, state = jd.prefill(params, state, tokens, num_new)     # runs on the state's mesh
+    logits, state = jd.decode_step(params, state, jnp.argmax(logits, -1))
 
 Layout (weights are PyTorch ``[out, in]``; in the spec column ``model``/``data`` are the mesh
 axes and ``-`` means not split):
 
     leaf                               shape               spec                   split by
-    embed_tokens, lm_head              [V, Hd]             (model, -)             vocabulary
+    embed_tokens, lm_head              [V, H]             (model, -)             vocabulary
     input/post_attention_layernorm,
       norm, q_norm, k_norm,
-      linear_attn.norm                 [Hd] / [D] / [dv]   ()                     replicated
-    mlp.gate_proj, mlp.up_proj         [I, Hd]             (model, -)             intermediate
-    mlp.down_proj                      [Hd, I]             (-, model)             intermediate
-    self_attn.q_proj                   [2·Hq·D, Hd]        (model, -)             query heads
-    self_attn.k_proj, v_proj           [Hkv·D, Hd]         (model, -)             KV heads
-    self_attn.o_proj                   [Hd, Hq·D]          (-, model)             query heads
-    linear_attn.in_proj_qkv            [C, Hd]             (model, -)             key-head groups
+      linear_attn.norm                 [H] / [D] / [dv]   ()                     replicated
+    mlp.gate_proj, mlp.up_proj         [I, H]             (model, -)             intermediate
+    mlp.down_proj                      [H, I]             (-, model)             intermediate
+    self_attn.q_proj                   [2·Hq·D, H]        (model, -)             query heads
+    self_attn.k_proj, v_proj           [Hkv·D, H]         (model, -)             KV heads
+    self_attn.o_proj                   [H, Hq·D]          (-, model)             query heads
+    linear_attn.in_proj_qkv            [C, H]             (model, -)             key-head groups
     linear_attn.conv1d                 [C, 1, Kc]          (model, -, -)          key-head groups
-    linear_attn.in_proj_z              [Hv·dv, Hd]         (model, -)             value heads
-    linear_attn.in_proj_a, in_proj_b   [Hv, Hd]            (model, -)             value heads
+    linear_attn.in_proj_z              [Hv·dv, H]         (model, -)             value heads
+    linear_attn.in_proj_a, in_proj_b   [Hv, H]            (model, -)             value heads
     linear_attn.dt_bias, A_log         [Hv]                (model,)               value heads
-    linear_attn.out_proj               [Hd, Hv·dv]         (-, model)             value heads
+    linear_attn.out_proj               [H, Hv·dv]         (-, model)             value heads
     state.conv_state[i]                [B, Kc, C]          (data, -, model)       rows; key-head groups
     state.recurrent_state[i]           [B, Hv, dk, dv]     (data, model, -, -)    rows; value heads
     state.kv_cache[i].k, .v            [B, Hkv, S, D]      (data, model, -, -)    rows; KV heads
@@ -41,7 +41,7 @@ heads and each device's gate rows sit with its query rows.
 
 Why: every weight is split over ``"model"`` (none is replicated, none is ever all-gathered), in
 the Megatron pattern: column-parallel in-projections, row-parallel out-projections, so each
-mixer and each MLP ends with one all-reduce of the [B, T, Hd] residual update. Caches and the
+mixer and each MLP ends with one all-reduce of the [B, T, H] residual update. Caches and the
 recurrent state live with the heads that read and write them. The vocabulary split leaves the
 logits split too (an argmax or sampler reduces across ``"model"``, on [B, V] floats).
 
@@ -53,21 +53,13 @@ r value heads of key head i]``, applied to ``in_proj_qkv`` rows and ``conv1d`` c
 time), so ``m`` contiguous blocks (``m`` dividing Hk) are whole key-head groups: projection,
 conv, window update and delta rule are all local to a device.
 
-Decode attention runs per device under ``shard_map`` (:func:`sharded_decode_attention`, used by
-:func:`jit_decode_step` / :func:`decode_step`): the Pallas kernel is a custom call the SPMD
-partitioner cannot split, and would otherwise get an all-gathered KV cache every step.
-``jaxdecode.decode_step`` given a state on such a mesh (:func:`is_on_mesh`) calls
-:func:`decode_step` here; inside your own ``jax.jit`` pass
-``attention_impl=sharded_decode_attention(mesh)`` to ``model.decode_step_fn``, or call
-``jit_decode_step``'s function, which then runs un-jitted inside yours. The
-Gated DeltaNet update does the same (:func:`sharded_gated_delta_decode`, its Pallas kernel from
-batch 8 (per device) on Hopper; ``deltanet_impl=`` of ``model.decode_step_fn``). On 2 x H200
-the compiled TP2 step with the kernel under ``shard_map`` has only the residual all-reduces
-(benchmarks/RESULTS.md, "Sharded decode step"); on CPU the tests run the reference attention
-inside ``shard_map``, since the Mosaic GPU interpreter cannot run on several virtual devices.
+The Pallas kernels run per device under ``shard_map`` (``jaxdecode.kernels.choice``, from
+``choose_kernels(config, B, mesh=mesh)``, which ``jd.decode_step`` calls for a state on a
+mesh): a kernel is a custom call the SPMD partitioner cannot split, and would otherwise get an
+all-gathered KV cache every step.
 
 Per decode step of the 9B model (compiled HLO for 8 CPU devices, batch 8, meshes (1,2), (1,4)
-and (2,4)): 65 all-reduces of [B, Hd] (one per mixer and per MLP, plus the vocab-split
+and (2,4)): 65 all-reduces of [B, H] (one per mixer and per MLP, plus the vocab-split
 embedding lookup) and no other collective. No weight moves.
 The cache write in ``model.py`` is a per-row scatter, so with ``data`` > 1 no K/V rows move
 across ``"data"`` (the compiled step has no all-gather at data=2/model=4 or data=8).
@@ -78,10 +70,8 @@ Requirements (checked, with one ``ValueError`` naming every size that fails):
 ``"model"`` axis size, and the batch by the ``"data"`` axis size. For the published 9B and 27B
 (4 KV heads) that means at most 4-way tensor parallelism; 0.8B and 2B (2 KV heads): 2-way.
 
-Donation: :func:`jit_prefill` and :func:`jit_decode_step` pin ``out_shardings`` to the input
-layout, so every state buffer is aliased in place and no step reshards. (The unpinned
-``jaxdecode.model.prefill_jit``/``decode_step_jit`` happen to keep this layout too, by
-propagation; pinning makes it a guarantee.)
+Donation: ``jaxdecode.step`` builds the jitted prefill and decode step with ``out_shardings``
+pinned to these tables, so every state buffer is aliased in place and no step reshards.
 
 Several hosts (processes): the same code. Every process runs the same script; first call
 ``jax.distributed.initialize`` (no arguments on SLURM, Cloud TPU and other detected
@@ -111,40 +101,36 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdecode import model
-from jaxdecode.kernels.decode_attention import decode_attention
-from jaxdecode.kernels.gated_delta_decode import gated_delta_decode
 from jaxdecode.config import Config
+from jaxdecode.kernels.choice import DATA, MODEL
 from jaxdecode.params import Params, param_specs, params_from_flat
 from jaxdecode.state import DecodeState, KVCache, init_state
 
-DATA = "data"
-MODEL = "model"
 AXIS_NAMES = (DATA, MODEL)
 
 # Parameter leaf name (HF name without the "model." / "model.layers.{i}." prefix) -> spec.
 # Leaves not listed (the RMSNorm gains) are replicated.
 PARAM_RULES: dict[str, P] = {
-    "embed_tokens.weight": P(MODEL, None),  # [V, Hd] vocabulary
-    "lm_head.weight": P(MODEL, None),  # [V, Hd] vocabulary
-    "mlp.gate_proj.weight": P(MODEL, None),  # [I, Hd]
-    "mlp.up_proj.weight": P(MODEL, None),  # [I, Hd]
-    "mlp.down_proj.weight": P(None, MODEL),  # [Hd, I]
+    "embed_tokens.weight": P(MODEL, None),  # [V, H] vocabulary
+    "lm_head.weight": P(MODEL, None),  # [V, H] vocabulary
+    "mlp.gate_proj.weight": P(MODEL, None),  # [I, H]
+    "mlp.up_proj.weight": P(MODEL, None),  # [I, H]
+    "mlp.down_proj.weight": P(None, MODEL),  # [H, I]
     # q_proj rows are [Hq, 2D] per head (query then gate): contiguous blocks are whole heads.
-    "self_attn.q_proj.weight": P(MODEL, None),  # [2·Hq·D, Hd]
-    "self_attn.k_proj.weight": P(MODEL, None),  # [Hkv·D, Hd]
-    "self_attn.v_proj.weight": P(MODEL, None),  # [Hkv·D, Hd]
-    "self_attn.o_proj.weight": P(None, MODEL),  # [Hd, Hq·D]
+    "self_attn.q_proj.weight": P(MODEL, None),  # [2·Hq·D, H]
+    "self_attn.k_proj.weight": P(MODEL, None),  # [Hkv·D, H]
+    "self_attn.v_proj.weight": P(MODEL, None),  # [Hkv·D, H]
+    "self_attn.o_proj.weight": P(None, MODEL),  # [H, Hq·D]
     # Channels grouped per key head (params.conv_channel_order): contiguous blocks are whole
     # key-head groups, the same blocks as conv1d and conv_state.
-    "linear_attn.in_proj_qkv.weight": P(MODEL, None),  # [C, Hd]
+    "linear_attn.in_proj_qkv.weight": P(MODEL, None),  # [C, H]
     "linear_attn.conv1d.weight": P(MODEL, None, None),  # [C, 1, Kc]
-    "linear_attn.in_proj_z.weight": P(MODEL, None),  # [Hv·dv, Hd]
-    "linear_attn.in_proj_b.weight": P(MODEL, None),  # [Hv, Hd]
-    "linear_attn.in_proj_a.weight": P(MODEL, None),  # [Hv, Hd]
+    "linear_attn.in_proj_z.weight": P(MODEL, None),  # [Hv·dv, H]
+    "linear_attn.in_proj_b.weight": P(MODEL, None),  # [Hv, H]
+    "linear_attn.in_proj_a.weight": P(MODEL, None),  # [Hv, H]
     "linear_attn.dt_bias": P(MODEL),  # [Hv]
     "linear_attn.A_log": P(MODEL),  # [Hv]
-    "linear_attn.out_proj.weight": P(None, MODEL),  # [Hd, Hv·dv]
+    "linear_attn.out_proj.weight": P(None, MODEL),  # [H, Hv·dv]
 }
 
 # DecodeState field -> spec of each of its arrays.
@@ -367,179 +353,19 @@ def checkpoint_placer(config: Config, mesh: Mesh) -> Callable[[str, np.ndarray],
     return place
 
 
-# ----- jitted entry points --------------------------------------------------------------------
-
-@functools.cache
-def jit_prefill(config: Config, mesh: Mesh, return_all_logits: bool = False):
-    """``model.prefill_fn`` jitted with the state donated and the output state pinned to the
-    state layout (logits as :func:`logits_partition_spec`). One jitted function per
-    (config, mesh, return_all_logits); call it as ``f(params, state, tokens, lengths)`` with
-    inputs already placed (no host validation). Compiled with ``model.COMPILER_OPTIONS``; inside
-    your own ``jax.jit`` it runs un-jitted, inlined (``model.TopLevelJit``), so its output
-    shardings are then your jit's (``constrain_state``)."""
-    out = (NamedSharding(mesh, logits_partition_spec(return_all_logits)),
-           state_shardings(config, mesh))
-    fn = functools.partial(model.prefill_fn, return_all_logits=return_all_logits)
-    return model.TopLevelJit(jax.jit(fn, donate_argnums=1, out_shardings=out,
-                                     compiler_options=model.COMPILER_OPTIONS), fn,
-                             jit_prefill.__doc__)
-
-
-@functools.cache
-def sharded_decode_attention(mesh: Mesh, implementation: str = "auto"):
-    """``decode_attention`` run per device under ``jax.shard_map``: rows over ``"data"``, query
-    and KV heads over ``"model"`` (a contiguous head split keeps every GQA group on one device).
-
-    The Pallas kernel is a custom call that XLA's SPMD partitioner cannot split: left to the
-    partitioner it would all-gather the KV caches every step. Under ``shard_map`` each device
-    runs the kernel on its own rows and heads, with no communication. Cached per (mesh,
-    implementation), so the returned function is a stable jit static.
-    """
-    q_spec, kv_spec = P(DATA, MODEL, None), P(DATA, MODEL, None, None)
-
-    def local(q, k_cache, v_cache, lengths):
-        return decode_attention(q, k_cache, v_cache, lengths, implementation=implementation)
-
-    return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P(DATA)),
-                         out_specs=q_spec, check_vma=False)
-
-
-@functools.cache
-def sharded_gated_delta_decode(mesh: Mesh, implementation: str = "auto"):
-    """``gated_delta_decode`` (the one-token delta rule) run per device under ``jax.shard_map``:
-    rows over ``"data"``, key and value heads over ``"model"`` (contiguous head blocks: value
-    head h and its key head h // r land on the same device, since Hv = r·Hk). Like
-    :func:`sharded_decode_attention`: the Pallas kernel is a custom call the partitioner cannot
-    split; under ``shard_map`` each device updates its own recurrent states in place, with no
-    communication. Cached per (mesh, implementation)."""
-    heads, state_spec = P(DATA, MODEL, None), P(DATA, MODEL, None, None)
-
-    def local(q, k, v, g, beta, state):
-        return gated_delta_decode(q, k, v, g, beta, state, implementation=implementation)
-
-    return jax.shard_map(local, mesh=mesh,
-                         in_specs=(heads, heads, heads, P(DATA, MODEL), P(DATA, MODEL),
-                                   state_spec),
-                         out_specs=(heads, state_spec), check_vma=False)
-
-
-@functools.cache
-def jit_decode_step(config: Config, mesh: Mesh, attention_impl: str = "auto",
-                    deltanet_impl: str = "auto"):
-    """``model.decode_step_fn`` jitted like :func:`jit_prefill`; call as
-    ``f(params, state, tokens, active)`` (``active`` may be None; inside your own jit as
-    :func:`jit_prefill`). Decode attention and the
-    DeltaNet update run per device (:func:`sharded_decode_attention`,
-    :func:`sharded_gated_delta_decode`); a callable implementation is used as given."""
-    out = (NamedSharding(mesh, logits_partition_spec()), state_shardings(config, mesh))
-    attend = (sharded_decode_attention(mesh, attention_impl) if isinstance(attention_impl, str)
-              else attention_impl)
-    delta_rule = (sharded_gated_delta_decode(mesh, deltanet_impl)
-                  if isinstance(deltanet_impl, str) else deltanet_impl)
-    fn = functools.partial(model.decode_step_fn, attention_impl=attend,
-                           deltanet_impl=delta_rule)
-    return model.TopLevelJit(jax.jit(fn, donate_argnums=1, out_shardings=out,
-                                     compiler_options=model.COMPILER_OPTIONS), fn,
-                             jit_decode_step.__doc__)
-
-
-def state_mesh(state: DecodeState) -> Mesh:
-    """The mesh a sharded state lives on (not for traced states: inside your own ``jax.jit`` use
-    ``model.decode_step_fn`` with ``attention_impl=sharded_decode_attention(mesh)``).
-
-    Raises:
-      ValueError: if the state is not laid out with a ``NamedSharding`` (use
-        :func:`init_state_sharded` or :func:`shard_state`).
-    """
-    mesh = _mesh_of(state)
-    if mesh is None:
-        sharding = getattr(state.lengths, "sharding", None)
-        raise ValueError(f"the state is not sharded over a {AXIS_NAMES} mesh ({sharding=}); "
-                         "create it with init_state_sharded or shard_state")
-    return mesh
-
-
-def _mesh_of(state: DecodeState) -> Mesh | None:
-    """The ``("data", "model")`` mesh of ``state.lengths``' NamedSharding, else None."""
-    sharding = getattr(state.lengths, "sharding", None)
-    if isinstance(sharding, NamedSharding) and tuple(sharding.mesh.axis_names) == AXIS_NAMES:
-        return sharding.mesh
+def mesh_of(x) -> Mesh | None:
+    """The ``("data", "model")`` mesh of a placed state, params or array (its first leaf's
+    ``NamedSharding``), or None: single-device, traced, or another layout."""
+    leaf = jax.tree.leaves(x)[0]
+    where = None if isinstance(leaf, jax.core.Tracer) else getattr(leaf, "sharding", None)
+    if isinstance(where, NamedSharding) and tuple(where.mesh.axis_names) == AXIS_NAMES:
+        return where.mesh
     return None
 
 
-def is_on_mesh(state: DecodeState) -> bool:
-    """Whether ``state`` lives on a ``("data", "model")`` mesh of more than one device (as made by
-    :func:`init_state_sharded` / :func:`shard_state`); False for traced or single-device states."""
-    if isinstance(state.lengths, jax.core.Tracer):
-        return False
-    mesh = _mesh_of(state)
-    return mesh is not None and mesh.size > 1
-
-
-def _check_params_mesh(params: Params, mesh: Mesh) -> None:
-    """Params placed on another mesh (or on one device) would be moved onto the state's mesh by
-    every call; say so instead."""
-    leaf = params.embed_tokens
-    where = getattr(leaf, "sharding", None)
-    if isinstance(leaf, jax.Array) and not (isinstance(where, NamedSharding)
-                                            and where.mesh == mesh):
-        raise ValueError(f"params are not on the state's mesh {dict(mesh.shape)} (embed_tokens "
-                         f"sharding: {where}); place them with sharding.shard_params(params, "
-                         f"mesh) or load_checkpoint(..., mesh=mesh)")
-
-
-def _with_host_lengths(state: DecodeState) -> DecodeState:
-    """The state with ``lengths`` read back to the host, for validation. Read from a copy: on CPU
-    ``np.asarray`` of a multi-device array keeps zero-copy views of its buffers, and a buffer
-    with outside references is copied instead of donated."""
-    return state.replace(lengths=np.asarray(jnp.copy(state.lengths)))
-
-
-def prefill(params: Params, state: DecodeState, tokens, lengths, *,
-            return_all_logits: bool = False):
-    """:func:`jaxdecode.prefill` on the mesh the state lives on.
-
-    Same arguments and results as ``jaxdecode.prefill``; ``params`` from :func:`shard_params`
-    (or ``load_checkpoint(..., mesh=...)``), ``state`` from :func:`init_state_sharded` (donated).
-    The new state has the same shardings as ``state``; the logits are split as
-    :func:`logits_partition_spec`. Host validation runs when the state is fully addressable
-    (one process); across processes it is skipped (every process would need every row).
-
-    Raises:
-      ValueError: see ``jaxdecode.model.check_prefill_inputs`` and :func:`state_mesh`; params
-        not placed on the state's mesh.
-    """
-    mesh = state_mesh(state)
-    _check_params_mesh(params, mesh)
-    if state.lengths.is_fully_addressable and not model._is_traced(tokens, lengths):
-        model.check_prefill_inputs(params.config, _with_host_lengths(state), tokens, lengths,
-                                   params.dtype)
-    tokens = shard_batch(tokens, mesh, jnp.int32)
-    lengths = shard_batch(lengths, mesh, jnp.int32)
-    return jit_prefill(params.config, mesh, return_all_logits)(params, state, tokens, lengths)
-
-
-def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
-                attention_impl: str = "auto", deltanet_impl: str = "auto",
-                check_inputs: bool = True):
-    """:func:`jaxdecode.decode_step` on the mesh the state lives on (see :func:`prefill`).
-
-    The state is donated and every buffer aliased to its output; the output state keeps the
-    input's shardings, so one executable serves every step.
-
-    Raises:
-      ValueError: see ``jaxdecode.model.check_decode_inputs`` and :func:`state_mesh`; params
-        not placed on the state's mesh.
-    """
-    model.check_implementations(attention_impl, deltanet_impl)
-    mesh = state_mesh(state)
-    _check_params_mesh(params, mesh)
-    if (check_inputs and state.lengths.is_fully_addressable
-            and not model._is_traced(tokens, active)):
-        model.check_decode_inputs(params.config, _with_host_lengths(state), tokens, active,
-                                  params.dtype)
-    tokens = shard_batch(tokens, mesh, jnp.int32)
-    if active is not None:
-        active = shard_batch(active, mesh, jnp.bool_)
-    return jit_decode_step(params.config, mesh, attention_impl, deltanet_impl)(
-        params, state, tokens, active)
+def check_params_on(params: Params, mesh: Mesh | None) -> None:
+    """Raises ValueError if ``params`` are not placed on ``mesh`` (every call would move them)."""
+    if mesh_of(params) != mesh:
+        raise ValueError(f"params are on mesh {mesh_of(params)} but the state on {mesh}; place "
+                         "both with sharding.shard_params / shard_state (or load_checkpoint(..., "
+                         "mesh=mesh), init_state_sharded)")

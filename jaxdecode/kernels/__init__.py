@@ -14,12 +14,10 @@
   than XLA on an H200, and ``gemv_wgmma`` on the tensor cores, not yet timed; the model uses
   neither (``benchmarks/gemv.py``, benchmarks/RESULTS.md session 9).
 
-The dispatchers take ``implementation`` in :data:`IMPLEMENTATIONS`.
+Which of them a step runs is decided in one place: ``choice.choose_kernels``.
 """
 
 from jax.experimental.pallas import mosaic_gpu as plgpu
-
-IMPLEMENTATIONS = ("auto", "pallas", "reference")
 
 
 def wait_for_inputs(interpret: bool) -> None:

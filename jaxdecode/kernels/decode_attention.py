@@ -4,20 +4,19 @@ Layout (shared with ``jaxdecode.state``):
     q        [B, num_attention_heads, head_dim]
     k_cache  [B, num_key_value_heads, max_len, head_dim]
     v_cache  [B, num_key_value_heads, max_len, head_dim]
-    lengths  [B] int32: keys 0 .. lengths[b]-1 of row b are valid (the current token is already written).
+    kv_len   [B] int32: keys 0 .. kv_len[b]-1 of row b are valid (the current token is already written).
 
 Query head h uses KV head h // (num_attention_heads // num_key_value_heads) (HF ``repeat_kv``).
 Scores are scaled by head_dim**-0.5; softmax and accumulation in float32; output in q's dtype.
 
-Three entry points, read top to bottom:
+Two entry points, read top to bottom:
 
 * :func:`decode_attention_pallas`: a Pallas Mosaic GPU kernel (Hopper, sm_90) with split-K
   "flash decoding". Program (b, kv head, split) streams its share of row b's keys through a
   TMA pipeline in blocks of ``block_kv``, keeps a running max and sum (online softmax) and writes
   a float32 partial output with its log2-sum-exp; :func:`_combine` merges the splits.
 * :func:`decode_attention_reference`: the same function in plain ``jnp`` (XLA), same signature.
-* :func:`decode_attention`: the dispatcher the model calls (``implementation`` = "auto" |
-  "pallas" | "reference").
+Which one runs is chosen in ``jaxdecode.kernels.choice``.
 
 Why the kernel looks the way it does:
 
@@ -28,12 +27,12 @@ Why the kernel looks the way it does:
   depending on its own row only) cannot leak into the first G. Decode attention is memory bound (about G flops per byte),
   so the 64/G-fold wasted tensor work is free; it is what makes one K/V read serve the group.
 * Blocks past a row's length are never loaded: each program loops over its own
-  ``[first, first + n)`` block range, computed in the kernel from ``lengths[b]``. The split of
+  ``[first, first + n)`` block range, computed in the kernel from ``kv_len[b]``. The split of
   a row's real blocks between ``num_splits`` programs is therefore by real length too: with 33
   splits a 300-token row spreads its 5 blocks over 5 programs even when ``max_len`` is 128k.
   ``num_splits`` itself is static (shapes only; :func:`choose_config`), so one long row in a
   batch of short ones still gets only ``num_splits`` programs.
-* Cache entries at positions >= lengths[b] may hold anything (NaN): scores there are replaced
+* Cache entries at positions >= kv_len[b] may hold anything (NaN): scores there are replaced
   (not multiplied) by -inf, and the value rows of the one partial block are zeroed in shared
   memory before ``p @ v`` (0 * NaN would be NaN).
 * bfloat16/float16 caches go through TMA (async bulk copies) into ``num_stages`` buffers,
@@ -62,7 +61,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import warnings
 
 import jax
 import jax.experimental.pallas as pl
@@ -70,7 +68,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from jaxdecode.kernels import IMPLEMENTATIONS, wait_for_inputs
+from jaxdecode.kernels import wait_for_inputs
 
 LOG2E = math.log2(math.e)
 # A KV cache whose max_len is a multiple of this is read in whole blocks; any other max_len makes
@@ -146,7 +144,7 @@ def choose_config(batch: int, num_kv_heads: int, max_len: int, head_dim: int, ca
       blocks' worth of fixed cost (prologue, epilogue, partial write). Ties go to fewer splits.
       For the 9B shape this gives 33 splits at batch 1 and 1 split at batch 64.
       The split is static (shapes only); which blocks each split reads is decided in the kernel
-      from the real lengths.
+      from the real kv_len.
     """
     num_sms = num_sms or _num_sms()
     itemsize = jnp.dtype(cache_dtype).itemsize
@@ -170,9 +168,9 @@ def choose_config(batch: int, num_kv_heads: int, max_len: int, head_dim: int, ca
 
 # ----- the kernel -------------------------------------------------------------------------------
 
-def _split_range(lengths_gmem, b, s, *, max_len, block_kv, num_splits):
+def _split_range(kv_len_gmem, b, s, *, max_len, block_kv, num_splits):
     """(length, first block, number of blocks) of split ``s`` of row ``b`` (all int32 scalars)."""
-    length = jnp.clip(lengths_gmem[b], 0, max_len)
+    length = jnp.clip(kv_len_gmem[b], 0, max_len)
     num_blocks = lax.div(length + (block_kv - 1), block_kv)
     per_split = lax.div(num_blocks + (num_splits - 1), num_splits)
     first = s * per_split
@@ -222,7 +220,7 @@ def _write_partial(acc, m, l, o_smem, lse_smem, o_gmem, lse_gmem, *, rows):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _kernel_16bit(lengths_gmem,  # [B] int32
+def _kernel_16bit(kv_len_gmem,  # [B] int32
                   q_gmem,        # [B, Hkv, Gp, D] cache dtype
                   k_gmem,        # [B, Hkv, S, D]
                   v_gmem,        # [B, Hkv, S, D]
@@ -238,9 +236,9 @@ def _kernel_16bit(lengths_gmem,  # [B] int32
     (k_smem, v_smem), o_smem = kvo_smem
     head_dim = q_smem.shape[-1]
     b, h, s = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
-    # q first: its copy overlaps the latency of the lengths[b] load that the K/V copies wait on.
+    # q first: its copy overlaps the latency of the kv_len[b] load that the K/V copies wait on.
     plgpu.copy_gmem_to_smem(q_gmem.at[b, h], q_smem.at[pl.ds(0, rows)], q_barrier)
-    length, first, n = _split_range(lengths_gmem, b, s, max_len=max_len, block_kv=block_kv,
+    length, first, n = _split_range(kv_len_gmem, b, s, max_len=max_len, block_kv=block_kv,
                                     num_splits=num_splits)
 
     def fetch(i, slot):
@@ -304,7 +302,7 @@ def _split_hi_lo(x):
     return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
 
 
-def _kernel_f32(lengths_gmem,  # [B] int32
+def _kernel_f32(kv_len_gmem,  # [B] int32
                 q_gmem,        # [B, Hkv, Gp, D] f32
                 k_gmem,        # [B, Hkv, S, D] f32
                 v_gmem,        # [B, Hkv, S, D] f32
@@ -322,7 +320,7 @@ def _kernel_f32(lengths_gmem,  # [B] int32
     chunk = min(64, head_dim)  # columns converted at a time (bounds register use)
     wgmma_layout = plgpu.Layout.WGMMA
     b, h, s = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
-    length, first, n = _split_range(lengths_gmem, b, s, max_len=max_len, block_kv=block_kv,
+    length, first, n = _split_range(kv_len_gmem, b, s, max_len=max_len, block_kv=block_kv,
                                     num_splits=num_splits)
 
     plgpu.copy_gmem_to_smem(q_gmem.at[b, h], q32_smem.at[pl.ds(0, rows)], q_barrier)
@@ -402,7 +400,7 @@ def check_supported(q_shape, k_shape, cache_dtype) -> str | None:
     return None
 
 
-def decode_attention_pallas(q, k_cache, v_cache, lengths, *,
+def decode_attention_pallas(q, k_cache, v_cache, kv_len, *,
                             config: DecodeAttentionConfig | None = None,
                             interpret: bool = False):
     """Decode attention as a Pallas Mosaic GPU kernel (Hopper) plus an XLA split combine.
@@ -411,7 +409,7 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *,
       q: [B, Hq, D] query of the current token.
       k_cache, v_cache: [B, Hkv, S, D] bfloat16, float16 or float32; Hq % Hkv == 0,
         D a multiple of 64 up to 256, Hq // Hkv <= 64.
-      lengths: [B] int32 valid positions per row (clipped to [0, S]).
+      kv_len: [B] int32 valid positions per row (clipped to [0, S]).
       config: tuning knobs; None picks :func:`choose_config` for these shapes.
       interpret: run in the Mosaic GPU interpreter (CPU) instead of compiling for the GPU.
 
@@ -434,8 +432,8 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *,
         raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"{k_cache.dtype=} != {v_cache.dtype=}")
-    if lengths.shape != (batch,):
-        raise ValueError(f"{lengths.shape=} must be ({batch},)")
+    if kv_len.shape != (batch,):
+        raise ValueError(f"{kv_len.shape=} must be ({batch},)")
     if (why := check_supported(q.shape, k_cache.shape, k_cache.dtype)) is not None:
         raise ValueError(f"decode_attention_pallas does not take {why}")
     cache_dtype = k_cache.dtype
@@ -494,7 +492,7 @@ def decode_attention_pallas(q, k_cache, v_cache, lengths, *,
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    o_part, lse = kernel(lengths.astype(jnp.int32), qg, k_cache, v_cache)
+    o_part, lse = kernel(kv_len.astype(jnp.int32), qg, k_cache, v_cache)
     out = _combine(o_part[:, :, :, :group], lse[:, :, :, :group])
     return out.reshape(batch, num_heads, head_dim).astype(q.dtype)
 
@@ -515,18 +513,18 @@ def _combine(o_part, lse):
 
 # ----- the reference ----------------------------------------------------------------------------
 
-def decode_attention_reference(q, k_cache, v_cache, lengths):
+def decode_attention_reference(q, k_cache, v_cache, kv_len):
     """Pure-JAX (XLA) decode attention.
 
     Args:
         q: [B, Hq, D] query of the current token (after q_norm and RoPE).
         k_cache: [B, Hkv, S, D] keys (after k_norm and RoPE); Hq % Hkv == 0.
         v_cache: [B, Hkv, S, D] values.
-        lengths: [B] int32, number of valid cache positions per row (0 <= lengths <= S).
+        kv_len: [B] int32, number of valid cache positions per row (0 <= kv_len <= S).
 
     Returns:
-        [B, Hq, D] in q.dtype. Rows with lengths == 0 give zeros. Cache entries at positions
-        >= lengths[b] (garbage, NaN) never affect row b.
+        [B, Hq, D] in q.dtype. Rows with kv_len == 0 give zeros. Cache entries at positions
+        >= kv_len[b] (garbage, NaN) never affect row b.
 
     Source: softmax(q k^T / sqrt(D)) v with GQA head sharing, as HF ``eager_attention_forward``
     (transformers ``models/qwen3_5/modeling_qwen3_5.py``).
@@ -535,7 +533,7 @@ def decode_attention_reference(q, k_cache, v_cache, lengths):
     _, num_kv_heads, max_len, _ = k_cache.shape
     group = num_heads // num_kv_heads
     qg = q.reshape(batch, num_kv_heads, group, head_dim).astype(jnp.float32)
-    valid = jnp.arange(max_len)[None, :] < lengths[:, None]  # [B, S]
+    valid = jnp.arange(max_len)[None, :] < kv_len[:, None]  # [B, S]
     k = jnp.where(valid[:, None, :, None], k_cache, 0).astype(jnp.float32)
     v = jnp.where(valid[:, None, :, None], v_cache, 0).astype(jnp.float32)
     scores = jnp.einsum("bkgd,bksd->bkgs", qg, k) * (head_dim**-0.5)
@@ -546,49 +544,3 @@ def decode_attention_reference(q, k_cache, v_cache, lengths):
     denom = jnp.sum(p, axis=-1, keepdims=True)
     out = jnp.einsum("bkgs,bksd->bkgd", p, v) / jnp.where(denom == 0, 1.0, denom)
     return out.reshape(batch, num_heads, head_dim).astype(q.dtype)
-
-
-# ----- the dispatcher ---------------------------------------------------------------------------
-
-def _gpu_compute_capability() -> tuple[int, int] | None:
-    """(major, minor) of the default device if it is a GPU ((0, 0) if unknown), else None."""
-    device = jax.devices()[0]
-    if device.platform != "gpu":
-        return None
-    try:
-        major, minor = str(device.compute_capability).split(".")[:2]
-        return int(major), int(minor)
-    except (AttributeError, ValueError):
-        return 0, 0
-
-
-def decode_attention(q, k_cache, v_cache, lengths, *, implementation: str = "auto"):
-    """Decode attention dispatcher (see module docstring for shapes).
-
-    ``implementation`` (a static Python string):
-      * "auto": the Pallas kernel on NVIDIA GPUs of compute capability 9.0+, the reference
-        elsewhere (CPU). On a GPU, falling back to the reference (older GPU, or a shape or dtype
-        the kernel does not take) raises one ``warnings.warn`` saying why, at trace time.
-      * "pallas": the kernel; on a machine without a GPU it runs in the Mosaic GPU interpreter
-        (slow; for tests). Unsupported shapes raise ValueError.
-      * "reference": :func:`decode_attention_reference`.
-    """
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"decode_attention: {implementation=} must be one of {IMPLEMENTATIONS}")
-    if implementation == "reference":
-        return decode_attention_reference(q, k_cache, v_cache, lengths)
-    cc = _gpu_compute_capability()
-    if implementation == "pallas":
-        return decode_attention_pallas(q, k_cache, v_cache, lengths, interpret=cc is None)
-    if cc is None:  # CPU (or TPU): the reference is the implementation, nothing to warn about
-        return decode_attention_reference(q, k_cache, v_cache, lengths)
-    if cc < (9, 0):
-        why = (f"the GPU ({jax.devices()[0].device_kind}, compute capability {cc[0]}.{cc[1]}) "
-               "is older than Hopper (compute capability 9.0)")
-    else:
-        why = check_supported(q.shape, k_cache.shape, k_cache.dtype)
-    if why is not None:
-        warnings.warn("decode_attention: using the XLA reference instead of the Pallas kernel: "
-                      f"{why}", stacklevel=2)
-        return decode_attention_reference(q, k_cache, v_cache, lengths)
-    return decode_attention_pallas(q, k_cache, v_cache, lengths)

@@ -5,7 +5,7 @@ layer (HF ``Qwen3_5GatedDeltaNet``, spec §1.4) is, per row b, for this row's on
 
   conv window  hist = [window[b] | mixed_qkv[b]]                       [Kc, C]  (model dtype)
                window[b] = the ring conv_state[b] [Kc, C] at the slots of positions
-               n-Kc+1 .. n-1, n = lengths[b] (``jaxdecode.state.conv_window``)
+               n-Kc+1 .. n-1, n = positions[b] (``jaxdecode.state.conv_window``)
   conv         x = silu(sum_t f32(hist[t]) * f32(w[:, t]))  -> model dtype -> float32   [C]
   split        per key head i: [q_i (dk) | k_i (dk) | v of its r value heads (r * dv)]
   gating       beta = f32(sigmoid(b))  (in float32, rounded once to the model dtype)
@@ -36,15 +36,14 @@ channels of key head h // r.
 Tested against a float64 numpy version of the whole core in the Mosaic GPU interpreter on CPU;
 its CUDA lowering (state and ring aliased in place) is checked on CPU in
 tests/test_gpu_lowering.py.
-:func:`deltanet_decode_reference` is the model's decode math factored out, and
-:func:`deltanet_decode` the dispatcher.
+:func:`deltanet_decode_reference` is the model's decode math factored out;
+``jaxdecode.kernels.choice`` decides when the model uses the kernel.
 """
 
 from __future__ import annotations
 
 import functools
 import operator
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -54,28 +53,17 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxdecode.activations import sigmoid
 from jaxdecode.gated_delta import L2NORM_EPS, l2_normalize
-from jaxdecode.kernels import IMPLEMENTATIONS, wait_for_inputs
-from jaxdecode.kernels.decode_attention import _gpu_compute_capability
-from jaxdecode.kernels.gated_delta_decode import TILE_ROWS, choose_block_v, gated_delta_decode
+from jaxdecode.kernels import wait_for_inputs
+from jaxdecode.kernels.gated_delta_decode import (TILE_ROWS, choose_block_v,
+                                                  gated_delta_decode_reference)
 from jaxdecode.state import conv_slot, conv_window
 
 f32 = jnp.float32
 MAX_COPY = 256  # one async (TMA) copy moves at most 256 elements along each dimension
 MODEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-# "auto" takes this kernel on Hopper below this batch; from it, XLA's conv/gating/norms and the
-# delta-rule-only kernel (``gated_delta_decode``, itself from its MIN_BATCH_AUTO = 8). On an
-# H200 (benchmarks/RESULTS.md, session 6; whole-step kernel time, same process, vs XLA's form):
-# 0.8B batch 1 1.122 -> 1.029 ms, 9B batch 1 4.901 -> 4.732 ms; but 9B batch 64 at 8k context
-# 13.632 -> 14.562 ms wall (slower; the delta-rule-only kernel took that cell from 13.56 to 12.09
-# ms in session 4). Session 8, 9B at 1k context, one process: batch 1 4.864 -> 4.686 ms wall
-# with the kernel, batch 4 4.979 -> 5.031 ms (slower; equal kernel time, 5.067 vs 5.076 ms).
-# One cell, a 1% margin (about 4x the run-to-run noise of that session). Session 9: 9B batch 2
-# 4.860 -> 4.793 ms wall with the kernel. Batches 3 and 5-7, and the 0.8B model at batch 4, not
-# timed.
-MAX_BATCH_AUTO = 4
 
 
-def _check(name, mixed_qkv, a, b, active, lengths, conv_state, recurrent_state, conv_weight,
+def _check(name, mixed_qkv, a, b, active, positions, conv_state, recurrent_state, conv_weight,
            A_log, dt_bias, num_key_heads):
     """Shapes and dtypes, with a ValueError naming what disagrees. Returns (hk, hv, dk, dv, kc)."""
     if recurrent_state.ndim != 4:
@@ -95,10 +83,10 @@ def _check(name, mixed_qkv, a, b, active, lengths, conv_state, recurrent_state, 
                          f"conv1d[:, 0, :]); got shape {tuple(conv_weight.shape)}")
     kc = conv_weight.shape[1]
     channels = hk * (2 * dk + (hv // hk) * dv)
-    arrays = dict(mixed_qkv=mixed_qkv, a=a, b=b, active=active, lengths=lengths,
+    arrays = dict(mixed_qkv=mixed_qkv, a=a, b=b, active=active, positions=positions,
                   conv_state=conv_state, conv_weight=conv_weight, A_log=A_log, dt_bias=dt_bias)
     want = dict(mixed_qkv=(batch, channels), a=(batch, hv), b=(batch, hv), active=(batch,),
-                lengths=(batch,), conv_state=(batch, kc, channels), conv_weight=(channels, kc),
+                positions=(batch,), conv_state=(batch, kc, channels), conv_weight=(channels, kc),
                 A_log=(hv,), dt_bias=(hv,))
     wrong = {n: (tuple(arrays[n].shape), s) for n, s in want.items() if arrays[n].shape != s}
     if kc < 1:
@@ -119,14 +107,14 @@ def _check(name, mixed_qkv, a, b, active, lengths, conv_state, recurrent_state, 
             bad[n] = arrays[n].dtype
     if active.dtype != jnp.bool_:
         bad["active"] = active.dtype
-    if lengths.dtype != jnp.int32:
-        bad["lengths"] = lengths.dtype
+    if positions.dtype != jnp.int32:
+        bad["positions"] = positions.dtype
     if recurrent_state.dtype != f32:
         bad["recurrent_state"] = recurrent_state.dtype
     if bad:
         raise ValueError(f"{name}: dtypes: mixed_qkv, a, b and conv_state share the model dtype "
                          "(float32 or bfloat16), conv_weight/A_log/dt_bias are float32 or "
-                         "bfloat16, active is bool, lengths int32, recurrent_state float32; got "
+                         "bfloat16, active is bool, positions int32, recurrent_state float32; got "
                          f"{bad}")
     return hk, hv, dk, dv, kc
 
@@ -156,7 +144,7 @@ def _softplus(x):
 def _kernel(mixed_gmem,  # [B, C] model dtype
             a_gmem, b_gmem,  # [B, Hv] model dtype
             active_gmem,  # [B] int32
-            lengths_gmem,  # [B] int32: this token's position n
+            positions_gmem,  # [B] int32: this token's position n
             w_gmem,  # [C, Kc]
             a_log_gmem, dt_bias_gmem,  # [Hv]
             o_gmem,  # [B, Hv, dv] float32 (out)
@@ -172,7 +160,7 @@ def _kernel(mixed_gmem,  # [B, C] model dtype
     rows, cols = tile.reduce(1), tile.reduce(0)  # [n_rows] and [block_v] vectors of the tile
     channels = mixed_gmem.shape[1]
     act = active_gmem[b] != 0
-    n = lengths_gmem[b]
+    n = positions_gmem[b]
     group = (h // r) * (2 * dk + r * dv)  # first channel of key head h // r
     c0 = group + 2 * dk + (h % r) * dv + j * block_v  # first of this program's v channels
 
@@ -261,7 +249,7 @@ def _kernel(mixed_gmem,  # [B, C] model dtype
     plgpu.wait_smem_to_gmem(0)
 
 
-def deltanet_decode_pallas(mixed_qkv, a, b, active, lengths, conv_state, recurrent_state,
+def deltanet_decode_pallas(mixed_qkv, a, b, active, positions, conv_state, recurrent_state,
                            conv_weight, A_log, dt_bias, *, num_key_heads: int,
                            block_v: int | None = None, interpret: bool = False):
     """The one-token Gated DeltaNet core in one kernel (math in the module docstring).
@@ -271,9 +259,9 @@ def deltanet_decode_pallas(mixed_qkv, a, b, active, lengths, conv_state, recurre
         before the conv, channels grouped per key head ``[q_i | k_i | v of its r value heads]``
         (``jaxdecode.params.conv_channel_order``), C = Hk * (2*dk + r*dv), r = Hv // Hk.
       a, b: [B, Hv] model dtype: the ``in_proj_a`` and ``in_proj_b`` outputs.
-      active: [B] bool: the row takes this token (``n_new > 0``). False: its state and ring
+      active: [B] bool: the row takes this token (it has a new token). False: its state and ring
         are kept bit-exact and its o is 0.
-      lengths: [B] int32 >= 0: this token's position (tokens already in the row).
+      positions: [B] int32 >= 0: this token's position (tokens already in the row).
       conv_state: [B, Kc, C] model dtype: the ring of pre-conv inputs, position p at slot
         p % Kc (``jaxdecode.state.DecodeState``); donate it under jit and the update (one slot)
         is in place.
@@ -296,7 +284,7 @@ def deltanet_decode_pallas(mixed_qkv, a, b, active, lengths, conv_state, recurre
         ``block_v``, or ``block_v`` not a multiple of 8 up to 256.
     """
     name = "deltanet_decode_pallas"
-    hk, hv, dk, dv, kc = _check(name, mixed_qkv, a, b, active, lengths, conv_state,
+    hk, hv, dk, dv, kc = _check(name, mixed_qkv, a, b, active, positions, conv_state,
                                 recurrent_state, conv_weight, A_log, dt_bias, num_key_heads)
     batch = recurrent_state.shape[0]
     if block_v is None:
@@ -337,44 +325,41 @@ def deltanet_decode_pallas(mixed_qkv, a, b, active, lengths, conv_state, recurre
     # since every element is written.
     def run(refs):
         o_ref, conv_ref, state_ref = refs
-        kernel(mixed_qkv, a, b, active, lengths, conv_weight, A_log, dt_bias, o_ref, conv_ref,
+        kernel(mixed_qkv, a, b, active, positions, conv_weight, A_log, dt_bias, o_ref, conv_ref,
                state_ref)
 
     return pl.run_state(run)((lax.empty((batch, hv, dv), f32), conv_state, recurrent_state))
 
 
-def deltanet_decode_reference(mixed_qkv, a, b, active, lengths, conv_state, recurrent_state,
+def deltanet_decode_reference(mixed_qkv, a, b, active, positions, conv_state, recurrent_state,
                               conv_weight, A_log, dt_bias, *, num_key_heads: int):
     """The XLA form: the decode branch of ``jaxdecode.model.gated_delta_net`` (conv, masking, L2
     norms, gating) then ``gated_delta_decode_reference``. Arguments and result as
     :func:`deltanet_decode_pallas`; any Kc >= 1 and head dims."""
-    return deltanet_decode_xla(mixed_qkv, a, b, active, lengths, conv_state, recurrent_state,
-                               conv_weight, A_log, dt_bias, num_key_heads=num_key_heads,
-                               delta_rule="reference")
+    return deltanet_decode_xla(mixed_qkv, a, b, active, positions, conv_state, recurrent_state,
+                               conv_weight, A_log, dt_bias, num_key_heads=num_key_heads)
 
 
-def deltanet_decode_xla(mixed_qkv, a, b, active, lengths, conv_state, recurrent_state,
+def deltanet_decode_xla(mixed_qkv, a, b, active, positions, conv_state, recurrent_state,
                         conv_weight, A_log, dt_bias, *, num_key_heads: int,
-                        delta_rule="reference"):
-    """Conv, masking, L2 norms and gating in XLA, then the delta rule: ``delta_rule`` is an
-    ``implementation`` of ``gated_delta_decode`` ("reference": all XLA; "auto": its one-pass
-    kernel from its batch) or a callable with that function's signature (such as
-    ``jaxdecode.sharding.sharded_gated_delta_decode(mesh)``). Arguments (but ``delta_rule``),
-    result and errors as :func:`deltanet_decode_reference`."""
-    hk, hv, dk, dv, kc = _check("deltanet_decode_reference", mixed_qkv, a, b, active, lengths,
+                        delta_rule=gated_delta_decode_reference):
+    """Conv, masking, L2 norms and gating in XLA, then ``delta_rule`` (a function with
+    ``gated_delta_decode_reference``'s signature: that one, or the one-pass kernel). Arguments
+    (but ``delta_rule``), result and errors as :func:`deltanet_decode_reference`."""
+    hk, hv, dk, dv, kc = _check("deltanet_decode_reference", mixed_qkv, a, b, active, positions,
                                 conv_state, recurrent_state, conv_weight, A_log, dt_bias,
                                 num_key_heads)
     batch = mixed_qkv.shape[0]
     # Causal depthwise conv over [cached Kc-1 inputs | this token]; cross-correlation, so
     # w[:, Kc-1] multiplies the current token (spec §1.4).
-    window = conv_window(conv_state, lengths)  # [B, Kc-1, C]
+    window = conv_window(conv_state, positions)  # [B, Kc-1, C]
     hist = jnp.concatenate([window.astype(mixed_qkv.dtype), mixed_qkv[:, None]], axis=1)
     w = conv_weight.astype(f32)  # [C, Kc]
     conv = sum(hist[:, t].astype(f32) * w[:, t] for t in range(kc))  # [B, C]
     conv = jax.nn.silu(conv).astype(mixed_qkv.dtype)
-    # This token into the ring's slot lengths % Kc (active rows only): a select at equal
+    # This token into the ring's slot positions % Kc (active rows only): a select at equal
     # indices, which XLA does in place in a donated buffer.
-    write = (jnp.arange(kc)[None, :] == conv_slot(lengths, 0, kc)[:, None]) & active[:, None]
+    write = (jnp.arange(kc)[None, :] == conv_slot(positions, 0, kc)[:, None]) & active[:, None]
     new_conv_state = jnp.where(write[:, :, None], mixed_qkv[:, None].astype(conv_state.dtype),
                                conv_state)
 
@@ -390,17 +375,16 @@ def deltanet_decode_xla(mixed_qkv, a, b, active, lengths, conv_state, recurrent_
     # An inactive row is inert (q = k = v = 0, beta = g = 0): S passes through unchanged.
     q, k, v = (jnp.where(active[:, None, None], t, 0.0) for t in (q, k, v))
     g, beta = (jnp.where(active[:, None], t, 0.0) for t in (g, beta))
-    if callable(delta_rule):
-        o, new_state = delta_rule(q, k, v, g, beta, recurrent_state)
-    else:
-        o, new_state = gated_delta_decode(q, k, v, g, beta, recurrent_state,
-                                          implementation=delta_rule)
+    o, new_state = delta_rule(q, k, v, g, beta, recurrent_state)
     return o, new_conv_state, new_state
 
 
-def check_supported(recurrent_state_shape, kernel_size) -> str | None:
-    """Why the kernel cannot take these shapes (None if it can; shapes assumed consistent)."""
+def check_supported(recurrent_state_shape, kernel_size, dtype=jnp.bfloat16) -> str | None:
+    """Why the kernel cannot take these shapes or this model dtype (None if it can; shapes
+    assumed consistent)."""
     batch, heads, dk, dv = recurrent_state_shape
+    if jnp.dtype(dtype) not in MODEL_DTYPES:
+        return f"model dtype {jnp.dtype(dtype)} (the kernel takes float32 and bfloat16)"
     if dk % TILE_ROWS or dk > MAX_COPY:
         return f"linear_key_head_dim={dk} is not a multiple of {TILE_ROWS} up to {MAX_COPY}"
     if dv % 8 or choose_block_v(batch, heads, dv) > MAX_COPY:
@@ -409,49 +393,3 @@ def check_supported(recurrent_state_shape, kernel_size) -> str | None:
     if kernel_size < 2:
         return f"linear_conv_kernel_dim={kernel_size} must be at least 2"
     return None
-
-
-def deltanet_decode(mixed_qkv, a, b, active, lengths, conv_state, recurrent_state, conv_weight,
-                    A_log, dt_bias, *, num_key_heads: int, implementation: str = "auto"):
-    """One-token Gated DeltaNet core dispatcher (arguments as :func:`deltanet_decode_pallas`).
-
-    ``implementation`` (a static Python string):
-      * "auto": on NVIDIA GPUs of compute capability 9.0+, this kernel below
-        ``MAX_BATCH_AUTO`` rows, and from it XLA's conv, norms and gating with
-        ``gated_delta_decode``'s "auto" delta rule (its one-pass kernel); the XLA reference
-        elsewhere (CPU). On such a GPU, a shape this kernel does not take falls back to the
-        reference with one ``warnings.warn`` saying why, at trace time.
-      * "pallas": the kernel; without a GPU it runs in the Mosaic GPU interpreter (slow; for
-        tests). Unsupported shapes raise ValueError.
-      * "reference": :func:`deltanet_decode_reference`.
-
-    Under a multi-device mesh, call it per device (``shard_map``): the kernel is a custom call
-    the SPMD partitioner cannot split.
-
-    Returns:
-      (o [B, Hv, dv] float32, new conv_state [B, Kc, C], new recurrent_state
-      [B, Hv, dk, dv] float32); math in the module docstring (Yang et al., ICLR 2025, eq. 10).
-
-    Raises:
-      ValueError: an unknown ``implementation``; shapes or dtypes that disagree; Hv not a
-        multiple of Hk; with "pallas", the shapes :func:`deltanet_decode_pallas` rejects.
-    """
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"deltanet_decode: {implementation=} must be one of {IMPLEMENTATIONS}")
-    args = (mixed_qkv, a, b, active, lengths, conv_state, recurrent_state, conv_weight, A_log,
-            dt_bias)
-    if implementation == "reference":
-        return deltanet_decode_reference(*args, num_key_heads=num_key_heads)
-    cc = _gpu_compute_capability()
-    if implementation == "pallas":
-        return deltanet_decode_pallas(*args, num_key_heads=num_key_heads, interpret=cc is None)
-    if cc is None or cc < (9, 0):
-        return deltanet_decode_reference(*args, num_key_heads=num_key_heads)
-    if recurrent_state.shape[0] >= MAX_BATCH_AUTO:
-        return deltanet_decode_xla(*args, num_key_heads=num_key_heads, delta_rule="auto")
-    why = check_supported(recurrent_state.shape, conv_weight.shape[-1])
-    if why is not None:
-        warnings.warn("deltanet_decode: using the XLA reference instead of the Pallas kernel: "
-                      f"{why}", stacklevel=2)
-        return deltanet_decode_reference(*args, num_key_heads=num_key_heads)
-    return deltanet_decode_pallas(*args, num_key_heads=num_key_heads)

@@ -19,7 +19,7 @@ input, so the update is in place. XLA's form of the same step makes three to fou
 
 Tested against a float64 recurrence in the Mosaic GPU interpreter on CPU and compiled on an H200
 (``pytest -m gpu``); its CUDA lowering, with the state aliased in place, is checked on CPU in CI
-(tests/test_gpu_lowering.py). :func:`gated_delta_decode` is the dispatcher the model calls.
+(tests/test_gpu_lowering.py). ``jaxdecode.kernels.choice`` decides when the model uses it.
 
 Differences from the XLA form: not ``jax.vmap``-able (``pl.run_state`` has no batching rule; fold
 extra batch dimensions into B); with non-finite inputs some outputs are inf where the XLA form
@@ -29,7 +29,6 @@ gives NaN (both non-finite).
 from __future__ import annotations
 
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -38,26 +37,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxdecode.gated_delta import gated_delta_rule_step
-from jaxdecode.kernels import IMPLEMENTATIONS, wait_for_inputs
-from jaxdecode.kernels.decode_attention import _gpu_compute_capability
+from jaxdecode.kernels import wait_for_inputs
 
 TILE_ROWS = 64  # the wgmma register layout covers rows in multiples of 64
 TARGET_PROGRAMS = 264  # two per SM of an H100/H200 (132 SMs)
-# "auto" takes the kernel from this batch up. On an H200 (benchmarks/RESULTS.md, sessions 4 and 5)
-# the kernel alone beats XLA's form at every batch (2.1 vs 5.3 us at batch 1), but the custom call
-# splits XLA's fusions around it (about 4 more kernels per layer). Whole-step kernel time with it,
-# same process: 0.8B / 9B at batch 1 +0.02-0.09 / +0.04-0.05 ms (slower); 9B batch 8 -0.04 ms
-# (0.7%: a lean, within the spread between runs); 0.8B batch 16 -0.08 ms; batch 64 -0.72 / -1.47
-# ms. At the 0.8B, XLA's form also copies all 18 recurrent states every step (not the 9B), which
-# the kernel does not. Not timed: batches 2-7, and the 0.8B at batch 8.
-MIN_BATCH_AUTO = 8
 
 
 def choose_block_v(batch: int, heads: int, dv: int) -> int:
     """Columns of S per program: 32 when that still gives at least ``TARGET_PROGRAMS``
     programs, else 16 (small batches spread the state over more programs), else the whole dv
-    when 16 does not divide it. On an H200 (benchmarks/RESULTS.md, session 4) 32 columns were
-    fastest at batch 64 (5-10% ahead of 64) and 16 at batches 1 and 8."""
+    when 16 does not divide it (the fastest measured per batch: benchmarks/RESULTS.md)."""
     for bv in (32, 16):
         if dv % bv == 0 and batch * heads * (dv // bv) >= TARGET_PROGRAMS:
             return bv
@@ -170,44 +159,3 @@ def gated_delta_decode_reference(q, k, v, g, beta, state):
     r = state.shape[1] // q.shape[1]
     return gated_delta_rule_step(jnp.repeat(q, r, axis=1), jnp.repeat(k, r, axis=1), v, g, beta,
                                  state)
-
-
-def gated_delta_decode(q, k, v, g, beta, state, *, implementation: str = "auto"):
-    """One-token gated delta rule dispatcher (shapes as :func:`gated_delta_decode_pallas`).
-
-    ``implementation`` (a static Python string):
-      * "auto": the Pallas kernel on NVIDIA GPUs of compute capability 9.0+ for batches of at
-        least ``MIN_BATCH_AUTO`` (below it XLA's fused form is faster in the whole step), the
-        XLA reference elsewhere (CPU). On such a GPU, a shape the kernel does not take falls
-        back to the reference with one ``warnings.warn`` saying why, at trace time.
-      * "pallas": the kernel; without a GPU it runs in the Mosaic GPU interpreter (slow; for
-        tests). Unsupported shapes raise ValueError.
-      * "reference": :func:`gated_delta_decode_reference`.
-
-    Under a multi-device mesh, call it per device (``jaxdecode.sharding`` does, through
-    ``shard_map``): the kernel is a custom call the SPMD partitioner cannot split.
-
-    Returns:
-      (o [B, Hv, dv] float32, new state [B, Hv, dk, dv] float32); math in the module docstring
-      (Yang et al., ICLR 2025, eq. 10).
-
-    Raises:
-      ValueError: an unknown ``implementation``; Hv not a multiple of Hk; with "pallas", the
-        shapes and dtypes :func:`gated_delta_decode_pallas` rejects.
-    """
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"gated_delta_decode: {implementation=} must be one of "
-                         f"{IMPLEMENTATIONS}")
-    if implementation == "reference":
-        return gated_delta_decode_reference(q, k, v, g, beta, state)
-    cc = _gpu_compute_capability()
-    if implementation == "pallas":
-        return gated_delta_decode_pallas(q, k, v, g, beta, state, interpret=cc is None)
-    if cc is None or cc < (9, 0) or state.shape[0] < MIN_BATCH_AUTO:  # CPU, old GPU, batch
-        return gated_delta_decode_reference(q, k, v, g, beta, state)
-    why = check_supported(q.shape, state.shape)
-    if why is not None:
-        warnings.warn("gated_delta_decode: using the XLA reference instead of the Pallas kernel: "
-                      f"{why}", stacklevel=2)
-        return gated_delta_decode_reference(q, k, v, g, beta, state)
-    return gated_delta_decode_pallas(q, k, v, g, beta, state)

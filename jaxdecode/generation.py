@@ -44,9 +44,11 @@ from flax import struct
 from jax import lax
 
 from jaxdecode import sampling as sampling_lib
+from jaxdecode import sharding
+from jaxdecode.kernels.choice import Kernels, choose_kernels
 from jaxdecode.kernels.decode_attention import MAX_LEN_ALIGN
-from jaxdecode.model import (COMPILER_OPTIONS, check_implementations, decode_step_fn,
-                             prefill_fn)
+from jaxdecode.model import decode_step_fn, prefill_fn
+from jaxdecode.step import COMPILER_OPTIONS
 from jaxdecode.params import Params
 from jaxdecode.sampling import SamplingFeatures, SamplingParams
 from jaxdecode.state import DecodeState, fork, init_state
@@ -194,7 +196,7 @@ def start_fn(params: Params, state: DecodeState, prompts: Array, prompt_lengths:
 
 
 def step_fn(params: Params, loop: LoopState, sampling: SamplingParams, eos_token_ids: Array, *,
-            pad_id: int = -1, attention_impl: str = "auto", deltanet_impl: str = "auto",
+            pad_id: int = -1, kernels: Kernels | None = None,
             features: SamplingFeatures | None = None) -> tuple[LoopState, Array]:
     """One decode step for every row still running: feed the last token, sample the next.
 
@@ -202,16 +204,15 @@ def step_fn(params: Params, loop: LoopState, sampling: SamplingParams, eos_token
     ``pad_id`` for stopped rows).
     """
     active = ~loop.done
-    logits, state = decode_step_fn(params, loop.state, loop.last_token, active,
-                                   attention_impl=attention_impl, deltanet_impl=deltanet_impl)
+    logits, state = decode_step_fn(params, loop.state, loop.last_token, active, kernels)
     token = sampling_lib.sample(logits, _step_keys(loop.keys, loop.num_generated), sampling,
                                 loop.token_counts, features=features)
     return _record(loop, state, token, active, eos_token_ids, pad_id)
 
 
 def chunk_fn(params: Params, loop: LoopState, sampling: SamplingParams, eos_token_ids: Array, *,
-             chunk_size: int, pad_id: int = -1, attention_impl: str = "auto",
-             deltanet_impl: str = "auto", features: SamplingFeatures | None = None,
+             chunk_size: int, pad_id: int = -1, kernels: Kernels | None = None,
+             features: SamplingFeatures | None = None,
              progress: Callable[[np.ndarray], None] | None = None) -> tuple[LoopState, Array]:
     """``chunk_size`` decode steps (a ``lax.scan``), skipped entirely once every row is done.
 
@@ -222,7 +223,7 @@ def chunk_fn(params: Params, loop: LoopState, sampling: SamplingParams, eos_toke
     def run(loop):
         loop, emitted = lax.scan(
             lambda c, _: step_fn(params, c, sampling, eos_token_ids, pad_id=pad_id,
-                                 attention_impl=attention_impl, deltanet_impl=deltanet_impl,
+                                 kernels=kernels,
                                  features=features),
             loop, None, length=chunk_size)
         return loop, emitted.T
@@ -240,7 +241,7 @@ def generate_fn(params: Params, state: DecodeState, prompts: Array, prompt_lengt
                 budgets: Array, sampling: SamplingParams, keys: Array, eos_token_ids: Array, *,
                 max_new_tokens: int, chunk_size: int = 8, num_samples: int = 1,
                 track_counts: bool | None = None, features: SamplingFeatures | None = None,
-                pad_id: int = -1, attention_impl: str = "auto", deltanet_impl: str = "auto",
+                pad_id: int = -1, kernels: Kernels | None = None,
                 progress: Callable[[np.ndarray], None] | None = None
                 ) -> tuple[GenerateOutput, LoopState]:
     """The whole generation loop as one pure function (un-jitted, un-validated).
@@ -257,8 +258,7 @@ def generate_fn(params: Params, state: DecodeState, prompts: Array, prompt_lengt
     if num_chunks:
         loop, chunks = lax.scan(
             lambda c, _: chunk_fn(params, c, sampling, eos_token_ids, chunk_size=chunk_size,
-                                  pad_id=pad_id, attention_impl=attention_impl,
-                                  deltanet_impl=deltanet_impl, features=features,
+                                  pad_id=pad_id, kernels=kernels, features=features,
                                   progress=progress),
             loop, None, length=num_chunks)
         rest = jnp.transpose(chunks, (1, 0, 2)).reshape(rows, num_chunks * chunk_size)
@@ -291,8 +291,7 @@ class _Plan:
     num_samples: int
     features: SamplingFeatures  # the sampling steps some row uses (static)
     pad_id: int
-    attention_impl: str
-    deltanet_impl: str
+    kernels: Kernels
 
 
 def _as_prompt_list(prompts) -> list[list[int]]:
@@ -333,9 +332,10 @@ def _per_row(name: str, value, rows: int, dtype) -> np.ndarray:
 
 
 def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids, *, max_len,
-          num_samples, chunk_size, pad_id, attention_impl, deltanet_impl,
-          features: SamplingFeatures | None = None) -> _Plan:
-    check_implementations(attention_impl, deltanet_impl)
+          num_samples, chunk_size, pad_id, kernels, features: SamplingFeatures | None = None
+          ) -> _Plan:
+    if kernels is not None and not isinstance(kernels, Kernels):
+        raise ValueError(f"kernels={kernels!r} must be a jaxdecode.Kernels (or None)")
     config = params.config
     vocab = config.vocab_size
     prompt_list = _as_prompt_list(prompts)
@@ -434,8 +434,8 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
                  eos_token_ids=eos_padded, max_len=int(max_len), max_new_tokens=n_bucket,
                  chunk_size=min(chunk_size, max(n_bucket - 1, 1)), num_samples=num_samples,
                  features=features, pad_id=pad_id,
-                 attention_impl=attention_impl,
-                 deltanet_impl=deltanet_impl)
+                 kernels=kernels or choose_kernels(config, rows, dtype=params.dtype,
+                                                   mesh=sharding.mesh_of(params)))
 
 
 def _leaf_rows(sampling: SamplingParams) -> int | None:
@@ -449,17 +449,16 @@ def _leaf_rows(sampling: SamplingParams) -> int | None:
 # Dynamic arguments are positional, static ones keywords. pad_id is traced (a fill value), so
 # changing it does not recompile.
 @functools.partial(jax.jit, static_argnames=("max_len", "max_new_tokens", "chunk_size",
-                                             "num_samples", "features", "attention_impl",
-                                             "deltanet_impl", "progress"),
+                                             "num_samples", "features", "kernels", "progress"),
                    compiler_options=COMPILER_OPTIONS)
 def _generate_jit(params, prompts, prompt_lengths, budgets, sampling, keys, eos_token_ids, pad_id,
                   *, max_len, max_new_tokens, chunk_size, num_samples, features,
-                  attention_impl, deltanet_impl, progress):
+                  kernels, progress):
     state = init_state(params.config, prompts.shape[0], max_len, dtype=params.dtype)
     out, _ = generate_fn(params, state, prompts, prompt_lengths, budgets, sampling, keys,
                          eos_token_ids, max_new_tokens=max_new_tokens, chunk_size=chunk_size,
                          num_samples=num_samples, features=features, pad_id=pad_id,
-                         attention_impl=attention_impl, deltanet_impl=deltanet_impl,
+                         kernels=kernels,
                          progress=progress)
     return out
 
@@ -475,13 +474,12 @@ def _start_jit(params, prompts, prompt_lengths, budgets, sampling, keys, eos_tok
     return loop, first
 
 
-@functools.partial(jax.jit, static_argnames=("chunk_size", "attention_impl", "deltanet_impl",
-                                             "features"),
+@functools.partial(jax.jit, static_argnames=("chunk_size", "kernels", "features"),
                    donate_argnames=("loop",), compiler_options=COMPILER_OPTIONS)
-def _chunk_jit(params, loop, sampling, eos_token_ids, pad_id, *, chunk_size, attention_impl,
-               deltanet_impl, features):
+def _chunk_jit(params, loop, sampling, eos_token_ids, pad_id, *, chunk_size, kernels,
+               features):
     return chunk_fn(params, loop, sampling, eos_token_ids, chunk_size=chunk_size, pad_id=pad_id,
-                    attention_impl=attention_impl, deltanet_impl=deltanet_impl,
+                    kernels=kernels,
                     features=features)
 
 
@@ -490,8 +488,7 @@ def _generate_args(params: Params, plan: _Plan, progress):
             plan.eos_token_ids, np.int32(plan.pad_id))
     static = dict(max_len=plan.max_len, max_new_tokens=plan.max_new_tokens,
                   chunk_size=plan.chunk_size, num_samples=plan.num_samples,
-                  features=plan.features, attention_impl=plan.attention_impl,
-                  deltanet_impl=plan.deltanet_impl,
+                  features=plan.features, kernels=plan.kernels,
                   progress=progress)
     return args, static
 
@@ -505,8 +502,8 @@ def _start_args(params: Params, plan: _Plan):
 
 def _chunk_args(params: Params, plan: _Plan, loop):
     args = (params, loop, plan.sampling, plan.eos_token_ids, np.int32(plan.pad_id))
-    return args, dict(chunk_size=plan.chunk_size, attention_impl=plan.attention_impl,
-                      deltanet_impl=plan.deltanet_impl, features=plan.features)
+    return args, dict(chunk_size=plan.chunk_size, kernels=plan.kernels,
+                      features=plan.features)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -561,11 +558,8 @@ _DOC_ARGS = """
         ``p * num_samples + j`` continues prompt ``p``).
       chunk_size: decode steps per jitted chunk / scan iteration.
       pad_id: id written after a row stops.
-      attention_impl, deltanet_impl: passed to :func:`jaxdecode.model.decode_step_fn` (a
-        ``deltanet_impl`` string selects the whole one-token DeltaNet core, a callable replaces
-        the delta rule only); with
-        sharded params use ``jaxdecode.sharding.sharded_decode_attention(mesh)`` and
-        ``jaxdecode.sharding.sharded_gated_delta_decode(mesh)`` (the kernels per device).
+      kernels: which kernels the decode steps run (``jaxdecode.kernels.choice``); None:
+        ``choose_kernels`` for the output rows on the params' device or mesh.
       features: the sampling steps compiled into the program
         (:class:`jaxdecode.sampling.SamplingFeatures`); None: those the sampling values use, so
         a step no row uses costs nothing, and turning one on or off compiles once per
@@ -577,15 +571,14 @@ _DOC_ARGS = """
       ValueError: before any device work, for empty prompts, ids outside ``[0, vocab_size)``,
         a budget < 1, prompt + budget over ``max_len`` or ``max_position_embeddings``, invalid
         sampling values (see :func:`jaxdecode.sampling.validate`), ``features`` leaving out a
-        step the sampling values use, a mis-shaped key, or an unknown ``attention_impl`` /
-        ``deltanet_impl``.
+        step the sampling values use, a mis-shaped key, or ``kernels`` not a ``Kernels``.
 """
 
 
 def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParams | None = None,
              key=None, eos_token_ids: Sequence[int] | None = None, *, max_len: int | None = None,
              num_samples: int = 1, chunk_size: int = 8, pad_id: int = -1,
-             attention_impl: str = "auto", deltanet_impl: str = "auto",
+             kernels: Kernels | None = None,
              features: SamplingFeatures | None = None,
              progress: Callable[[np.ndarray], None] | None = None,
              executables: Executables | None = None) -> GenerateOutput:
@@ -599,7 +592,7 @@ def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParam
     """
     plan = _plan(params, prompts, max_new_tokens, sampling, key, eos_token_ids, max_len=max_len,
                  num_samples=num_samples, chunk_size=chunk_size, pad_id=pad_id,
-                 attention_impl=attention_impl, deltanet_impl=deltanet_impl, features=features)
+                 kernels=kernels, features=features)
     args, static = _generate_args(params, plan, progress)
     return _call(_generate_jit, args, static, executables)
 
@@ -608,7 +601,7 @@ def generate_stream(params: Params, prompts, max_new_tokens=64,
                     sampling: SamplingParams | None = None, key=None,
                     eos_token_ids: Sequence[int] | None = None, *, max_len: int | None = None,
                     num_samples: int = 1, chunk_size: int = 1, pad_id: int = -1,
-                    attention_impl: str = "auto", deltanet_impl: str = "auto",
+                    kernels: Kernels | None = None,
                     features: SamplingFeatures | None = None,
                     executables: Executables | None = None) -> Iterator[StreamChunk]:
     """Generates continuations, yielding tokens to the host as they are produced.
@@ -623,7 +616,7 @@ def generate_stream(params: Params, prompts, max_new_tokens=64,
     """
     plan = _plan(params, prompts, max_new_tokens, sampling, key, eos_token_ids, max_len=max_len,
                  num_samples=num_samples, chunk_size=chunk_size, pad_id=pad_id,
-                 attention_impl=attention_impl, deltanet_impl=deltanet_impl, features=features)
+                 kernels=kernels, features=features)
     args, static = _start_args(params, plan)
     loop, first = _call(_start_jit, args, static, executables)
     yield _stream_chunk(first[:, None], loop)
@@ -645,7 +638,7 @@ generate_stream.__doc__ += _DOC_ARGS
 def precompile(params: Params, prompts, max_new_tokens=64, sampling: SamplingParams | None = None,
                key=None, eos_token_ids: Sequence[int] | None = None, *, stream: bool = False,
                max_len: int | None = None, num_samples: int = 1, chunk_size: int | None = None,
-               pad_id: int = -1, attention_impl: str = "auto", deltanet_impl: str = "auto",
+               pad_id: int = -1, kernels: Kernels | None = None,
                features: SamplingFeatures | None = None,
                progress: Callable[[np.ndarray], None] | None = None) -> Executables:
     """Compiles (without running) what :func:`generate` (or, with ``stream``,
@@ -660,7 +653,7 @@ def precompile(params: Params, prompts, max_new_tokens=64, sampling: SamplingPar
         chunk_size = 1 if stream else 8
     plan = _plan(params, prompts, max_new_tokens, sampling, key, eos_token_ids, max_len=max_len,
                  num_samples=num_samples, chunk_size=chunk_size, pad_id=pad_id,
-                 attention_impl=attention_impl, deltanet_impl=deltanet_impl, features=features)
+                 kernels=kernels, features=features)
     if not stream:
         return Executables((_compile(_generate_jit, *_generate_args(params, plan, progress)),))
     args, static = _start_args(params, plan)

@@ -1,0 +1,171 @@
+"""Which kernels a decode step runs: one frozen value, chosen once on the host.
+
+    kernels = choose_kernels(config, batch_size, dtype="bfloat16")     # or mesh=mesh
+    logits, state = jd.decode_step(params, state, tokens, kernels=kernels)
+
+:class:`Kernels` is a jit static; :func:`choose_kernels` is the one place that decides, and the
+thresholds it uses sit beside it with their reasons (the measurements are in
+``benchmarks/RESULTS.md``). :func:`decode_attention` and :func:`deltanet_decode` are the call
+sites the model uses: they run what the value says, per device under ``jax.shard_map`` when it
+carries a mesh (a Pallas kernel is a custom call that XLA's SPMD partitioner cannot split).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxdecode.config import Config
+from jaxdecode.kernels import decode_attention as attention_kernel
+from jaxdecode.kernels import deltanet_decode as deltanet_kernel
+from jaxdecode.kernels import gated_delta_decode as delta_rule_kernel
+
+DATA, MODEL = "data", "model"  # the mesh axes: rows, and heads/features (jaxdecode.sharding)
+CHOICES = ("pallas", "xla")
+
+# The one-kernel DeltaNet core (deltanet_decode_pallas) below this many rows per device: it
+# replaces about six small XLA kernels per layer, which dominate at small batches; from 4 rows
+# XLA's fused form measured equal kernel time and less wall time (RESULTS.md, "one-kernel
+# DeltaNet core").
+DELTANET_CORE_MAX_BATCH = 4
+# The one-pass delta-rule kernel (gated_delta_decode_pallas) from this many rows per device:
+# below it XLA fuses the update into its neighbours and is faster in the whole step.
+DELTA_RULE_MIN_BATCH = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """The implementation of each decode-step op (frozen, hashable: a jit static).
+
+    Attributes:
+      attention: "pallas" (split-K Mosaic GPU kernel) or "xla" (``decode_attention_reference``).
+      deltanet: the one-token Gated DeltaNet core: "pallas" (conv, norms, gating and delta rule
+        in one kernel) or "xla" (XLA's conv, norms and gating, then ``delta_rule``).
+      delta_rule: with ``deltanet="xla"``: "pallas" (the one-pass kernel) or "xla".
+      interpret: run the Pallas kernels in the Mosaic GPU interpreter (CPU, for tests); None
+        (default): when the default backend is not a GPU.
+      mesh: a ``("data", "model")`` mesh: the Pallas kernels run per device under shard_map.
+
+    Raises:
+      ValueError: a value outside the above, or ``deltanet="pallas"`` with a mesh.
+    """
+    attention: str = "xla"
+    deltanet: str = "xla"
+    delta_rule: str = "xla"
+    interpret: bool | None = None
+    mesh: Mesh | None = None
+
+    def __post_init__(self):
+        for name in ("attention", "deltanet", "delta_rule"):
+            if getattr(self, name) not in CHOICES:
+                raise ValueError(f"Kernels.{name}={getattr(self, name)!r} must be one of "
+                                 f"{CHOICES}")
+        if self.mesh is not None and self.deltanet == "pallas":
+            raise ValueError("Kernels(deltanet='pallas') does not run on a mesh; use 'xla' "
+                             "(with delta_rule='pallas' for the per-device delta-rule kernel)")
+        if self.interpret is None:
+            object.__setattr__(self, "interpret", jax.default_backend() != "gpu")
+
+
+XLA = Kernels()  # every op in XLA: the reference path, any backend
+
+
+def _compute_capability(device) -> tuple[int, int] | None:
+    """(major, minor) of an NVIDIA GPU ((0, 0) if it does not say), None for other devices."""
+    if device.platform != "gpu":
+        return None
+    try:
+        major, minor = str(device.compute_capability).split(".")[:2]
+        return int(major), int(minor)
+    except (AttributeError, ValueError):
+        return 0, 0
+
+
+@functools.cache
+def choose_kernels(config: Config, batch_size: int, *, dtype="bfloat16",
+                   mesh: Mesh | None = None) -> Kernels:
+    """The kernels a decode step of ``batch_size`` rows runs on this machine.
+
+    Pallas kernels only on NVIDIA Hopper (compute capability 9.0+); elsewhere all XLA. On a
+    GPU, a shape or dtype a kernel does not take falls back to XLA with one warning saying why.
+    With a mesh, shapes and batch are per device (rows over "data", heads over "model").
+    """
+    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+    cc = _compute_capability(device)
+    if cc is None:
+        return Kernels(mesh=mesh, interpret=False)
+    if cc < (9, 0):
+        warnings.warn(f"jaxdecode: the GPU ({device.device_kind}, compute capability "
+                      f"{cc[0]}.{cc[1]}) is older than Hopper; decoding with XLA only",
+                      stacklevel=2)
+        return Kernels(mesh=mesh, interpret=False)
+    c, dtype = config, jnp.dtype(dtype)
+    data = mesh.shape[DATA] if mesh is not None else 1
+    heads = mesh.shape[MODEL] if mesh is not None else 1
+    rows = max(1, batch_size // data)
+    hq, hkv = c.num_attention_heads // heads, c.num_key_value_heads // heads
+    hk, hv = c.linear_num_key_heads // heads, c.linear_num_value_heads // heads
+    dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
+
+    def supported(op: str, why: str | None) -> bool:
+        if why is not None:
+            warnings.warn(f"jaxdecode: {op} runs in XLA instead of its Pallas kernel: {why}",
+                          stacklevel=3)
+        return why is None
+
+    attention = supported("decode attention", attention_kernel.check_supported(
+        (rows, hq, c.head_dim), (rows, hkv, 64, c.head_dim), dtype))
+    core = mesh is None and rows < DELTANET_CORE_MAX_BATCH and supported(
+        "the Gated DeltaNet core", deltanet_kernel.check_supported(
+            (rows, hv, dk, dv), c.linear_conv_kernel_dim, dtype))
+    rule = rows >= DELTA_RULE_MIN_BATCH and supported(
+        "the gated delta rule", delta_rule_kernel.check_supported((rows, hk, dk), (rows, hv, dk, dv)))
+    pick = lambda use: "pallas" if use else "xla"  # noqa: E731
+    return Kernels(attention=pick(attention), deltanet=pick(core), delta_rule=pick(rule),
+                   interpret=False, mesh=mesh)
+
+
+# ----- the call sites the model uses ------------------------------------------------------------
+
+def decode_attention(kernels: Kernels, q, k_cache, v_cache, kv_len):
+    """GQA decode attention as ``kernels.attention`` says (shapes:
+    ``jaxdecode.kernels.decode_attention``): q [B, Hq, D], caches [B, Hkv, S, D], kv_len [B]
+    int32 valid keys per row. Returns [B, Hq, D] in q's dtype."""
+    if kernels.attention == "xla":
+        return attention_kernel.decode_attention_reference(q, k_cache, v_cache, kv_len)
+    attend = functools.partial(attention_kernel.decode_attention_pallas,
+                               interpret=kernels.interpret)
+    if kernels.mesh is None:
+        return attend(q, k_cache, v_cache, kv_len)
+    heads, cache = P(DATA, MODEL, None), P(DATA, MODEL, None, None)
+    return jax.shard_map(attend, mesh=kernels.mesh, in_specs=(heads, cache, cache, P(DATA)),
+                         out_specs=heads, check_vma=False)(q, k_cache, v_cache, kv_len)
+
+
+def deltanet_decode(kernels: Kernels, mixed_qkv, a, b, active, positions, conv_state,
+                    recurrent_state, conv_weight, A_log, dt_bias, *, num_key_heads: int):
+    """The one-token Gated DeltaNet core as ``kernels.deltanet`` / ``delta_rule`` say
+    (arguments and result: ``jaxdecode.kernels.deltanet_decode.deltanet_decode_pallas``)."""
+    args = (mixed_qkv, a, b, active, positions, conv_state, recurrent_state, conv_weight, A_log,
+            dt_bias)
+    if kernels.deltanet == "pallas":
+        return deltanet_kernel.deltanet_decode_pallas(*args, num_key_heads=num_key_heads,
+                                                      interpret=kernels.interpret)
+    if kernels.delta_rule == "xla":
+        rule = delta_rule_kernel.gated_delta_decode_reference
+    else:
+        rule = functools.partial(delta_rule_kernel.gated_delta_decode_pallas,
+                                 interpret=kernels.interpret)
+        if kernels.mesh is not None:
+            heads, state = P(DATA, MODEL, None), P(DATA, MODEL, None, None)
+            rule = jax.shard_map(rule, mesh=kernels.mesh,
+                                 in_specs=(heads, heads, heads, P(DATA, MODEL), P(DATA, MODEL),
+                                           state),
+                                 out_specs=(heads, state), check_vma=False)
+    return deltanet_kernel.deltanet_decode_xla(*args, num_key_heads=num_key_heads, delta_rule=rule)

@@ -1,0 +1,251 @@
+"""The library's jitted, donated entry points: :func:`prefill` and :func:`decode_step`.
+
+One jitted form of each pure function in ``jaxdecode.model``, built by :func:`jit_prefill` /
+:func:`jit_decode_step` for one device or, with ``out_shardings`` from ``jaxdecode.sharding``'s
+tables, for a mesh; the state is donated, so caches are updated in place. Inputs are validated
+on the host by one function per entry point (:func:`check_prefill`, :func:`check_decode_step`),
+for one device and a mesh alike. Inside your own ``jax.jit``, ``grad`` or ``scan`` call
+``model.prefill_fn`` / ``model.decode_step_fn``, and compile with :data:`COMPILER_OPTIONS`.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from jaxdecode import model, sharding
+from jaxdecode.config import Config
+from jaxdecode.kernels.choice import Kernels, choose_kernels
+from jaxdecode.params import Params
+from jaxdecode.state import DecodeState
+
+# XLA options of every program the library compiles (GPU; other backends ignore them).
+#   xla_gpu_dot_merger_threshold_mb: merge dots sharing an operand up to this many MB (default
+#   32), so the MLP's gate and up projections become one GEMM reading the input once.
+COMPILER_OPTIONS = types.MappingProxyType({"xla_gpu_dot_merger_threshold_mb": 1024})
+
+
+# ----- validation (host, before any device work) ------------------------------------------------
+
+def check_state(config: Config, state: DecodeState, dtype) -> None:
+    """Raises ValueError if the state's structure, shapes or dtypes do not fit ``config`` and the
+    params' ``dtype`` (shapes and dtypes only: no device read)."""
+    c = config
+    problems = []
+    dtypes = {x.dtype for x in state.conv_state} | {x.dtype for kv in state.kv_cache
+                                                    for x in (kv.k, kv.v)}
+    if dtypes != {jnp.dtype(dtype)}:
+        problems.append(f"conv_state/kv_cache dtype {sorted(map(str, dtypes))} != the params' "
+                        f"dtype {jnp.dtype(dtype)} (use init_state(..., dtype=params.dtype))")
+    if any(x.dtype != jnp.float32 for x in state.recurrent_state):
+        problems.append("recurrent_state must be float32")
+    if state.lengths.dtype != jnp.int32:
+        problems.append(f"lengths must be int32, got {state.lengths.dtype}")
+    num_linear, num_full = len(c.linear_attention_layers), len(c.full_attention_layers)
+    if len(state.conv_state) != num_linear or len(state.recurrent_state) != num_linear:
+        problems.append(f"state has {len(state.conv_state)} conv / {len(state.recurrent_state)} "
+                        f"recurrent states but the config has {num_linear} linear_attention "
+                        "layers")
+    if len(state.kv_cache) != num_full:
+        problems.append(f"state has {len(state.kv_cache)} KV caches but the config has "
+                        f"{num_full} full_attention layers")
+    batch = state.batch_size
+    expect = {
+        "conv_state": (batch, c.linear_conv_kernel_dim, c.linear_conv_dim),
+        "recurrent_state": (batch, c.linear_num_value_heads, c.linear_key_head_dim,
+                            c.linear_value_head_dim),
+        "kv_cache": (batch, c.num_key_value_heads, state.max_len, c.head_dim)}
+    got = {"conv_state": [x.shape for x in state.conv_state],
+           "recurrent_state": [x.shape for x in state.recurrent_state],
+           "kv_cache": [x.shape for kv in state.kv_cache for x in (kv.k, kv.v)]}
+    for name, shapes in got.items():
+        bad = [s for s in shapes if tuple(s) != expect[name]]
+        if bad:
+            problems.append(f"{name} shape {tuple(bad[0])} != expected {expect[name]}")
+    if problems:
+        raise ValueError("state does not match params.config: " + "; ".join(problems))
+
+
+def _check_token_ids(config: Config, tokens: np.ndarray, real: np.ndarray) -> None:
+    if not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"token ids must be integers, got dtype {tokens.dtype}")
+    ids = tokens[real]
+    bad = (ids < 0) | (ids >= config.vocab_size)
+    if bad.any():
+        raise ValueError(f"token ids must be in [0, vocab_size={config.vocab_size}); got "
+                         f"{ids[bad][:8].tolist()} ({int(bad.sum())} out of range)")
+
+
+def _on_host(x) -> bool:
+    """Whether reading ``x``'s values costs no device sync (a list, scalar or numpy array)."""
+    return not isinstance(x, jax.Array)
+
+
+def check_prefill(params: Params, state: DecodeState, tokens, num_new) -> None:
+    """Validates a prefill on the host. Reads ``state.lengths`` back (one device sync per
+    prefill; skipped for a state spread over several processes).
+
+    Raises:
+      ValueError: a state that does not fit the params (:func:`check_state`); tokens not
+        [B, T] with T >= 1 for the state's B; ``num_new`` not [B] integers in ``[0, T]``; real
+        token ids outside ``[0, vocab_size)``; a row whose ``state.lengths + num_new`` exceeds
+        ``max_len``.
+    """
+    check_state(params.config, state, params.dtype)
+    tokens, num_new = np.asarray(tokens), np.asarray(num_new)
+    if tokens.ndim != 2 or tokens.shape[1] == 0 or tokens.shape[0] != state.batch_size:
+        raise ValueError(f"tokens must be [B, T] with B = {state.batch_size} (the state's batch "
+                         f"size) and T >= 1; got {tokens.shape=}")
+    if num_new.shape != (tokens.shape[0],) or not np.issubdtype(num_new.dtype, np.integer):
+        raise ValueError(f"num_new must be [B] integers; got {num_new.shape=}, {num_new.dtype}")
+    if (num_new < 0).any() or (num_new > tokens.shape[1]).any():
+        raise ValueError(f"num_new must be in [0, T={tokens.shape[1]}]; got {num_new.tolist()}")
+    _check_token_ids(params.config, tokens, np.arange(tokens.shape[1]) < num_new[:, None])
+    if not state.lengths.is_fully_addressable:
+        return
+    # Read from a copy: on CPU np.asarray of a multi-device array keeps zero-copy views, and a
+    # buffer with outside references is copied instead of donated.
+    cached = np.asarray(jnp.copy(state.lengths))
+    if ((cached < 0) | (cached > state.max_len)).any():
+        raise ValueError(f"state.lengths must be in [0, max_len={state.max_len}]; got "
+                         f"{cached.tolist()}")
+    over = cached + num_new > state.max_len
+    if over.any():
+        b = int(np.argmax(over))
+        raise ValueError(f"row {b}: {int(cached[b])} cached + {int(num_new[b])} new tokens "
+                         f"exceeds the cache's max_len={state.max_len}")
+
+
+def check_decode_step(params: Params, state: DecodeState, tokens, active=None) -> None:
+    """Validates a decode step on the host without reading anything back from the device:
+    token ids are checked when they are host values (a device array's ids are checked in the
+    step, which gives such a row NaN logits, as it does a row whose cache is full).
+
+    Raises:
+      ValueError: a state that does not fit the params (:func:`check_state`); tokens not [B]
+        for the state's B; ``active`` not [B]; host token ids outside ``[0, vocab_size)``.
+    """
+    check_state(params.config, state, params.dtype)
+    if tuple(np.shape(tokens)) != (state.batch_size,):
+        raise ValueError(f"tokens must be [B] with B = {state.batch_size} (the state's batch "
+                         f"size); got shape {np.shape(tokens)}")
+    if active is not None and tuple(np.shape(active)) != (state.batch_size,):
+        raise ValueError(f"active must be [B] like tokens; got shape {np.shape(active)}")
+    if _on_host(tokens):
+        real = (np.ones(state.batch_size, bool) if active is None or not _on_host(active)
+                else np.asarray(active, bool))
+        _check_token_ids(params.config, np.asarray(tokens), real)
+
+
+# ----- the jitted forms -------------------------------------------------------------------------
+
+@functools.cache
+def jit_prefill(config: Config, mesh: Mesh | None = None, return_all_logits: bool = False):
+    """``model.prefill_fn`` jitted with the state donated and :data:`COMPILER_OPTIONS`; on a mesh
+    the outputs are pinned to ``jaxdecode.sharding``'s layout. Call it as ``f(params, state,
+    tokens, num_new)`` with inputs already placed (no validation)."""
+    fn = functools.partial(model.prefill_fn, return_all_logits=return_all_logits)
+    out = None if mesh is None else (
+        NamedSharding(mesh, sharding.logits_partition_spec(return_all_logits)),
+        sharding.state_shardings(config, mesh))
+    return jax.jit(fn, donate_argnums=1, out_shardings=out, compiler_options=COMPILER_OPTIONS)
+
+
+@functools.cache
+def jit_decode_step(config: Config, kernels: Kernels):
+    """``model.decode_step_fn`` with ``kernels``, jitted as :func:`jit_prefill` (the mesh is
+    ``kernels.mesh``). Call it as ``f(params, state, tokens, active)`` (``active`` may be
+    None)."""
+    fn = functools.partial(model.decode_step_fn, kernels=kernels)
+    out = None if kernels.mesh is None else (
+        NamedSharding(kernels.mesh, sharding.logits_partition_spec()),
+        sharding.state_shardings(config, kernels.mesh))
+    return jax.jit(fn, donate_argnums=1, out_shardings=out, compiler_options=COMPILER_OPTIONS)
+
+
+def _traced(*xs) -> bool:
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(xs))
+
+
+def _batch_input(x, mesh: Mesh | None, dtype):
+    return jnp.asarray(x, dtype) if mesh is None else sharding.shard_batch(x, mesh, dtype)
+
+
+# ----- the entry points -------------------------------------------------------------------------
+
+def prefill(params: Params, state: DecodeState, tokens, num_new, *,
+            return_all_logits: bool = False):
+    """Appends each row's prompt tokens to the state (a fresh prompt or a continuation).
+
+    Args:
+      params: model weights; on a mesh, placed on the state's mesh.
+      state: a :class:`DecodeState` for this config (one device, or placed with
+        ``jaxdecode.sharding``); donated: do not use it after the call.
+      tokens: [B, T] int32 token ids, right-padded (padding may hold any value).
+      num_new: [B] int32 real tokens per row, ``0 <= num_new <= T``; a row with 0 is untouched.
+      return_all_logits: logits for every position instead of each row's last token.
+
+    Returns:
+      (logits, new_state) as ``model.prefill_fn``: logits [B, V] float32 (or [B, T, V]);
+      ``new_state.lengths = state.lengths + num_new``, in the state's layout.
+
+    Raises:
+      ValueError: see :func:`check_prefill`; params on another mesh than the state.
+
+    Compiles once per (B, T); pad prompts to a few bucket lengths (as ``jd.generate`` does).
+    Called with traced arguments (inside your own ``jit``/``grad``/``scan``) it is
+    ``model.prefill_fn``, inlined.
+    """
+    if _traced(params, state, tokens, num_new):
+        return model.prefill_fn(params, state, jnp.asarray(tokens, jnp.int32),
+                                jnp.asarray(num_new, jnp.int32), return_all_logits)
+    mesh = sharding.mesh_of(state)
+    sharding.check_params_on(params, mesh)
+    check_prefill(params, state, tokens, num_new)
+    return jit_prefill(params.config, mesh, return_all_logits)(
+        params, state, _batch_input(tokens, mesh, jnp.int32),
+        _batch_input(num_new, mesh, jnp.int32))
+
+
+def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
+                kernels: Kernels | None = None):
+    """Appends one token per row, each at its own position; returns the next-token logits.
+
+    Jitted with the state donated (the executable aliases every state buffer to its output),
+    one executable for every step; no device read (see :func:`check_decode_step`).
+
+    Args:
+      params: model weights; on a mesh, placed on the state's mesh.
+      state: the current :class:`DecodeState`; donated.
+      tokens: [B] int32 token ids (host or device).
+      active: optional [B] bool; rows with False are untouched and get zero logits.
+      kernels: which kernels run; None: ``choose_kernels(config, B, dtype, mesh)`` for the
+        state's device or mesh (``jaxdecode.kernels.choice``).
+
+    Returns:
+      (logits [B, V] float32, new_state), ``new_state.lengths = state.lengths + active``. A row
+      whose cache is full, or given an id outside the vocabulary, is left untouched and gets
+      NaN logits.
+
+    Raises:
+      ValueError: see :func:`check_decode_step`; params on another mesh than the state.
+
+    Called with traced arguments it is ``model.decode_step_fn``, inlined.
+    """
+    if _traced(params, state, tokens, active):
+        return model.decode_step_fn(params, state, jnp.asarray(tokens, jnp.int32),
+                                    None if active is None else jnp.asarray(active, bool),
+                                    kernels)
+    mesh = sharding.mesh_of(state)
+    sharding.check_params_on(params, mesh)
+    check_decode_step(params, state, tokens, active)
+    if kernels is None:
+        kernels = choose_kernels(params.config, state.batch_size, dtype=params.dtype, mesh=mesh)
+    return jit_decode_step(params.config, kernels)(
+        params, state, _batch_input(tokens, mesh, jnp.int32),
+        None if active is None else _batch_input(active, mesh, jnp.bool_))
