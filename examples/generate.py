@@ -6,7 +6,7 @@
         --temperature 0.7 --top-p 0.9 --num-samples 4
 
 Same options as ``jaxdecode generate`` (``--help`` lists them); the code is in
-``jaxdecode/cli.py`` and ``jaxdecode/generate.py``.
+``jaxdecode/cli.py`` and ``jaxdecode/generation.py``.
 """
 
 import sys

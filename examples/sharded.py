@@ -74,13 +74,15 @@ def demo_config():
                                linear_num_value_heads=16)
 
 
-def greedy(prefill, decode_step, params, state, prompts, lengths, steps):
-    """Greedy tokens [steps, B] (device arrays) after prefill + steps - 1 decode steps."""
+def greedy(params, state, prompts, num_new, steps):
+    """Greedy tokens [steps, B] (device arrays) after prefill + steps - 1 decode steps; on the
+    state's mesh when it has one (jd.prefill / jd.decode_step see it)."""
     import jax.numpy as jnp
-    logits, state = prefill(params, state, prompts, lengths)
+    import jaxdecode as jd
+    logits, state = jd.prefill(params, state, prompts, num_new)
     tokens = [jnp.argmax(logits, -1).astype(jnp.int32)]
     for _ in range(steps - 1):
-        logits, state = decode_step(params, state, tokens[-1], check_inputs=False)
+        logits, state = jd.decode_step(params, state, tokens[-1])
         tokens.append(jnp.argmax(logits, -1).astype(jnp.int32))
     return tokens
 
@@ -122,13 +124,12 @@ def main(argv=None) -> int:
 
     rng = np.random.default_rng(args.seed)
     prompts = rng.integers(0, config.vocab_size, (args.batch, args.prompt_len)).astype(np.int32)
-    lengths = np.full((args.batch,), args.prompt_len, np.int32)
+    num_new = np.full((args.batch,), args.prompt_len, np.int32)
     max_len = args.prompt_len + args.max_new_tokens
 
     def run():
         state = sharding.init_state_sharded(config, mesh, args.batch, max_len, args.dtype)
-        return greedy(sharding.prefill, sharding.decode_step, params, state, prompts, lengths,
-                      args.max_new_tokens)
+        return greedy(params, state, prompts, num_new, args.max_new_tokens)
 
     start = time.perf_counter()
     jax.block_until_ready(run())  # compiles prefill and the decode step
@@ -150,8 +151,7 @@ def main(argv=None) -> int:
         else:
             ref_params = jd.init_params(config, jax.random.key(args.seed), args.dtype)
         state = jd.init_state(config, args.batch, max_len, args.dtype)
-        ref = np.stack([np.asarray(t) for t in greedy(jd.prefill, jd.decode_step, ref_params,
-                                                      state, prompts, lengths,
+        ref = np.stack([np.asarray(t) for t in greedy(ref_params, state, prompts, num_new,
                                                       args.max_new_tokens)], axis=1)
         differ = int((ref != tokens).sum())
         say(f"check: sharded tokens {'==' if not differ else '!='} single-device tokens"

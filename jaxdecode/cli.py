@@ -3,7 +3,7 @@
 With no options it generates from the embedded default model (``Config.from_preset("tiny")``,
 ``init_params(config, jax.random.key(0))``: random weights, the real 248,320-token Qwen3.5
 vocabulary) and prints the token ids, the text and the speed. Timing is printed with compilation
-apart: the executables are compiled first (``jaxdecode.generate.precompile``), then run.
+apart: the executables are compiled first (``jaxdecode.generation.precompile``), then run.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="jaxdecode", description="Decode Qwen3.5 hybrid models with JAX.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     gen = sub.add_parser("generate", help="generate text from a prompt",
-                         description="Generate from a prompt (see jaxdecode.generate).")
+                         description="Generate from a prompt (see jaxdecode.generation).")
     _add_generate_args(gen)
     return parser
 
@@ -160,7 +160,7 @@ def _generate(args) -> int:
 
     import jaxdecode as jd
     from jaxdecode import tokenizer as tok_lib
-    from jaxdecode.generate import generate, precompile
+    from jaxdecode.generation import generate, precompile
     from jaxdecode.sampling import SamplingParams
 
     sampling = SamplingParams.create(
@@ -268,7 +268,7 @@ def _describe(args) -> str:
 
 
 def _stream(params, prompts, kwargs, chunk, tokenizer, cache) -> int:
-    from jaxdecode.generate import STOP_REASONS, generate_stream, precompile
+    from jaxdecode.generation import STOP_REASONS, generate_stream, precompile
     from jaxdecode.tokenizer import StreamDecoder
 
     t = time.perf_counter()
