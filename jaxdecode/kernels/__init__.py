@@ -9,10 +9,6 @@
   delta rule) as one Pallas Mosaic GPU kernel, ``deltanet_decode_reference`` (XLA) beside it; the
   model's decode step dispatches to it (the kernel on Hopper GPUs below batch 4, where it cuts
   the small kernels of each layer; from batch 4 XLA's form, with ``gated_delta_decode`` from 8).
-* ``gemv``: few-row matrix-vector products that stream the weight once (Pallas Mosaic GPU):
-  ``gemv_pallas`` on the CUDA cores with the RMSNorm (or the MLP's SwiGLU) folded in, slower
-  than XLA on an H200, and ``gemv_wgmma`` on the tensor cores, not yet timed; the model uses
-  neither (``benchmarks/gemv.py``, benchmarks/RESULTS.md session 9).
 
 The dispatchers take ``implementation`` in :data:`IMPLEMENTATIONS`.
 """
