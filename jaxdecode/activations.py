@@ -4,8 +4,8 @@ HF runs ``silu`` and ``sigmoid`` on bfloat16 tensors with float32 math and one r
 bfloat16 per op (spec §1.7). ``jax.nn.silu`` on bfloat16 under jit rounds its inner sigmoid
 first, and about 40% of random bfloat16 inputs then differ from torch by an ulp; these compute
 in float32 and round once (checked bit for bit against torch on CPU and on an H200:
-tests/test_activations.py). The model, the XLA form of the one-token DeltaNet core and the GEMV
-reference use them; the Pallas kernels write the same math in Mosaic GPU's ops.
+tests/test_activations.py). The model and the XLA form of the one-token DeltaNet core use
+them; the Pallas kernels write the same math in Mosaic GPU's ops.
 """
 
 from __future__ import annotations

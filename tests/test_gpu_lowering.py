@@ -140,36 +140,3 @@ def test_kernels_use_programmatic_dependent_launch(kernel):
                               *deltanet_shapes(1, 16, 32, 128, 128, 4, bf16))
     assert re.search(r"custom_call @mosaic_gpu", text), text[-3000:]
     assert "mosaic_gpu.uses_pdl" in text
-
-
-@pytest.mark.parametrize("batch,n,k,num_splits,norm", [
-    # 9B: qkv+z, out_proj, gate+up, down, lm_head; 0.8B qkv+z at 8 rows
-    (1, 12288, 4096, 1, True), (1, 4096, 4096, 2, False), (1, 24576, 4096, 1, True),
-    (1, 4096, 12288, 3, False), (1, 248320, 4096, 1, True), (8, 8192, 1024, 1, True)])
-def test_gemv_lowers(batch, n, k, num_splits, norm):
-    from jaxdecode.kernels.gemv import gemv_pallas
-    text = lower_for_cuda(
-        lambda x, w, nw: gemv_pallas(x, w, norm_weight=nw if norm else None,
-                                     num_splits=num_splits),
-        ((batch, k), bf16), ((n, k), bf16), ((k,), bf16))
-    assert re.search(r"custom_call @mosaic_gpu", text), text[-3000:]
-    assert "mosaic_gpu.uses_pdl" in text
-
-
-def test_gemv_with_swiglu_lowers():  # the 9B down projection from [gate | up]
-    from jaxdecode.kernels.gemv import gemv_pallas
-    text = lower_for_cuda(lambda x, w: gemv_pallas(x, w, swiglu=True, num_splits=3),
-                          ((1, 2 * 12288), bf16), ((4096, 12288), bf16))
-    assert re.search(r"custom_call @mosaic_gpu", text), text[-3000:]
-
-
-@pytest.mark.parametrize("batch,n,k,num_splits", [
-    # 9B: qkv+z, out_proj, gate+up, down, lm_head
-    (1, 12288, 4096, 2), (1, 4096, 4096, 4), (1, 24576, 4096, 2), (1, 4096, 12288, 6),
-    (8, 248320, 4096, 1)])
-def test_gemv_wgmma_lowers(batch, n, k, num_splits):
-    from jaxdecode.kernels.gemv import gemv_wgmma
-    text = lower_for_cuda(lambda x, w: gemv_wgmma(x, w, num_splits=num_splits),
-                          ((batch, k), bf16), ((n, k), bf16))
-    assert re.search(r"custom_call @mosaic_gpu", text), text[-3000:]
-    assert "mosaic_gpu.uses_pdl" in text

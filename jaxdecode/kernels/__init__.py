@@ -9,10 +9,6 @@
   delta rule) as one Pallas Mosaic GPU kernel, ``deltanet_decode_reference`` (XLA) beside it; the
   model's decode step dispatches to it (the kernel on Hopper GPUs below batch 4, where it cuts
   the small kernels of each layer; from batch 4 XLA's form, with ``gated_delta_decode`` from 8).
-* ``gemv``: few-row matrix-vector products that stream the weight once (Pallas Mosaic GPU):
-  ``gemv_pallas`` on the CUDA cores with the RMSNorm (or the MLP's SwiGLU) folded in, slower
-  than XLA on an H200, and ``gemv_wgmma`` on the tensor cores, not yet timed; the model uses
-  neither (``benchmarks/gemv.py``, benchmarks/RESULTS.md session 9).
 
 Which of them a step runs is decided in one place: ``choice.choose_kernels``.
 """
@@ -26,9 +22,8 @@ def wait_for_inputs(interpret: bool) -> None:
     before it is still running (XLA's own kernels signal their dependents early), and waits here
     until that kernel has finished and its writes are visible; then it lets the kernel after
     this one launch early in turn (that one waits the same way for this one to finish). XLA
-    launches its own kernels this way. Measured on an H200 (9B batch 1, 32 of these kernels
-    per step, one process): 4.705 ms per step without it, 4.691 ms with it, a difference within
-    run-to-run noise (benchmarks/RESULTS.md, session 8). A no-op in the Mosaic GPU interpreter,
+    launches its own kernels this way and ours follow it; on a whole decode step the effect is
+    within run-to-run noise (benchmarks/RESULTS.md). A no-op in the Mosaic GPU interpreter,
     which has no such instructions. (CUDA programming guide, "Programmatic Dependent Launch".)"""
     if not interpret:
         plgpu.griddepcontrol_wait()
