@@ -38,7 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxdecode as jd  # noqa: E402
-from jaxdecode import model  # noqa: E402
+from jaxdecode import step  # noqa: E402
 from jaxdecode.params import params_to_hf  # noqa: E402
 
 GRIDS = {
@@ -117,14 +117,21 @@ def randomize_state(state, context):
     return state.replace(lengths=jax.device_put(lengths, state.lengths.sharding))
 
 
-def time_decode(params, state, batch, steps=50, repeats=3, attention_impl="auto",
-                deltanet_impl="auto", compiler_options=None):
+def kernels_for(params, batch, attention="auto", **overrides) -> jd.Kernels:
+    """``jd.choose_kernels`` for this cell, with ``attention`` ("auto" | "pallas" | "xla") and
+    any other field overridden (one process can then time the step with and without a kernel)."""
+    kernels = jd.choose_kernels(params.config, batch, dtype=params.dtype)
+    if attention != "auto":
+        overrides["attention"] = attention
+    return dataclasses.replace(kernels, **overrides)
+
+
+def time_decode(params, state, batch, steps=50, repeats=3, kernels=None, compiler_options=None):
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 1000, batch), jnp.int32)
+    kernels = kernels or kernels_for(params, batch)
     t0 = time.perf_counter()
-    compiled = model.decode_step_jit.lower(params, state, tokens, None,
-                                           attention_impl=attention_impl,
-                                           deltanet_impl=deltanet_impl).compile(
-                                               compiler_options=compiler_options)
+    compiled = step.jit_decode_step(params.config, kernels).lower(
+        params, state, tokens, None).compile(compiler_options=compiler_options)
     compile_s = time.perf_counter() - t0
     for _ in range(5):
         logits, state = compiled(params, state, tokens, None)
@@ -197,7 +204,7 @@ def time_prefill(params, config, length):
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 1000, (1, length)), jnp.int32)
     lengths = jnp.array([length], jnp.int32)
     t0 = time.perf_counter()
-    compiled = model.prefill_jit.lower(params, state, tokens, lengths).compile()
+    compiled = step.jit_prefill(config).lower(params, state, tokens, lengths).compile()
     compile_s = time.perf_counter() - t0
     times = []
     for _ in range(4):
@@ -259,9 +266,10 @@ def main():
     ap.add_argument("--no-prefill", action="store_true")
     ap.add_argument("--no-anatomy", action="store_true",
                     help="skip the 4-layer twin that splits the batch-1 step into parts")
-    ap.add_argument("--attention-impl", default="auto")
+    ap.add_argument("--attention", choices=("auto", "pallas", "xla"), default="auto",
+                    help="decode attention: jd.choose_kernels' choice, or forced")
     ap.add_argument("--compare-attention", action="store_true",
-                    help="also time every cell with attention_impl='reference' (XLA) in the "
+                    help="also time every cell with XLA attention in the "
                          "same run: ms/step of the whole step with and without the kernel")
     ap.add_argument("--generate", default="",
                     help="comma-separated model:batch cells (e.g. 0.8b:1,9b:1) also timed "
@@ -287,7 +295,7 @@ def main():
 
     dev = jax.devices()[0]
     print(f"# device: {dev.device_kind}; jax {jax.__version__}; "
-          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; attention_impl={args.attention_impl}")
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; attention={args.attention}")
     bw = copy_bandwidth_gb_per_s()
     print(f"# measured copy bandwidth: {bw:.0f} GB/s")
     rows, prefill_rows, hf_rows, anatomy, generate_rows = [], [], [], {}, []
@@ -311,8 +319,8 @@ def main():
         for batch, context in cells:
             state = jd.init_state(config, batch, context + 256, dtype="bfloat16")
             state = randomize_state(state, context)
-            dt, compile_s, compiled = time_decode(params, state, batch,
-                                                  attention_impl=args.attention_impl)
+            dt, compile_s, compiled = time_decode(
+                params, state, batch, kernels=kernels_for(params, batch, args.attention))
             nbytes = step_bytes(config, params, batch, context)
             total = sum(nbytes.values())
             row = dict(model=name, batch=batch, context=context, ms_per_step=dt * 1e3,
@@ -323,7 +331,8 @@ def main():
             if args.compare_attention:
                 state = randomize_state(jd.init_state(config, batch, context + 256,
                                                        dtype="bfloat16"), context)
-                dt_ref, _, _ = time_decode(params, state, batch, attention_impl="reference")
+                dt_ref, _, _ = time_decode(params, state, batch,
+                                           kernels=kernels_for(params, batch, "xla"))
                 row["ms_per_step_xla_attention"] = dt_ref * 1e3
             rows.append(row)
             print("  " + json.dumps({k: round(v, 3) if isinstance(v, float) else v

@@ -6,7 +6,7 @@ per token, and XLA option variants, all in one process.
 
 Per cell (model:batch), sampling setting and XLA compiler-option variant (``--options``,
 ';'-separated, '' = the library's ``jd.COMPILER_OPTIONS`` alone, as in
-``benchmarks/step_profile.py``): the program ``jd.generate`` runs (``generate.generate_fn``:
+``benchmarks/step_profile.py``): the program ``jd.generate`` runs (``generation.generate_fn``:
 prefill of a 16-token prompt, then ``lax.scan`` chunks of 32 decode steps with sampling), compiled with ``jd.COMPILER_OPTIONS`` plus the
 variant's options, and run ``--tokens`` tokens per row with EOS off. Reported:
 
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import importlib
 import os
 import re
 import statistics
@@ -41,7 +40,7 @@ import jaxdecode as jd  # noqa: E402
 from jaxdecode import sampling as S  # noqa: E402
 from step_profile import cupti_kernels, parse_options  # noqa: E402
 
-G = importlib.import_module("jaxdecode.generate")  # the module (jd.generate is the function)
+from jaxdecode import generation as G  # noqa: E402
 
 SAMPLING = {"greedy": None, "top_p": S.SamplingParams.create(temperature=0.7, top_p=0.9)}
 
@@ -55,7 +54,7 @@ def compile_loop(params, plan, features, compiler_options=None):
         state = jd.init_state(config, rows, plan.max_len, dtype=params.dtype)
         out, _ = G.generate_fn(params, state, prompts, lengths, budgets, sampling, keys, eos,
                                max_new_tokens=plan.max_new_tokens, chunk_size=plan.chunk_size,
-                               features=features)
+                               features=features, kernels=plan.kernels)
         return out.tokens
 
     args = (params, plan.prompts, plan.prompt_lengths, plan.budgets, plan.sampling, plan.keys,
@@ -131,7 +130,7 @@ def main():
         for sampling_name in args.sampling.split(","):
             plan = G._plan(params, prompts, args.tokens, SAMPLING[sampling_name], None, (),
                            max_len=None, num_samples=1, chunk_size=32, pad_id=-1,
-                           attention_impl="auto", deltanet_impl="auto")
+                           kernels=None)
             reference = None
             for opts in variants:
                 compiled, call_args, compile_s = compile_loop(params, plan, plan.features,

@@ -2,7 +2,7 @@
 
     python benchmarks/sampling_steps.py [--layers 4] [--model 0.8b] [--tokens 256]
 
-One process, same inputs: the whole generation loop (``generate.generate_fn``: prefill, then
+One process, same inputs: the whole generation loop (``generation.generate_fn``: prefill, then
 ``lax.scan`` chunks of up to 32 decode steps with sampling) compiled twice per sampling setting:
 
   lax.cond  ``features=None`` with the sampling values traced: every sampling step (penalties,
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import os
 import sys
 
@@ -36,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from generate_loop import compile_loop  # noqa: E402
 from generate_loop import time_loop as time_loop_of  # noqa: E402
 
-G = importlib.import_module("jaxdecode.generate")  # the module (jd.generate is the function)
+from jaxdecode import generation as G  # noqa: E402
 
 SETTINGS = (("greedy", None), ("top_p", S.SamplingParams.create(temperature=0.7, top_p=0.9)))
 
@@ -72,8 +71,7 @@ def main():
     rows = []
     for name, sampling in SETTINGS:
         plan = G._plan(params, prompts, args.tokens, sampling, None, (), max_len=None,
-                       num_samples=1, chunk_size=32, pad_id=-1, attention_impl="auto",
-                       deltanet_impl="auto")
+                       num_samples=1, chunk_size=32, pad_id=-1, kernels=None)
         results = {}
         for label, features in (("lax.cond", None), ("host", plan.features)):
             results[label] = time_loop(params, plan, features)

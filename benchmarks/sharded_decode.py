@@ -10,9 +10,9 @@ recurrent state, every row at ``--context`` tokens already in the cache) and eac
   TP2   mesh (1, 2): heads, MLP and vocabulary split        batch 1 and 64
   DP2   mesh (2, 1): rows split, weights replicated         batch 64
 
-it compiles ``jaxdecode.sharding.jit_decode_step`` (state donated, decode attention per device
-under ``shard_map``), reports median ms per step (3 repeats of 30 steps after warm-up), tokens/s
-and the speed-up over TP1 at the same batch, counts the collectives in the compiled step, and
+it compiles ``jaxdecode.step.jit_decode_step`` with ``jd.choose_kernels(..., mesh=mesh)`` (state
+donated, the Pallas kernels per device under ``shard_map``), reports median ms per step (3
+repeats of 30 steps after warm-up), tokens/s and the speed-up over TP1 at the same batch, counts the collectives in the compiled step, and
 checks the logits of one step against TP1 from the same state (relative max difference; bf16).
 On CPU (``--models demo`` with XLA_FLAGS=--xla_force_host_platform_device_count=2) it checks the
 script itself.
@@ -37,6 +37,7 @@ import numpy as np  # noqa: E402
 
 import jaxdecode as jd  # noqa: E402
 from jaxdecode import sharding  # noqa: E402
+from jaxdecode.step import jit_decode_step  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode import randomize_state  # noqa: E402
@@ -117,7 +118,8 @@ def main():
             place_s = time.perf_counter() - t0
             print(f"  {name} {setup} batch {batch}: params placed in {place_s:.1f} s", flush=True)
             max_len = args.context + 128
-            step = sharding.jit_decode_step(config, mesh)
+            step = jit_decode_step(config, jd.choose_kernels(config, batch, dtype=params.dtype,
+                                                             mesh=mesh))
             tokens = sharding.shard_batch(
                 np.random.default_rng(0).integers(0, 1000, batch).astype(np.int32), mesh)
             t0 = time.perf_counter()

@@ -29,8 +29,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxdecode as jd  # noqa: E402
-from jaxdecode.kernels import IMPLEMENTATIONS, wait_for_inputs  # noqa: E402
-from decode import randomize_state, time_decode  # noqa: E402
+from jaxdecode.kernels import wait_for_inputs  # noqa: E402
+from decode import kernels_for, randomize_state, time_decode  # noqa: E402
+
+CHOICES = ("auto", "pallas", "xla")
+DELTANET = {"auto": {}, "pallas": dict(deltanet="pallas"),
+            "xla": dict(deltanet="xla", delta_rule="xla")}
 
 
 def parse_options(text: str) -> dict:
@@ -117,10 +121,8 @@ def main():
                          "'name=value,name=value' ('' = defaults), e.g. "
                          "';xla_gpu_enable_triton_gemm=false'")
     ap.add_argument("--deltanet", default="auto",
-                    help="comma-separated deltanet_impl values, each timed in the same process "
-                         "(auto: on Hopper the one-kernel DeltaNet core below batch 4, XLA's "
-                         "form from 4, with the one-pass delta-rule kernel from 8; pallas: the "
-                         "one-kernel core; reference: XLA)")
+                    help="comma-separated DeltaNet core choices, each timed in the same process "
+                         "(auto: jd.choose_kernels; pallas: the one-kernel core; xla: all XLA)")
     ap.add_argument("--pdl", default="on",
                     help="comma-separated on/off: the Pallas kernels with and without "
                          "programmatic dependent launch (jaxdecode.kernels.wait_for_inputs), "
@@ -128,9 +130,9 @@ def main():
     ap.add_argument("--dump-hlo", default=None, help="write each cell's optimised HLO here")
     args = ap.parse_args()
     for flag, values in (("--attention", args.attention), ("--deltanet", args.deltanet)):
-        unknown = [v for v in values.split(",") if v not in IMPLEMENTATIONS]
+        unknown = [v for v in values.split(",") if v not in CHOICES]
         if unknown:
-            ap.error(f"{flag}: unknown {unknown}; choose from {IMPLEMENTATIONS}")
+            ap.error(f"{flag}: unknown {unknown}; choose from {CHOICES}")
     if "pallas" in args.deltanet.split(","):
         for cell in args.cells.split(","):
             name = cell.split(":")[0]
@@ -168,8 +170,8 @@ def main():
             options = parse_options(opts)
             state = randomize_state(jd.init_state(config, batch, context + 256,
                                                    dtype="bfloat16"), context)
-            dt, compile_s, compiled = time_decode(params, state, batch, attention_impl=impl,
-                                                  deltanet_impl=form,
+            kernels = kernels_for(params, batch, impl, **DELTANET[form])
+            dt, compile_s, compiled = time_decode(params, state, batch, kernels=kernels,
                                                   compiler_options=options or None)
             hlo = compiled.as_text()
             if args.dump_hlo:
