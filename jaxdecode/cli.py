@@ -97,6 +97,7 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``jaxdecode`` parser (one subcommand, ``generate``)."""
     parser = _Parser(prog="jaxdecode", description="Decode Qwen3.5 hybrid models with JAX.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     gen = sub.add_parser("generate", help="generate text from a prompt",
@@ -230,17 +231,17 @@ def _generate(args) -> int:
     if progress is not None:
         progress.close()
     cache = args.compile_cache
-    lengths = np.asarray(out.lengths)
+    counts = np.asarray(out.num_generated)
     for r, (ids, reason) in enumerate(zip(out.token_lists(), out.stop_reasons())):
         _say(f"--- sample {r}: {len(ids)} tokens, stopped by {reason} ---")
         _say(f"ids: {ids}")
         if tokenizer is not None:
             _say(f"text: {tokenizer.decode(ids)}")
-    total = int(lengths.sum())
+    total = int(counts.sum())
     _say("--- timing (wall clock, first run after compiling) ---")
     _say(_compile_line(compile_s, cache))
     _say(f"generate: {total} tokens in {run_s * 1e3:.1f} ms = {total / run_s:.1f} tokens/s "
-         f"(prefill + decode in one on-device loop, {lengths.size} row(s); --stream splits "
+         f"(prefill + decode in one on-device loop, {counts.size} row(s); --stream splits "
          f"prefill and decode)")
     return 0
 

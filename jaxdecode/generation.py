@@ -1,33 +1,23 @@
 """Generation loops: prefill, then sample and decode until every row stops.
 
-Two modes share one step function, so they produce the same tokens for the same key:
+:func:`generate` runs the whole loop on device in one jitted call (a ``lax.scan`` over chunks of
+``chunk_size`` tokens; a chunk in which every row has stopped is skipped by a ``lax.cond``).
+:func:`generate_stream` runs one jitted chunk at a time and yields its tokens to the host. Both
+share one step function, so they give the same tokens for the same key.
 
-* :func:`generate`: the whole loop on device inside one jitted call: a fixed-trip-count
-  ``lax.scan`` over chunks of ``chunk_size`` tokens (no host synchronisation per token). A chunk
-  in which every row has already stopped is skipped by a ``lax.cond``.
-* :func:`generate_stream`: a Python generator that runs one jitted chunk at a time and yields each
-  chunk's tokens to the host (``chunk_size=1``: per token).
+A row stops after an ``eos_token_ids`` token or its budget; it is then inactive in
+:func:`jaxdecode.model.decode_step_fn` (its state no longer written) and padded with ``pad_id``.
+Row ``r`` draws its ``i``-th token with ``fold_in(row_keys(key, rows)[r], i)``, so its tokens do
+not depend on the chunking, the mode or the other rows.
 
-A row stops after emitting one of ``eos_token_ids`` or its token budget. A stopped row is marked
-inactive in :func:`jaxdecode.model.decode_step_fn`, so its state is no longer written and its
-``lengths`` no longer advance; its output is padded with ``pad_id``.
-
-Sampling randomness: row ``r`` draws its ``i``-th token with ``fold_in(row_key[r], i)``, where
-``row_key = row_keys(key, rows)`` (:func:`jaxdecode.sampling.row_keys`), so a row's tokens do
-not depend on the chunking, the mode, or the other rows.
-
-Compilation: prompts are right-padded to a power-of-two length (at least 16) and the token
-buffer to a power-of-two budget, and the state's ``max_len`` derives from those two buckets
-(rounded up to a multiple of 64, the decode kernel's block), so prompts of different lengths
-reuse a few executables. Sampling values, budgets below the bucket,
-keys and EOS ids (up to 8 of them) are traced values: changing them never recompiles, except a
-change that turns a sampling step on or off for the whole batch (top_p 1 -> 0.9, say), which
-compiles once per set of steps (:class:`jaxdecode.sampling.SamplingFeatures`: penalties,
-temperature > 0, top-k, top-p, min-p): steps no row uses are left out of the program rather than
-skipped by a ``lax.cond``, which on a GPU would wait for the device 4-5 times per token (71 us per
-token greedy, 491 us with top-p, on an H200). ``features=jaxdecode.sampling.ALL_FEATURES`` keeps
-one executable for every setting (every step runs). The per-row token counts ``[B, V]`` int32
-exist only when some row has a penalty.
+Compilation: prompts are padded to a power-of-two length (>= 16), the token buffer to a
+power-of-two budget, and ``max_len`` derives from both (a multiple of 64, the decode kernel's
+block), so few executables serve many requests. Sampling values, budgets, keys and up to 8 EOS
+ids are traced; only turning a sampling step on or off for the whole batch recompiles
+(:class:`~jaxdecode.sampling.SamplingFeatures`): unused steps are left out of the program rather
+than skipped by a ``lax.cond``, which on a GPU waits for the device (benchmarks/RESULTS.md).
+``features=ALL_FEATURES`` keeps one executable for every setting. The ``[R, V]`` int32 token
+counts exist only when some row has a penalty.
 """
 
 from __future__ import annotations
@@ -67,22 +57,15 @@ MAX_EOS_IDS = 8  # EOS id arrays are padded to this many entries (-1 never match
 
 @struct.dataclass
 class GenerateOutput:
-    """Result of :func:`generate`.
-
-    Attributes:
-      tokens: [R, N] int32 generated ids (R = prompts × num_samples, N >= the largest budget);
-        ``pad_id`` after each row's last token.
-      lengths: [R] int32 tokens generated per row (an EOS token counts).
-      stop_reason: [R] int32, :data:`STOP_EOS` or :data:`STOP_LENGTH`.
-    """
-    tokens: Array
-    lengths: Array
-    stop_reason: Array
+    """Result of :func:`generate` (R = prompts × num_samples rows, N >= the largest budget)."""
+    tokens: Array  # [R, N] int32 generated ids, pad_id after each row's last token
+    num_generated: Array  # [R] int32 tokens generated per row (an EOS token counts)
+    stop_reason: Array  # [R] int32, STOP_EOS or STOP_LENGTH
 
     def token_lists(self) -> list[list[int]]:
         """Each row's generated ids, without padding (a host sync)."""
-        tokens, lengths = np.asarray(self.tokens), np.asarray(self.lengths)
-        return [tokens[r, :lengths[r]].tolist() for r in range(tokens.shape[0])]
+        tokens, counts = np.asarray(self.tokens), np.asarray(self.num_generated)
+        return [tokens[r, :counts[r]].tolist() for r in range(tokens.shape[0])]
 
     def stop_reasons(self) -> list[str]:
         """Each row's stop reason as text ("eos" or "length")."""
@@ -91,40 +74,23 @@ class GenerateOutput:
 
 @struct.dataclass
 class LoopState:
-    """The carry of the decode loop (every leaf has the rows as axis 0).
-
-    Attributes:
-      state: the model's :class:`DecodeState` (holds prompt + all emitted tokens but the last).
-      last_token: [R] int32, the token to feed next.
-      num_generated: [R] int32.
-      done: [R] bool.
-      stop_reason: [R] int32 (STOP_*).
-      budgets: [R] int32 token budget per row.
-      keys: [R] per-row PRNG keys.
-      token_counts: [R, V] int32 generated-token counts (penalties), or None.
-    """
-    state: DecodeState
-    last_token: Array
-    num_generated: Array
-    done: Array
-    stop_reason: Array
-    budgets: Array
-    keys: Array
-    token_counts: Array | None
+    """The carry of the decode loop (every leaf has the rows as axis 0)."""
+    state: DecodeState  # prompt + every emitted token but the last
+    last_token: Array  # [R] int32, the token to feed next
+    num_generated: Array  # [R] int32
+    done: Array  # [R] bool
+    stop_reason: Array  # [R] int32 (STOP_*)
+    budgets: Array  # [R] int32 token budget per row
+    keys: Array  # [R] per-row PRNG keys
+    token_counts: Array | None  # [R, V] int32 generated-token counts (penalties), or None
 
 
 @dataclasses.dataclass(frozen=True)
 class StreamChunk:
-    """One chunk yielded by :func:`generate_stream` (host numpy arrays).
-
-    Attributes:
-      tokens: [R, n] int32 new ids, ``pad_id`` where a row produced nothing.
-      lengths: [R] int32 tokens generated per row so far.
-      stop_reason: [R] int32, STOP_RUNNING for rows still going.
-    """
-    tokens: np.ndarray
-    lengths: np.ndarray
-    stop_reason: np.ndarray
+    """One chunk yielded by :func:`generate_stream` (host numpy arrays)."""
+    tokens: np.ndarray  # [R, n] int32 new ids, pad_id where a row produced nothing
+    num_generated: np.ndarray  # [R] int32 tokens generated per row so far
+    stop_reason: np.ndarray  # [R] int32, STOP_RUNNING for rows still going
 
 
 # ----- pure pieces (usable inside your own jit) ------------------------------------------------
@@ -160,20 +126,16 @@ def start_fn(params: Params, state: DecodeState, prompts: Array, prompt_lengths:
     """Prefill, fork, and sample each row's first token.
 
     Args:
-      params: model weights.
       state: an empty (or continued) state with P = ``prompts.shape[0]`` rows.
-      prompts: [P, T] int32, right-padded.
-      prompt_lengths: [P] int32, >= 1.
+      prompts: [P, T] int32, right-padded; prompt_lengths: [P] int32, >= 1.
       budgets: [R] int32 (R = P × num_samples), token budget per output row, >= 1.
-      sampling: :class:`SamplingParams` with [R] leaves.
-      keys: [R] per-row PRNG keys.
+      sampling: :class:`SamplingParams` with [R] leaves; keys: [R] per-row PRNG keys.
       eos_token_ids: [E] int32 (entries -1 are ignored).
       num_samples: rows per prompt (``fork``); row ``p * num_samples + j`` continues prompt p.
       track_counts: keep [R, V] generated-token counts for the penalties (without them no
         penalty applies); None: ``features.penalties`` when ``features`` is given, else False.
-      features: ``jaxdecode.sampling.features_of(sampling)`` (static): sampling steps no row uses
-        are left out of the program, with no ``lax.cond`` (each one a wait for the device on a
-        GPU). None: decided per step on the device (traced sampling values).
+      features: ``sampling.features_of(sampling)`` (static): steps no row uses are left out of
+        the program; None: each step is decided on the device by a ``lax.cond``.
       pad_id: id written for rows that emit nothing.
     Returns:
       (LoopState, first tokens [R] int32).
@@ -223,8 +185,7 @@ def chunk_fn(params: Params, loop: LoopState, sampling: SamplingParams, eos_toke
     def run(loop):
         loop, emitted = lax.scan(
             lambda c, _: step_fn(params, c, sampling, eos_token_ids, pad_id=pad_id,
-                                 kernels=kernels,
-                                 features=features),
+                                 kernels=kernels, features=features),
             loop, None, length=chunk_size)
         return loop, emitted.T
 
@@ -265,7 +226,7 @@ def generate_fn(params: Params, state: DecodeState, prompts: Array, prompt_lengt
         tokens = jnp.concatenate([first[:, None], rest], axis=1)[:, :max_new_tokens]
     else:
         tokens = first[:, None]
-    return GenerateOutput(tokens=tokens, lengths=loop.num_generated,
+    return GenerateOutput(tokens=tokens, num_generated=loop.num_generated,
                           stop_reason=loop.stop_reason), loop
 
 
@@ -363,13 +324,13 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
     budgets = _per_row("max_new_tokens", budgets, num_prompts, np.int32)
     if (budgets < 1).any():
         raise ValueError(f"max_new_tokens must be >= 1; got {budgets.tolist()}")
-    lengths = np.array([len(p) for p in prompt_list], np.int32)
-    need = lengths + budgets
+    prompt_lengths = np.array([len(p) for p in prompt_list], np.int32)
+    need = prompt_lengths + budgets
     limit = config.max_position_embeddings
     if (need > limit).any():
         i = int(np.argmax(need > limit))
-        raise ValueError(f"prompt {i}: {lengths[i]} prompt tokens + max_new_tokens={budgets[i]} "
-                         f"exceeds the model's max_position_embeddings={limit}")
+        raise ValueError(f"prompt {i}: {prompt_lengths[i]} prompt tokens + max_new_tokens="
+                         f"{budgets[i]} exceeds the model's max_position_embeddings={limit}")
     if max_len is not None:
         if isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len < 1:
             raise ValueError(f"{max_len=} must be a positive int")
@@ -378,13 +339,12 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
             raise ValueError(f"{max_len=} exceeds the model's max_position_embeddings={limit}")
         if (need > max_len).any():
             i = int(np.argmax(need > max_len))
-            raise ValueError(f"prompt {i}: {lengths[i]} prompt tokens + max_new_tokens="
+            raise ValueError(f"prompt {i}: {prompt_lengths[i]} prompt tokens + max_new_tokens="
                              f"{budgets[i]} exceeds {max_len=}")
-    t_bucket = bucket(int(lengths.max()), MIN_PROMPT_BUCKET)
+    t_bucket = bucket(int(prompt_lengths.max()), MIN_PROMPT_BUCKET)
     n_bucket = bucket(int(budgets.max()), MIN_TOKEN_BUCKET)
     if max_len is None:  # a multiple of the decode kernel's block, so it never pads the cache
-        align = MAX_LEN_ALIGN
-        max_len = min(-(-(t_bucket + n_bucket) // align) * align, limit)
+        max_len = min(-(-(t_bucket + n_bucket) // MAX_LEN_ALIGN) * MAX_LEN_ALIGN, limit)
     padded = np.zeros((num_prompts, t_bucket), np.int32)
     for i, p in enumerate(prompt_list):
         padded[i, :len(p)] = p
@@ -429,7 +389,7 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
     else:
         raise ValueError(f"key must be one PRNG key or one per output row ({rows}); got "
                          f"{key.shape=}")
-    return _Plan(prompts=padded, prompt_lengths=lengths,
+    return _Plan(prompts=padded, prompt_lengths=prompt_lengths,
                  budgets=np.repeat(budgets, num_samples), sampling=sampling, keys=keys,
                  eos_token_ids=eos_padded, max_len=int(max_len), max_new_tokens=n_bucket,
                  chunk_size=min(chunk_size, max(n_bucket - 1, 1)), num_samples=num_samples,
@@ -458,8 +418,7 @@ def _generate_jit(params, prompts, prompt_lengths, budgets, sampling, keys, eos_
     out, _ = generate_fn(params, state, prompts, prompt_lengths, budgets, sampling, keys,
                          eos_token_ids, max_new_tokens=max_new_tokens, chunk_size=chunk_size,
                          num_samples=num_samples, features=features, pad_id=pad_id,
-                         kernels=kernels,
-                         progress=progress)
+                         kernels=kernels, progress=progress)
     return out
 
 
@@ -479,8 +438,7 @@ def _start_jit(params, prompts, prompt_lengths, budgets, sampling, keys, eos_tok
 def _chunk_jit(params, loop, sampling, eos_token_ids, pad_id, *, chunk_size, kernels,
                features):
     return chunk_fn(params, loop, sampling, eos_token_ids, chunk_size=chunk_size, pad_id=pad_id,
-                    kernels=kernels,
-                    features=features)
+                    kernels=kernels, features=features)
 
 
 def _generate_args(params: Params, plan: _Plan, progress):
@@ -488,8 +446,7 @@ def _generate_args(params: Params, plan: _Plan, progress):
             plan.eos_token_ids, np.int32(plan.pad_id))
     static = dict(max_len=plan.max_len, max_new_tokens=plan.max_new_tokens,
                   chunk_size=plan.chunk_size, num_samples=plan.num_samples,
-                  features=plan.features, kernels=plan.kernels,
-                  progress=progress)
+                  features=plan.features, kernels=plan.kernels, progress=progress)
     return args, static
 
 
@@ -502,20 +459,19 @@ def _start_args(params: Params, plan: _Plan):
 
 def _chunk_args(params: Params, plan: _Plan, loop):
     args = (params, loop, plan.sampling, plan.eos_token_ids, np.int32(plan.pad_id))
-    return args, dict(chunk_size=plan.chunk_size, kernels=plan.kernels,
-                      features=plan.features)
+    return args, dict(chunk_size=plan.chunk_size, kernels=plan.kernels, features=plan.features)
 
 
 @dataclasses.dataclass(frozen=True)
 class Executables:
     """Executables compiled ahead of time by :func:`precompile`, keyed by everything ``jit``
-    would key on. Pass them to :func:`generate` / :func:`generate_stream` (``executables=``):
-    a call whose signature matches runs them directly, skipping jit's tracing and lowering on the
-    first call (tens of ms on CPU, which would otherwise land in the measured prefill / time to
-    first token); any other call goes through ``jit`` as usual."""
+    keys on. Passed as ``executables=`` to :func:`generate` / :func:`generate_stream`, a call
+    whose signature matches runs them directly, so no tracing or lowering lands in its prefill
+    or time to first token; any other call goes through ``jit`` as usual."""
     by_signature: tuple[tuple[tuple, Callable], ...] = ()
 
     def get(self, signature: tuple):
+        """The executable compiled for ``signature``, or None."""
         return dict(self.by_signature).get(signature)
 
 
@@ -548,23 +504,21 @@ _DOC_ARGS = """
       params: model weights (``params.config`` gives vocab size, EOS ids and position limit).
       prompts: a list of token-id lists (ragged) or a [P, T] int array; every prompt non-empty.
       max_new_tokens: token budget, an int or one per prompt (>= 1).
-      sampling: :class:`jaxdecode.sampling.SamplingParams` with scalar or [P] leaves (or [P ×
-        num_samples]); None = greedy.
+      sampling: :class:`~jaxdecode.sampling.SamplingParams`, scalar, [P] or [P × num_samples]
+        leaves; None = greedy.
       key: one PRNG key (row r uses ``fold_in(key, r)``) or one per output row; None = key(0).
       eos_token_ids: ids that stop a row; None = ``params.config.eos_token_id``; () = none.
       max_len: state capacity per row; None = prompt bucket + budget bucket, rounded up to a
-        multiple of 64 (the decode kernel's block) and capped at ``max_position_embeddings``.
-      num_samples: continuations per prompt (the state is forked after the prefill; output row
-        ``p * num_samples + j`` continues prompt ``p``).
+        multiple of 64 and capped at ``max_position_embeddings``.
+      num_samples: continuations per prompt (forked after the prefill; row ``p * num_samples +
+        j`` continues prompt ``p``).
       chunk_size: decode steps per jitted chunk / scan iteration.
       pad_id: id written after a row stops.
       kernels: which kernels the decode steps run (``jaxdecode.kernels.choice``); None:
         ``choose_kernels`` for the output rows on the params' device or mesh.
-      features: the sampling steps compiled into the program
-        (:class:`jaxdecode.sampling.SamplingFeatures`); None: those the sampling values use, so
-        a step no row uses costs nothing, and turning one on or off compiles once per
-        combination. ``jaxdecode.sampling.ALL_FEATURES``: one executable for every setting (each
-        step runs, a no-op for rows that turn it off).
+      features: the sampling steps compiled in (:class:`~jaxdecode.sampling.SamplingFeatures`);
+        None: those the sampling values use (one executable per combination);
+        ``sampling.ALL_FEATURES``: one executable for every setting.
       executables: from :func:`precompile` for the same arguments (optional).
 
     Raises:
@@ -578,8 +532,7 @@ _DOC_ARGS = """
 def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParams | None = None,
              key=None, eos_token_ids: Sequence[int] | None = None, *, max_len: int | None = None,
              num_samples: int = 1, chunk_size: int = 8, pad_id: int = -1,
-             kernels: Kernels | None = None,
-             features: SamplingFeatures | None = None,
+             kernels: Kernels | None = None, features: SamplingFeatures | None = None,
              progress: Callable[[np.ndarray], None] | None = None,
              executables: Executables | None = None) -> GenerateOutput:
     """Generates continuations with the whole loop on device (one jitted call, no per-token sync).
@@ -601,8 +554,7 @@ def generate_stream(params: Params, prompts, max_new_tokens=64,
                     sampling: SamplingParams | None = None, key=None,
                     eos_token_ids: Sequence[int] | None = None, *, max_len: int | None = None,
                     num_samples: int = 1, chunk_size: int = 1, pad_id: int = -1,
-                    kernels: Kernels | None = None,
-                    features: SamplingFeatures | None = None,
+                    kernels: Kernels | None = None, features: SamplingFeatures | None = None,
                     executables: Executables | None = None) -> Iterator[StreamChunk]:
     """Generates continuations, yielding tokens to the host as they are produced.
 
@@ -626,8 +578,8 @@ def generate_stream(params: Params, prompts, max_new_tokens=64,
 
 
 def _stream_chunk(emitted, loop: LoopState) -> StreamChunk:
-    emitted, lengths, stop = jax.device_get((emitted, loop.num_generated, loop.stop_reason))
-    return StreamChunk(tokens=np.asarray(emitted), lengths=np.asarray(lengths),
+    emitted, counts, stop = jax.device_get((emitted, loop.num_generated, loop.stop_reason))
+    return StreamChunk(tokens=np.asarray(emitted), num_generated=np.asarray(counts),
                        stop_reason=np.asarray(stop))
 
 
@@ -642,13 +594,8 @@ def precompile(params: Params, prompts, max_new_tokens=64, sampling: SamplingPar
                features: SamplingFeatures | None = None,
                progress: Callable[[np.ndarray], None] | None = None) -> Executables:
     """Compiles (without running) what :func:`generate` (or, with ``stream``,
-    :func:`generate_stream`) will run for these arguments, so its compile time can be measured
-    apart. Arguments as those functions.
-
-    Returns:
-      :class:`Executables`; pass them as ``executables=`` to the later call, which then runs them
-      without tracing again.
-    """
+    :func:`generate_stream`) will run for these arguments, so compile time can be timed apart.
+    Arguments as those functions; returns :class:`Executables` for their ``executables=``."""
     if chunk_size is None:
         chunk_size = 1 if stream else 8
     plan = _plan(params, prompts, max_new_tokens, sampling, key, eos_token_ids, max_len=max_len,
