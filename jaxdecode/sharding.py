@@ -1,9 +1,9 @@
 """Tensor and data parallelism over a ``("data", "model")`` mesh, as data.
 
-The model code (``jaxdecode.model``) never mentions devices. This module says where every leaf of
+The model code never mentions devices. This module says where every leaf of
 :class:`~jaxdecode.params.Params` and :class:`~jaxdecode.state.DecodeState` lives, as
-``PartitionSpec`` pytrees shaped like them; ``jax.jit`` and XLA's SPMD partitioner (Shardy) then
-insert every collective. No hand-written communication anywhere.
+``PartitionSpec`` pytrees shaped like them; ``jax.jit`` and XLA's SPMD partitioner insert every
+collective (no hand-written communication).
 
     mesh = sharding.make_mesh(data=2, model=4)
     params = jd.load_checkpoint(path, "bfloat16", mesh=mesh)     # or sharding.shard_params(p, mesh)
@@ -11,82 +11,27 @@ insert every collective. No hand-written communication anywhere.
     logits, state = jd.prefill(params, state, tokens, num_new)     # runs on the state's mesh
     logits, state = jd.decode_step(params, state, jnp.argmax(logits, -1))
 
-Layout (weights are PyTorch ``[out, in]``; in the spec column ``model``/``data`` are the mesh
-axes and ``-`` means not split):
+Layout: :data:`PARAM_RULES` and :data:`STATE_RULES` below (every weight split over ``"model"``,
+the RMSNorm gains replicated; state rows over ``"data"``); logits [B, V] are ``(data, model)``.
 
-    leaf                               shape               spec                   split by
-    embed_tokens, lm_head              [V, H]             (model, -)             vocabulary
-    input/post_attention_layernorm,
-      norm, q_norm, k_norm,
-      linear_attn.norm                 [H] / [D] / [dv]   ()                     replicated
-    mlp.gate_proj, mlp.up_proj         [I, H]             (model, -)             intermediate
-    mlp.down_proj                      [H, I]             (-, model)             intermediate
-    self_attn.q_proj                   [2·Hq·D, H]        (model, -)             query heads
-    self_attn.k_proj, v_proj           [Hkv·D, H]         (model, -)             KV heads
-    self_attn.o_proj                   [H, Hq·D]          (-, model)             query heads
-    linear_attn.in_proj_qkv            [C, H]             (model, -)             key-head groups
-    linear_attn.conv1d                 [C, 1, Kc]          (model, -, -)          key-head groups
-    linear_attn.in_proj_z              [Hv·dv, H]         (model, -)             value heads
-    linear_attn.in_proj_a, in_proj_b   [Hv, H]            (model, -)             value heads
-    linear_attn.dt_bias, A_log         [Hv]                (model,)               value heads
-    linear_attn.out_proj               [H, Hv·dv]         (-, model)             value heads
-    state.conv_state[i]                [B, Kc, C]          (data, -, model)       rows; key-head groups
-    state.recurrent_state[i]           [B, Hv, dk, dv]     (data, model, -, -)    rows; value heads
-    state.kv_cache[i].k, .v            [B, Hkv, S, D]      (data, model, -, -)    rows; KV heads
-    state.lengths                      [B]                 (data,)                rows
-    logits                             [B, V] / [B, T, V]  (data, model) / (data, -, model)
+Megatron pattern: column-parallel in-projections, row-parallel out-projections, so no weight
+ever moves and each mixer and MLP ends with one all-reduce of its [B, T, H] update
+(tests/test_sharding.py counts them). Caches live with the heads that use them. ``q_proj`` rows
+are ``[Hq, 2D]`` per head, so contiguous blocks hold whole heads with their gates; the conv
+channels are held grouped per key head (``params.conv_channel_order``) for the same reason. The
+Pallas kernels run per device under ``shard_map`` (``kernels.choice``): the partitioner cannot
+split a custom call. The cache write is a per-row scatter, so no K/V row crosses ``"data"``.
 
-``q_proj`` rows are ``[Hq, 2D]`` per head (query, then gate), so contiguous blocks are whole
-heads and each device's gate rows sit with its query rows.
+Requirements (one ``ValueError`` naming every failure, :func:`check_mesh`): head counts,
+``intermediate_size`` and ``vocab_size`` divisible by the ``"model"`` size, the batch by the
+``"data"`` size (published models: at most 4-way tensor parallelism, 2-way for 0.8B and 2B).
 
-Why: every weight is split over ``"model"`` (none is replicated, none is ever all-gathered), in
-the Megatron pattern: column-parallel in-projections, row-parallel out-projections, so each
-mixer and each MLP ends with one all-reduce of the [B, T, H] residual update. Caches and the
-recurrent state live with the heads that read and write them. The vocabulary split leaves the
-logits split too (an argmax or sampler reduces across ``"model"``, on [B, V] floats).
+Several hosts: every process runs the same script, calls ``jax.distributed.initialize`` first,
+and builds the mesh from the global device list (:func:`make_mesh` keeps ``"model"`` inside a
+host); every process passes the same global host inputs and :func:`shard_batch` keeps its shards.
 
-The Gated DeltaNet conv channels: in the checkpoint they are ``[q (Hk·dk) | k (Hk·dk) |
-v (Hv·dv)]``, whose contiguous blocks do not hold whole heads (splitting them cost 3-8
-collective-permutes of the post-conv activation per DeltaNet layer and step). jaxdecode holds
-them grouped per key head instead (``jaxdecode.params.conv_channel_order``: ``[q_i | k_i | the
-r value heads of key head i]``, applied to ``in_proj_qkv`` rows and ``conv1d`` channels at load
-time), so ``m`` contiguous blocks (``m`` dividing Hk) are whole key-head groups: projection,
-conv, window update and delta rule are all local to a device.
-
-The Pallas kernels run per device under ``shard_map`` (``jaxdecode.kernels.choice``, from
-``choose_kernels(config, B, mesh=mesh)``, which ``jd.decode_step`` calls for a state on a
-mesh): a kernel is a custom call the SPMD partitioner cannot split, and would otherwise get an
-all-gathered KV cache every step.
-
-Per decode step of the 9B model (compiled HLO for 8 CPU devices, batch 8, meshes (1,2), (1,4)
-and (2,4)): 65 all-reduces of [B, H] (one per mixer and per MLP, plus the vocab-split
-embedding lookup) and no other collective. No weight moves.
-The cache write in ``model.py`` is a per-row scatter, so with ``data`` > 1 no K/V rows move
-across ``"data"`` (the compiled step has no all-gather at data=2/model=4 or data=8).
-
-Requirements (checked, with one ``ValueError`` naming every size that fails):
-``num_attention_heads``, ``num_key_value_heads``, ``linear_num_key_heads``,
-``linear_num_value_heads``, ``intermediate_size`` and ``vocab_size`` divisible by the
-``"model"`` axis size, and the batch by the ``"data"`` axis size. For the published 9B and 27B
-(4 KV heads) that means at most 4-way tensor parallelism; 0.8B and 2B (2 KV heads): 2-way.
-
-Donation: ``jaxdecode.step`` builds the jitted prefill and decode step with ``out_shardings``
-pinned to these tables, so every state buffer is aliased in place and no step reshards.
-
-Several hosts (processes): the same code. Every process runs the same script; first call
-``jax.distributed.initialize`` (no arguments on SLURM, Cloud TPU and other detected
-clusters), then build the mesh from the *global* device list: :func:`make_mesh` puts ``"model"``
-innermost, so a model group stays inside one host (tensor parallelism over NVLink) and
-``"data"`` spans hosts. Every process passes the same global host arrays (tokens, lengths);
-:func:`shard_batch` keeps only each process's shards. On CPU (tests) collectives go over gloo.
-
-    # 2 hosts x 8 GPUs, 4-way TP inside each host, 4-way DP; on host i (0 or 1):
-    python examples/sharded.py --mesh 4,4 --checkpoint DIR --dtype bfloat16 \\
-        --coordinator host0.example:12355 --num-processes 2 --process-id i
-
-Source: the Megatron-LM tensor-parallel layout (Shoeybi et al., 2019) as used by gpt-fast's
-``tp.py``; mesh and spec conventions of ``jax-llm-examples``; JAX's "Distributed arrays and
-automatic parallelization" and "Multi-process" guides.
+Source: Megatron-LM tensor parallelism (Shoeybi et al., 2019) as in gpt-fast's ``tp.py``; JAX's
+"Distributed arrays and automatic parallelization" and "Multi-process" guides.
 """
 
 from __future__ import annotations
@@ -108,24 +53,21 @@ from jaxdecode.state import DecodeState, KVCache, init_state
 
 AXIS_NAMES = (DATA, MODEL)
 
-# Parameter leaf name (HF name without the "model." / "model.layers.{i}." prefix) -> spec.
-# Leaves not listed (the RMSNorm gains) are replicated.
+# Parameter leaf name (HF name without the "model." / "model.layers.{i}." prefix) -> spec;
+# leaves not listed (the RMSNorm gains) are replicated.
 PARAM_RULES: dict[str, P] = {
     "embed_tokens.weight": P(MODEL, None),  # [V, H] vocabulary
     "lm_head.weight": P(MODEL, None),  # [V, H] vocabulary
-    "mlp.gate_proj.weight": P(MODEL, None),  # [I, H]
+    "mlp.gate_proj.weight": P(MODEL, None),  # [I, H] intermediate
     "mlp.up_proj.weight": P(MODEL, None),  # [I, H]
     "mlp.down_proj.weight": P(None, MODEL),  # [H, I]
-    # q_proj rows are [Hq, 2D] per head (query then gate): contiguous blocks are whole heads.
-    "self_attn.q_proj.weight": P(MODEL, None),  # [2·Hq·D, H]
-    "self_attn.k_proj.weight": P(MODEL, None),  # [Hkv·D, H]
+    "self_attn.q_proj.weight": P(MODEL, None),  # [2·Hq·D, H] query heads (with their gates)
+    "self_attn.k_proj.weight": P(MODEL, None),  # [Hkv·D, H] KV heads
     "self_attn.v_proj.weight": P(MODEL, None),  # [Hkv·D, H]
     "self_attn.o_proj.weight": P(None, MODEL),  # [H, Hq·D]
-    # Channels grouped per key head (params.conv_channel_order): contiguous blocks are whole
-    # key-head groups, the same blocks as conv1d and conv_state.
-    "linear_attn.in_proj_qkv.weight": P(MODEL, None),  # [C, H]
+    "linear_attn.in_proj_qkv.weight": P(MODEL, None),  # [C, H] key-head groups
     "linear_attn.conv1d.weight": P(MODEL, None, None),  # [C, 1, Kc]
-    "linear_attn.in_proj_z.weight": P(MODEL, None),  # [Hv·dv, H]
+    "linear_attn.in_proj_z.weight": P(MODEL, None),  # [Hv·dv, H] value heads
     "linear_attn.in_proj_b.weight": P(MODEL, None),  # [Hv, H]
     "linear_attn.in_proj_a.weight": P(MODEL, None),  # [Hv, H]
     "linear_attn.dt_bias": P(MODEL),  # [Hv]
@@ -147,21 +89,15 @@ _LAYER_PREFIX = re.compile(r"^model\.layers\.\d+\.|^model\.")
 # ----- the mesh and its checks ----------------------------------------------------------------
 
 def make_mesh(data: int, model: int, *, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A ``("data", "model")`` mesh of ``data × model`` devices.
+    """A ``("data", "model")`` mesh of ``data × model`` devices, ``AxisType.Auto`` axes (the model
+    code carries no sharding annotations; the partitioner propagates them).
 
-    Args:
-      data: size of the data-parallel axis (splits the batch).
-      model: size of the tensor-parallel axis (splits heads, intermediate and vocabulary).
-      devices: default ``jax.devices()`` (all processes' devices after
-        ``jax.distributed.initialize``), ordered by (process, id) so that ``"model"`` groups
-        stay inside a process (host) whenever ``model`` divides the local device count.
-
-    Returns:
-      A ``jax.sharding.Mesh`` with ``AxisType.Auto`` axes (the partitioner propagates shardings
-      through the model code, which carries no sharding annotations of its own).
+    ``data`` splits the batch, ``model`` heads, intermediate and vocabulary. ``devices``: default
+    ``jax.devices()`` (every process's), ordered by (process, id) so a ``"model"`` group stays
+    inside one host whenever ``model`` divides the local device count.
 
     Raises:
-      ValueError: for non-positive sizes or ``data * model`` different from the device count.
+      ValueError: non-positive sizes, or ``data * model`` not the device count.
     """
     if not all(isinstance(n, int) and n > 0 for n in (data, model)):
         raise ValueError(f"{data=} and {model=} must be positive ints")
@@ -179,10 +115,9 @@ def check_mesh(config: Config, mesh: Mesh, batch_size: int | None = None) -> Non
     """Checks that ``config`` (and a batch of ``batch_size`` rows) can be split over ``mesh``.
 
     Raises:
-      ValueError: one message listing every problem: axis names other than
-        ``("data", "model")``, an ``Explicit`` axis, a head count, ``intermediate_size`` or
-        ``vocab_size`` not divisible by the ``"model"`` size, a batch not divisible by the
-        ``"data"`` size.
+      ValueError: axis names other than ``("data", "model")``, an ``Explicit`` axis, or (in one
+        message) every head count, ``intermediate_size``, ``vocab_size`` not divisible by the
+        ``"model"`` size and a batch not divisible by the ``"data"`` size.
     """
     if tuple(mesh.axis_names) != AXIS_NAMES:
         raise ValueError(f"mesh.axis_names={tuple(mesh.axis_names)} must be {AXIS_NAMES} "
@@ -264,19 +199,13 @@ def _put(x, sharding: NamedSharding) -> jax.Array:
 
 def shard_params(params: Params, mesh: Mesh) -> Params:
     """``params`` placed with :func:`param_shardings` (host or device arrays in, global out).
-
-    Raises:
-      ValueError: see :func:`check_mesh`.
-    """
+    Raises ValueError: see :func:`check_mesh`."""
     return jax.tree.map(_put, params, param_shardings(params.config, mesh))
 
 
 def shard_state(state: DecodeState, mesh: Mesh) -> DecodeState:
     """``state`` placed with the state shardings (e.g. a state from ``jd.init_state``).
-
-    Raises:
-      ValueError: see :func:`check_mesh` (the batch must divide the ``"data"`` axis).
-    """
+    Raises ValueError if the batch does not divide the ``"data"`` axis."""
     _check_state_mesh(state, mesh)
     specs = _state_specs(len(state.conv_state), len(state.kv_cache))
     return jax.tree.map(_put, state, _named(mesh, specs))
@@ -292,11 +221,7 @@ def _check_state_mesh(state: DecodeState, mesh: Mesh) -> None:
 def init_state_sharded(config: Config, mesh: Mesh, batch_size: int, max_len: int,
                        dtype="float32") -> DecodeState:
     """:func:`jaxdecode.init_state` created directly in its sharding (each device allocates only
-    its shard; no full copy anywhere). Arguments as ``init_state`` plus ``mesh``.
-
-    Raises:
-      ValueError: see :func:`check_mesh` and ``init_state``.
-    """
+    its shard). Arguments as ``init_state`` plus ``mesh``; ValueError as it and :func:`check_mesh`."""
     check_mesh(config, mesh, batch_size)
     return _init_state_jit(config, mesh)(config, batch_size, max_len, jnp.dtype(dtype).name)
 
@@ -315,13 +240,11 @@ def constrain_state(state: DecodeState, mesh: Mesh) -> DecodeState:
 
 
 def shard_batch(x, mesh: Mesh, dtype=None) -> jax.Array:
-    """A per-row input (tokens [B] or [B, T], lengths [B], active [B]) split over ``"data"``.
+    """A per-row input (tokens [B] or [B, T], num_new [B], active [B]) split over ``"data"``.
 
     Host arrays must hold the same *global* value on every process; each process keeps only its
     devices' rows. Global ``jax.Array`` are resharded; tracers get a sharding constraint.
-
-    Raises:
-      ValueError: if the batch does not divide the ``"data"`` axis.
+    Raises ValueError if the batch does not divide the ``"data"`` axis.
     """
     if isinstance(x, jax.core.Tracer):
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(DATA)))
@@ -337,11 +260,7 @@ def shard_batch(x, mesh: Mesh, dtype=None) -> jax.Array:
 
 def checkpoint_placer(config: Config, mesh: Mesh) -> Callable[[str, np.ndarray], jax.Array]:
     """The ``place(name, host_array)`` callback of ``load_checkpoint(..., mesh=mesh)``: each
-    device receives only its slice of each tensor as it is read.
-
-    Raises:
-      ValueError: see :func:`check_mesh` (raised before any tensor is read).
-    """
+    device receives only its slice of each tensor as it is read. ValueError: :func:`check_mesh`."""
     check_mesh(config, mesh)
     shardings = {name: NamedSharding(mesh, param_partition_spec(name))
                  for name in param_specs(config)}
