@@ -1,16 +1,11 @@
 """Hugging Face checkpoint directory -> :class:`~jaxdecode.params.Params`.
 
-Reads ``config.json`` and ``model.safetensors`` (or the shards listed in
-``model.safetensors.index.json``) with the ``safetensors`` library, tensor by tensor, so peak host
-memory is about one tensor above the parameters. Two layouts:
-
-* text-only ``Qwen3_5ForCausalLM``: ``model.layers.*``, ``model.embed_tokens.weight``, ...
-* multimodal ``Qwen3_5ForConditionalGeneration`` (the published ``Qwen/Qwen3.5-*`` checkpoints):
-  text weights under ``model.language_model.*`` (mapped to ``model.*`` as HF's conversion mapping
-  does); ``model.visual.*`` and ``mtp.*`` are skipped.
-
-Every header is checked before any data is read: missing, unexpected and misshapen tensors are
-collected and raised together in one ``ValueError``.
+Reads ``config.json`` and ``model.safetensors`` (or the shards of
+``model.safetensors.index.json``) tensor by tensor, so peak host memory is about one tensor above
+the parameters. Text-only ``Qwen3_5ForCausalLM`` names (``model.layers.*``) and the published
+multimodal ``Qwen3_5ForConditionalGeneration`` ones (``model.language_model.*`` -> ``model.*``, as
+HF's conversion mapping; ``model.visual.*`` and ``mtp.*`` skipped) both load. Every header is
+checked before any data is read, all problems raised together in one ``ValueError``.
 """
 
 from __future__ import annotations
@@ -74,11 +69,8 @@ FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
 
 
 def _index_tensors(files: list[str], problems: list[str]):
-    """{canonical name: (file, stored name, shape)} from the headers alone.
-
-    Appends to ``problems`` every tensor stored twice (under both layouts, or in two shards) and
-    every tensor that is not floating point.
-    """
+    """{canonical name: (file, stored name, shape)} from the headers alone; appends to
+    ``problems`` every tensor stored twice (both layouts, or two shards) or not floating point."""
     found = {}
     for path in files:
         with safe_open(path, framework="np") as f:
@@ -105,29 +97,24 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
     """Loads a Hugging Face Qwen3.5 checkpoint directory.
 
     Args:
-      directory: holds ``config.json`` and ``model.safetensors`` or sharded safetensors with
+      directory: ``config.json`` plus ``model.safetensors`` or shards with
         ``model.safetensors.index.json``; bf16 or float32 on disk.
-      dtype: model dtype τ of the returned params ("bfloat16" or "float32"). ``A_log`` and the
-        gated-norm weight are kept in float32 (the published checkpoints store them F32).
-      place: optional ``(name, host_array) -> jax.Array`` that puts each tensor on device(s)
-        (e.g. with a sharding); default ``jnp.asarray`` on the default device. It receives each
-        tensor already cast and in jaxdecode's layout (``in_proj_qkv``/``conv1d`` channels
-        grouped per key head, ``jaxdecode.params.conv_channel_order``).
-      mesh: a ``("data", "model")`` mesh (``jaxdecode.sharding.make_mesh``): each tensor goes
-        straight into its tensor-parallel sharding as it is read (every device receives only its
-        slice; ``jaxdecode.sharding.checkpoint_placer``). Not together with ``place``.
+      dtype: model dtype of the params ("bfloat16" or "float32"); ``A_log`` and the gated-norm
+        weight stay float32.
+      place: optional ``(name, host_array) -> jax.Array`` putting each tensor (already cast, in
+        jaxdecode's layout: ``params.conv_channel_order``) on device; default ``jnp.asarray``.
+      mesh: a ``("data", "model")`` mesh: each tensor goes straight into its sharding as it is
+        read (``sharding.checkpoint_placer``). Not together with ``place``.
 
     Returns:
-      :class:`Params` with ``params.config`` read from ``config.json``. Tied checkpoints use
-      ``embed_tokens`` for the LM head (a stored ``lm_head.weight`` is then ignored).
+      :class:`Params`, ``params.config`` from ``config.json``; tied checkpoints use
+      ``embed_tokens`` as the LM head (a stored ``lm_head.weight`` is ignored).
 
     Raises:
       FileNotFoundError: missing ``config.json`` or safetensors files.
-      ValueError: unsupported or malformed config (see ``Config.from_hf_config``), or one message
-        listing every missing, unexpected, misshapen, duplicated or non-float tensor (name,
-        expected and stored shapes), a malformed index file, or a config
-        that cannot be split over ``mesh`` (``jaxdecode.sharding.check_mesh``), or both
-        ``place`` and ``mesh``.
+      ValueError: an unsupported or malformed config (``Config.from_hf_config``) or index file;
+        one message listing every missing, unexpected, misshapen, duplicated or non-float
+        tensor; a config that cannot be split over ``mesh``; both ``place`` and ``mesh``.
     """
     directory = os.fspath(directory)
     config_path = os.path.join(directory, "config.json")
@@ -145,8 +132,7 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
     problems: list[str] = []
     found = _index_tensors(checkpoint_files(directory), problems)
     if config.tie_word_embeddings and "lm_head.weight" in found:
-        # Tied checkpoints may still store the (identical) LM head; it is not read, but a
-        # misshapen one means the file does not belong to this config.
+        # A tied checkpoint's stored LM head is not read, but a misshapen one is a wrong file.
         stored_shape = found.pop("lm_head.weight")[2]
         expected = (config.vocab_size, config.hidden_size)
         if stored_shape != expected:

@@ -1,11 +1,5 @@
-"""Model configuration: the Hugging Face ``Qwen3_5TextConfig`` fields jaxdecode reads.
-
-Field names are the Hugging Face ``config.json`` names verbatim, so a reader can grep a checkpoint's
-config for each of them. Derived sizes (group size, rotary dims, conv channels) are properties and
-never stored twice.
-
-Source: ``transformers/models/qwen3_5/configuration_qwen3_5.py`` (transformers 5.24.0) and the
-published configs reconstructed in ``shared/docs/configs/``.
+"""Model configuration: the HF ``Qwen3_5TextConfig`` fields jaxdecode reads, named as in
+``config.json`` (transformers 5.24.0 ``configuration_qwen3_5.py``); derived sizes are properties.
 """
 
 from __future__ import annotations
@@ -24,16 +18,12 @@ MOE_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """A Qwen3.5 dense text decoder's shape. Frozen and hashable, so valid as a ``jax.jit`` static.
+    """A Qwen3.5 dense text decoder's shape; frozen and hashable (a ``jax.jit`` static). Shape
+    letters: ``jaxdecode.model``'s legend (Hq = ``num_attention_heads``, C = ``linear_conv_dim``).
 
     Raises ``ValueError`` on construction for non-positive sizes, ``layer_types`` that do not
-    match ``num_hidden_layers`` or name unknown layer kinds, no full-attention layer, head counts
-    that do not divide, or odd rotary dims.
-
-    Notation used in docstrings across jaxdecode: Hq = ``num_attention_heads``,
-    Hkv = ``num_key_value_heads``, D = ``head_dim``, Hk = ``linear_num_key_heads``,
-    Hv = ``linear_num_value_heads``, dk = ``linear_key_head_dim``, dv = ``linear_value_head_dim``,
-    Kc = ``linear_conv_kernel_dim``, C = ``linear_conv_dim`` = 2·Hk·dk + Hv·dv.
+    match ``num_hidden_layers`` or name unknown kinds, no full-attention layer, head counts that
+    do not divide, odd rotary dims or ``linear_conv_kernel_dim`` < 2.
     """
 
     vocab_size: int
@@ -104,7 +94,7 @@ class Config:
 
     @property
     def linear_num_value_heads_per_key_head(self) -> int:
-        """r = Hv / Hk: value head h uses key head h // r (repeat_interleave, spec §1.4)."""
+        """r = Hv / Hk: value head h uses key head h // r (HF's ``repeat_interleave``)."""
         return self.linear_num_value_heads // self.linear_num_key_heads
 
     @property
@@ -183,9 +173,7 @@ class Config:
         num_layers = text["num_hidden_layers"]
         layer_types = text.get("layer_types")
         if layer_types is None:
-            interval = text.get("full_attention_interval", 4)
-            layer_types = [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION
-                           for i in range(num_layers)]
+            layer_types = _schedule(num_layers, text.get("full_attention_interval", 4))
         eos = text.get("eos_token_id", top.get("eos_token_id"))
         eos = () if eos is None else eos
         tie = top.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
@@ -263,8 +251,7 @@ def _schedule(num_layers: int, interval: int = 4) -> tuple[str, ...]:
 
 
 def _published(hidden, intermediate, layers, hq, hkv, hv, tie) -> Config:
-    # Common to every Qwen3.5 size (spec §4): vocab 248320, head_dim 256, dk = dv = 128, Hk = 16,
-    # Kc = 4, rope_theta 1e7 on 64 of 256 dims, eps 1e-6, eos 248044.
+    # Common to every published Qwen3.5 dense size (their config.json files).
     return Config(
         vocab_size=248_320, hidden_size=hidden, intermediate_size=intermediate,
         num_hidden_layers=layers, num_attention_heads=hq, num_key_value_heads=hkv, head_dim=256,
@@ -274,8 +261,7 @@ def _published(hidden, intermediate, layers, hq, hkv, hv, tie) -> Config:
         tie_word_embeddings=tie, max_position_embeddings=262_144, eos_token_id=(248_044,))
 
 
-# Name -> Config: the published Qwen3.5 dense text shapes (spec §4, shared/docs/configs) and
-# "tiny" (tests and the embedded demo). Use Config.from_preset(name).
+# Name -> Config: the published Qwen3.5 dense text shapes (their config.json) and "tiny".
 PRESETS: dict[str, Config] = {
     "qwen3.5-0.8b": _published(1024, 3584, 24, 8, 2, 16, True),
     "qwen3.5-2b": _published(2048, 6144, 24, 8, 2, 16, True),

@@ -1,7 +1,7 @@
 """The gated delta rule: one-token step, chunked parallel form, naive recurrence.
 
-All three take the same inputs, already prepared as in HF's torch kernels (float32, q and k
-L2-normalised, q scaled by dk**-0.5, q/k repeated to the value heads):
+All three take inputs prepared as in HF's torch kernels (q and k L2-normalised, q scaled by
+dk**-0.5, q/k repeated to the value heads):
 
   q, k   [B, T, H, dk]   float32
   v      [B, T, H, dv]   float32
@@ -14,9 +14,9 @@ Per token (Yang, Kautz, Hatamizadeh, "Gated Delta Networks", ICLR 2025, eq. 10; 
 
   S <- exp(g_t) S;  delta_t = beta_t (v_t - S^T k_t);  S <- S + k_t delta_t^T;  o_t = S^T q_t
 
-The chunked form (HF ``torch_chunk_gated_delta_rule``, transformers 5.24.0; spec §1.4) computes
-the same thing 64 tokens at a time with a unit-lower-triangular solve inside each chunk. A token
-with ``beta = 0, g = 0, k = 0`` leaves S unchanged, which is how padding is made inert.
+The chunked form (HF ``torch_chunk_gated_delta_rule``) computes the same 64 tokens at a time
+with a unit-lower-triangular solve per chunk. A token with ``beta = g = 0, k = 0`` leaves S
+unchanged: that is how padding is made inert.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from jax.scipy.linalg import solve_triangular
 
 Array = jax.Array
 
-# HF's l2norm adds this to the *sum* of squares (hard-coded, not rms_norm_eps; spec §7 item 5).
+# HF's l2norm adds this to the *sum* of squares (hard-coded, not rms_norm_eps).
 L2NORM_EPS = 1e-6
 
 
@@ -37,14 +37,10 @@ def l2_normalize(x: Array) -> Array:
 
 
 def gated_delta_rule_step(q, k, v, g, beta, state):
-    """One token of the gated delta rule.
+    """One token of the gated delta rule (HF ``torch_recurrent_gated_delta_rule``'s loop body).
 
-    Args:
-      q, k: [B, H, dk]; v: [B, H, dv]; g, beta: [B, H]; state: [B, H, dk, dv] (all float32).
-
-    Returns:
-      (o [B, H, dv], new state [B, H, dk, dv]). The output reads the state *after* this token's
-      write (spec §1.4).
+    q, k: [B, H, dk]; v: [B, H, dv]; g, beta: [B, H]; state: [B, H, dk, dv] (all float32).
+    Returns (o [B, H, dv], new state); o reads the state *after* this token's write, as HF.
     """
     state = state * jnp.exp(g)[..., None, None]
     kv_mem = jnp.einsum("bhkv,bhk->bhv", state, k)
@@ -55,10 +51,8 @@ def gated_delta_rule_step(q, k, v, g, beta, state):
 
 
 def naive_gated_delta_rule(q, k, v, g, beta, state):
-    """Token-by-token reference (``lax.scan`` of :func:`gated_delta_rule_step`).
-
-    Shapes as in the module docstring. Returns (o [B, T, H, dv], final state).
-    """
+    """Token-by-token reference (``lax.scan`` of :func:`gated_delta_rule_step`); shapes as in the
+    module docstring. Returns (o [B, T, H, dv], final state)."""
     def step(s, xs):
         o, s = gated_delta_rule_step(*xs, s)
         return s, o
@@ -79,11 +73,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
       Δ = U - W S;  O = diag(e^Γ) Q S + (e^{Γ_i-Γ_j} [j<=i] ⊙ Q Kᵀ) Δ
       S <- e^{Γ_C} S + (diag(e^{Γ_C-Γ}) K)ᵀ Δ
 
-    Exponents are masked to -inf before ``exp`` so strongly decaying heads cannot overflow
-    (spec §7 item 16).
-
-    Returns:
-      (o [B, T, H, dv] float32, final state [B, H, dk, dv] float32).
+    Exponents are masked to -inf before ``exp``, so strongly decaying heads cannot overflow.
+    Returns (o [B, T, H, dv] float32, final state [B, H, dk, dv] float32).
     """
     batch, length, heads, dk = q.shape
     dv = v.shape[-1]

