@@ -3,11 +3,10 @@
     kernels = choose_kernels(config, batch_size, dtype="bfloat16")     # or mesh=mesh
     logits, state = jd.decode_step(params, state, tokens, kernels=kernels)
 
-:class:`Kernels` is a jit static; :func:`choose_kernels` is the one place that decides, and the
-thresholds it uses sit beside it with their reasons (the measurements are in
-``benchmarks/RESULTS.md``). :func:`decode_attention` and :func:`deltanet_decode` are the call
-sites the model uses: they run what the value says, per device under ``jax.shard_map`` when it
-carries a mesh (a Pallas kernel is a custom call that XLA's SPMD partitioner cannot split).
+:class:`Kernels` is a jit static; :func:`choose_kernels` is the one place that decides (its
+thresholds' numbers: ``benchmarks/RESULTS.md``). :func:`decode_attention` and
+:func:`deltanet_decode` are the model's call sites: they run what the value says, per device
+under ``jax.shard_map`` on a mesh (the SPMD partitioner cannot split a Pallas custom call).
 """
 
 from __future__ import annotations
@@ -29,13 +28,11 @@ from jaxdecode.kernels import gated_delta_decode as delta_rule_kernel
 DATA, MODEL = "data", "model"  # the mesh axes: rows, and heads/features (jaxdecode.sharding)
 CHOICES = ("pallas", "xla")
 
-# The one-kernel DeltaNet core (deltanet_decode_pallas) below this many rows per device: it
-# replaces about six small XLA kernels per layer, which dominate at small batches; from 4 rows
-# XLA's fused form measured equal kernel time and less wall time (RESULTS.md, "one-kernel
-# DeltaNet core").
+# The one-kernel DeltaNet core below this many rows per device: it replaces about six small XLA
+# kernels per layer, which dominate small batches; from 4 rows XLA's form is as fast (RESULTS.md).
 DELTANET_CORE_MAX_BATCH = 4
-# The one-pass delta-rule kernel (gated_delta_decode_pallas) from this many rows per device:
-# below it XLA fuses the update into its neighbours and is faster in the whole step.
+# The one-pass delta-rule kernel from this many rows per device: below it XLA fuses the update
+# into its neighbours and the whole step is faster (benchmarks/RESULTS.md).
 DELTA_RULE_MIN_BATCH = 8
 
 
@@ -125,7 +122,8 @@ def choose_kernels(config: Config, batch_size: int, *, dtype="bfloat16",
         "the Gated DeltaNet core", deltanet_kernel.check_supported(
             (rows, hv, dk, dv), c.linear_conv_kernel_dim, dtype))
     rule = rows >= DELTA_RULE_MIN_BATCH and supported(
-        "the gated delta rule", delta_rule_kernel.check_supported((rows, hk, dk), (rows, hv, dk, dv)))
+        "the gated delta rule",
+        delta_rule_kernel.check_supported((rows, hk, dk), (rows, hv, dk, dv)))
     pick = lambda use: "pallas" if use else "xla"  # noqa: E731
     return Kernels(attention=pick(attention), deltanet=pick(core), delta_rule=pick(rule),
                    interpret=False, mesh=mesh)
@@ -134,9 +132,8 @@ def choose_kernels(config: Config, batch_size: int, *, dtype="bfloat16",
 # ----- the call sites the model uses ------------------------------------------------------------
 
 def decode_attention(kernels: Kernels, q, k_cache, v_cache, kv_len):
-    """GQA decode attention as ``kernels.attention`` says (shapes:
-    ``jaxdecode.kernels.decode_attention``): q [B, Hq, D], caches [B, Hkv, S, D], kv_len [B]
-    int32 valid keys per row. Returns [B, Hq, D] in q's dtype."""
+    """GQA decode attention as ``kernels.attention`` says: q [B, Hq, D], caches [B, Hkv, S, D],
+    kv_len [B] int32 valid keys per row. Returns [B, Hq, D] in q's dtype."""
     if kernels.attention == "xla":
         return attention_kernel.decode_attention_reference(q, k_cache, v_cache, kv_len)
     attend = functools.partial(attention_kernel.decode_attention_pallas,

@@ -1,59 +1,34 @@
 """GQA decode attention: one new query token per row against a KV cache.
 
-Layout (shared with ``jaxdecode.state``):
-    q        [B, num_attention_heads, head_dim]
-    k_cache  [B, num_key_value_heads, max_len, head_dim]
-    v_cache  [B, num_key_value_heads, max_len, head_dim]
-    kv_len   [B] int32: keys 0 .. kv_len[b]-1 of row b are valid (the current token is already written).
-
-Query head h uses KV head h // (num_attention_heads // num_key_value_heads) (HF ``repeat_kv``).
-Scores are scaled by head_dim**-0.5; softmax and accumulation in float32; output in q's dtype.
-
-Two entry points, read top to bottom:
-
-* :func:`decode_attention_pallas`: a Pallas Mosaic GPU kernel (Hopper, sm_90) with split-K
-  "flash decoding". Program (b, kv head, split) streams its share of row b's keys through a
-  TMA pipeline in blocks of ``block_kv``, keeps a running max and sum (online softmax) and writes
-  a float32 partial output with its log2-sum-exp; :func:`_combine` merges the splits.
-* :func:`decode_attention_reference`: the same function in plain ``jnp`` (XLA), same signature.
-Which one runs is chosen in ``jaxdecode.kernels.choice``.
+Shapes: q [B, Hq, D], k_cache/v_cache [B, Hkv, S, D], kv_len [B] int32 (keys 0 .. kv_len[b]-1 of
+row b are valid, the current token already written). Query head h uses KV head h // (Hq // Hkv)
+(HF ``repeat_kv``); scores scaled by D**-0.5, softmax and accumulation in float32, output in q's
+dtype. :func:`decode_attention_pallas` is a Pallas Mosaic GPU kernel (Hopper) with split-K
+"flash decoding": program (b, kv head, split) streams its share of row b's keys through a TMA
+pipeline of ``block_kv`` blocks with an online softmax and writes a float32 partial output and
+its log2-sum-exp, which :func:`_combine` merges. :func:`decode_attention_reference` is the same
+function in ``jnp``; ``jaxdecode.kernels.choice`` picks one.
 
 Why the kernel looks the way it does:
 
-* GQA: the program loads each block of its KV head once and multiplies it with all G query
-  heads of the group at once. The tensor-core instruction (``wgmma``) needs M = 64 rows, so the
-  G (<= 64) query rows sit at the top of a 64-row shared-memory tile; the rows below are zero
-  padding or never written, are never read back, and (every row of ``q k^T`` and ``p v``
-  depending on its own row only) cannot leak into the first G. Decode attention is memory bound (about G flops per byte),
-  so the 64/G-fold wasted tensor work is free; it is what makes one K/V read serve the group.
-* Blocks past a row's length are never loaded: each program loops over its own
-  ``[first, first + n)`` block range, computed in the kernel from ``kv_len[b]``. The split of
-  a row's real blocks between ``num_splits`` programs is therefore by real length too: with 33
-  splits a 300-token row spreads its 5 blocks over 5 programs even when ``max_len`` is 128k.
-  ``num_splits`` itself is static (shapes only; :func:`choose_config`), so one long row in a
-  batch of short ones still gets only ``num_splits`` programs.
-* Cache entries at positions >= kv_len[b] may hold anything (NaN): scores there are replaced
-  (not multiplied) by -inf, and the value rows of the one partial block are zeroed in shared
-  memory before ``p @ v`` (0 * NaN would be NaN).
-* bfloat16/float16 caches go through TMA (async bulk copies) into ``num_stages`` buffers,
-  with one mbarrier per K and per V buffer so ``q k^T`` starts before V has landed. ``p`` is
-  staged through shared memory as the left ``wgmma`` operand: the Mosaic GPU interpreter, which
-  runs the CPU tests, takes only shared-memory operands, and one 64 x block_kv bf16 store per
-  block costs little next to the 64 KiB of K/V it serves.
-* A copy into a tiled shared-memory buffer moves whole 8-row tiles, so G query rows that are not
-  a multiple of 8 (the 9B and 27B models: G = 4, 6) are zero-padded to 8 by XLA before the call.
-  Inside the model this pad fuses into RoPE; standing alone it is one extra ~1 us kernel.
-* The split combine is a few XLA fusions (3.5 us at small contexts, see benchmarks/RESULTS.md);
-  folding it into the kernel (the last split of a row merges) is the next step for batch 1.
-* float32 caches: ``wgmma`` takes float32 only as tf32 (10-bit mantissa) and cannot transpose
-  32-bit operands, which ``p @ v`` needs. So each float32 tile is split in registers into
-  bfloat16 ``hi + lo`` (exact to about 2**-17) and products use three bf16 ``wgmma`` terms
-  (hi*hi + lo*hi + hi*lo): float32-grade results (about 1e-5) at 3x the tensor work. K/V
-  tiles come through registers (plain loads, not TMA): correct and tested, not tuned.
+* GQA: a program loads each K/V block once for all G query heads of its group, padded to the
+  64-row ``wgmma`` tile (rows are independent, so the padding never leaks; decode is memory bound,
+  so the wasted tensor work is free).
+* Blocks past a row's length are never loaded; a row's real blocks are split between the
+  ``num_splits`` programs by its real length (``num_splits`` itself is static: :func:`choose_config`).
+* Cache entries at positions >= kv_len[b] may hold NaN: their scores are replaced (not multiplied)
+  by -inf and the partial block's value rows zeroed before ``p @ v``.
+* 16-bit caches: TMA into ``num_stages`` buffers, one barrier per K and per V buffer, so ``q k^T``
+  starts before V lands; ``p`` goes through shared memory (the interpreter, which runs the CPU
+  tests, takes only shared-memory ``wgmma`` operands).
+* G not a multiple of 8 (G = 4, 6 in 9B, 27B) is zero-padded by XLA: a TMA copy moves whole
+  8-row tiles (inside the model the pad fuses into RoPE).
+* float32 caches: ``wgmma`` takes float32 only as tf32 and cannot transpose 32-bit operands, so
+  tiles are split into bfloat16 ``hi + lo`` and multiplied as three bf16 terms (about 1e-5
+  error); K/V come through registers (correct and tested, not tuned).
 
-Sources: the online softmax of FlashAttention (Dao et al., 2022) and split-K "flash decoding"
-(Dao, Haziza, Massa, Sizov, 2023); the Pallas Mosaic GPU structure follows
-``jax/experimental/pallas/ops/gpu/attention_mgpu.py``.
+Sources: FlashAttention's online softmax (Dao et al., 2022), "flash decoding" (Dao, Haziza, Massa,
+Sizov, 2023); structure after ``jax/experimental/pallas/ops/gpu/attention_mgpu.py``.
 """
 
 from __future__ import annotations
@@ -71,11 +46,9 @@ from jax import lax
 from jaxdecode.kernels import wait_for_inputs
 
 LOG2E = math.log2(math.e)
-# A KV cache whose max_len is a multiple of this is read in whole blocks; any other max_len makes
-# decode_attention_pallas zero-pad (copy) the caches on every call.
-MAX_LEN_ALIGN = 64
+MAX_LEN_ALIGN = 64  # a max_len not a multiple of this makes the kernel pad (copy) the caches
 TILE_M = 64  # rows of one wgmma tile: query heads of one group, zero-padded
-NUM_SMS_H100 = 132  # H100/H200 SXM; used when the device does not say
+NUM_SMS_H100 = 132  # SMs of an SXM Hopper GPU; used when the device does not say
 SMEM_LIMIT_BYTES = 227 * 1024  # the most shared memory one Hopper block may use
 SMEM_BUDGET_BYTES = 200 * 1024  # what choose_config fills with pipeline stages
 
@@ -84,16 +57,10 @@ SMEM_BUDGET_BYTES = 200 * 1024  # what choose_config fills with pipeline stages
 
 @dataclasses.dataclass(frozen=True)
 class DecodeAttentionConfig:
-    """Static tuning knobs of :func:`decode_attention_pallas`.
-
-    Attributes:
-      block_kv: keys per pipeline step; a multiple of 64 (the ``p @ v`` contraction tile).
-      num_stages: K/V blocks in flight per program (16-bit caches; float32 caches use 1).
-      num_splits: programs per (row, KV head) that share the row's sequence (split-K).
-    """
-    block_kv: int = 64
-    num_stages: int = 2
-    num_splits: int = 1
+    """Static tuning knobs of :func:`decode_attention_pallas`."""
+    block_kv: int = 64  # keys per pipeline step; a multiple of 64 (the p @ v contraction tile)
+    num_stages: int = 2  # K/V blocks in flight per program (16-bit caches; float32 uses 1)
+    num_splits: int = 1  # programs per (row, KV head) sharing the row's keys (split-K)
 
     def __post_init__(self):
         if self.block_kv <= 0 or self.block_kv % 64:
@@ -113,8 +80,7 @@ def _swizzle_bytes(minor_bytes: int) -> int:
 
 
 def _smem_bytes(head_dim: int, block_kv: int, num_stages: int, cache_dtype) -> int:
-    """Shared memory one program allocates (the kernels' scratch lists + 4 KiB for barriers,
-    alignment and Mosaic's reduction scratch)."""
+    """Shared memory one program allocates (scratch + 4 KiB for barriers, alignment, reductions)."""
     fixed = 4096 + TILE_M * 4  # + lse staging
     out = TILE_M * head_dim * 4  # f32 output staging (aliases the K/V buffers)
     if jnp.dtype(cache_dtype).itemsize == 2:
@@ -135,16 +101,11 @@ def choose_config(batch: int, num_kv_heads: int, max_len: int, head_dim: int, ca
                   num_sms: int | None = None) -> DecodeAttentionConfig:
     """Picks block size, pipeline depth and split count for one static shape.
 
-    * ``block_kv`` 128 where it divides ``max_len`` and head_dim <= 128, else 64; float32
-      caches always 64.
-    * ``num_stages``: as many K/V buffers (<= 4) as fit :data:`SMEM_BUDGET_BYTES` (at least 2).
-    * ``num_splits`` minimises the modelled time ``waves(s) * (blocks per split + 2)`` over
-      s = 1 .. number of blocks, with ``waves(s) = ceil(batch * num_kv_heads * s / num_sms)``
-      (one program per multiprocessor: every config uses > 113 KiB of shared memory) and 2
-      blocks' worth of fixed cost (prologue, epilogue, partial write). Ties go to fewer splits.
-      For the 9B shape this gives 33 splits at batch 1 and 1 split at batch 64.
-      The split is static (shapes only); which blocks each split reads is decided in the kernel
-      from the real kv_len.
+    ``block_kv``: 128 where it divides ``max_len`` and head_dim <= 128 (16-bit caches), else 64.
+    ``num_stages``: as many K/V buffers (2 to 4) as fit :data:`SMEM_BUDGET_BYTES` (float32: 1).
+    ``num_splits`` minimises ``waves(s) * (blocks per split + 2)``, ``waves(s) = ceil(batch *
+    num_kv_heads * s / num_sms)`` (one program per SM: each uses > 113 KiB of shared memory; 2
+    blocks of fixed cost per program); ties go to fewer splits.
     """
     num_sms = num_sms or _num_sms()
     itemsize = jnp.dtype(cache_dtype).itemsize
@@ -192,12 +153,9 @@ def _online_softmax_step(scores, start, length, m, l, *, scale, block_kv):
 
 
 def _accumulate(acc, mma, *, interpret):
-    """``acc`` plus what ``mma(acc_ref)`` (wgmma calls) adds; in place in registers on the GPU.
-
-    The Mosaic GPU interpreter has no ``run_state``, so there the product goes to a fresh
-    accumulator that is then added: the same math, but it would hold a second [64, D] float32
-    tile in registers (spills at D = 256), hence the compiled path's in-place form.
-    """
+    """``acc`` plus what ``mma(acc_ref)`` (wgmma calls) adds, in place in registers on the GPU (a
+    second [64, D] float32 tile would spill at D = 256); the interpreter, which has no
+    ``run_state``, adds a fresh accumulator instead."""
     if interpret:
         def fresh(acc_ref):
             mma(acc_ref)
@@ -207,10 +165,8 @@ def _accumulate(acc, mma, *, interpret):
 
 
 def _write_partial(acc, m, l, o_smem, lse_smem, o_gmem, lse_gmem, *, rows):
-    """Writes rows [0, rows) of the normalised partial output and its log2-sum-exp to GMEM.
-
-    An empty split (no keys) writes zeros and -inf, which the combine weights by 0.
-    """
+    """Writes rows [0, rows) of the normalised partial output and its log2-sum-exp to GMEM (an
+    empty split writes zeros and -inf, which the combine weights by 0)."""
     inv_l = jnp.where(l > 0, 1.0 / l, 0.0)
     o_smem[...] = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
     lse_smem[...] = m + jnp.log2(l)
@@ -220,7 +176,7 @@ def _write_partial(acc, m, l, o_smem, lse_smem, o_gmem, lse_gmem, *, rows):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _kernel_16bit(kv_len_gmem,  # [B] int32
+def _kernel_16bit(kv_len_gmem,  # [B] int32 (Gp: G rounded up to 8)
                   q_gmem,        # [B, Hkv, Gp, D] cache dtype
                   k_gmem,        # [B, Hkv, S, D]
                   v_gmem,        # [B, Hkv, S, D]
@@ -406,9 +362,10 @@ def decode_attention_pallas(q, k_cache, v_cache, kv_len, *,
     """Decode attention as a Pallas Mosaic GPU kernel (Hopper) plus an XLA split combine.
 
     Args:
-      q: [B, Hq, D] query of the current token.
+      q: [B, Hq, D] query of the current token (cast to the cache dtype, the tensor-core type).
       k_cache, v_cache: [B, Hkv, S, D] bfloat16, float16 or float32; Hq % Hkv == 0,
-        D a multiple of 64 up to 256, Hq // Hkv <= 64.
+        D a multiple of 64 up to 256, Hq // Hkv <= 64. An S that is not a multiple of
+        ``block_kv`` is zero-padded (a copy): allocate multiples of ``MAX_LEN_ALIGN``.
       kv_len: [B] int32 valid positions per row (clipped to [0, S]).
       config: tuning knobs; None picks :func:`choose_config` for these shapes.
       interpret: run in the Mosaic GPU interpreter (CPU) instead of compiling for the GPU.
@@ -418,10 +375,6 @@ def decode_attention_pallas(q, k_cache, v_cache, kv_len, *,
 
     Raises:
       ValueError: for shapes or dtypes the kernel does not take (see :func:`check_supported`).
-
-    q is cast to the cache dtype (the tensor-core operand type). If S is not a multiple of
-    ``block_kv`` the caches are zero-padded here, which copies them: allocate S as a multiple
-    of ``MAX_LEN_ALIGN`` (64) to avoid that.
     """
     batch, num_heads, head_dim = q.shape
     _, num_kv_heads, max_len, _ = k_cache.shape
@@ -498,11 +451,8 @@ def decode_attention_pallas(q, k_cache, v_cache, kv_len, *,
 
 
 def _combine(o_part, lse):
-    """Merges split partials: [B, Hkv, splits, G, D] f32 and [B, Hkv, splits, G] -> [B, Hkv, G, D].
-
-    Each split's output is already normalised by its own sum, so the merge weights are
-    2**(lse_s - max lse) / sum. Rows with no valid key (all lse = -inf) give zeros.
-    """
+    """Merges split partials: [B, Hkv, splits, G, D] f32 and [B, Hkv, splits, G] -> [B, Hkv, G, D],
+    weights 2**(lse_s - max lse) / sum (each split is normalised); rows with no key give zeros."""
     lse_max = jnp.max(lse, axis=2, keepdims=True)
     lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
     weight = jnp.exp2(lse - lse_max)  # [B, Hkv, splits, G]; 0 for empty splits
@@ -514,20 +464,16 @@ def _combine(o_part, lse):
 # ----- the reference ----------------------------------------------------------------------------
 
 def decode_attention_reference(q, k_cache, v_cache, kv_len):
-    """Pure-JAX (XLA) decode attention.
+    """Pure-JAX (XLA) decode attention, HF ``eager_attention_forward`` for one query.
 
     Args:
-        q: [B, Hq, D] query of the current token (after q_norm and RoPE).
-        k_cache: [B, Hkv, S, D] keys (after k_norm and RoPE); Hq % Hkv == 0.
-        v_cache: [B, Hkv, S, D] values.
-        kv_len: [B] int32, number of valid cache positions per row (0 <= kv_len <= S).
+      q: [B, Hq, D] query of the current token (after q_norm and RoPE).
+      k_cache, v_cache: [B, Hkv, S, D] keys (after k_norm and RoPE) and values; Hq % Hkv == 0.
+      kv_len: [B] int32, number of valid cache positions per row (0 <= kv_len <= S).
 
     Returns:
-        [B, Hq, D] in q.dtype. Rows with kv_len == 0 give zeros. Cache entries at positions
-        >= kv_len[b] (garbage, NaN) never affect row b.
-
-    Source: softmax(q k^T / sqrt(D)) v with GQA head sharing, as HF ``eager_attention_forward``
-    (transformers ``models/qwen3_5/modeling_qwen3_5.py``).
+      [B, Hq, D] in q.dtype; zeros where kv_len == 0. Entries at positions >= kv_len[b] (even
+      NaN) never affect row b.
     """
     batch, num_heads, head_dim = q.shape
     _, num_kv_heads, max_len, _ = k_cache.shape

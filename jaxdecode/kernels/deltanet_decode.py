@@ -1,43 +1,31 @@
 """The whole one-token Gated DeltaNet mixer core as one Pallas Mosaic GPU kernel.
 
-At decode time the core between the input projections and the gated RMSNorm of a Gated DeltaNet
-layer (HF ``Qwen3_5GatedDeltaNet``, spec §1.4) is, per row b, for this row's one new token:
+At decode time the core between the input projections and the gated RMSNorm of HF
+``Qwen3_5GatedDeltaNet`` is, per row b, for its one new token at position n = positions[b]:
 
-  conv window  hist = [window[b] | mixed_qkv[b]]                       [Kc, C]  (model dtype)
-               window[b] = the ring conv_state[b] [Kc, C] at the slots of positions
-               n-Kc+1 .. n-1, n = positions[b] (``jaxdecode.state.conv_window``)
+  conv window  hist = [window[b] | mixed_qkv[b]]  [Kc, C], window = the ring's slots of positions
+               n-Kc+1 .. n-1 (``jaxdecode.state.conv_window``)
   conv         x = silu(sum_t f32(hist[t]) * f32(w[:, t]))  -> model dtype -> float32   [C]
   split        per key head i: [q_i (dk) | k_i (dk) | v of its r value heads (r * dv)]
-  gating       beta = f32(sigmoid(b))  (in float32, rounded once to the model dtype)
+  gating       beta = f32(sigmoid(b)) (rounded once to the model dtype)
                g = -exp(f32(A_log)) * softplus(f32(a) + f32(dt_bias))  (float32, <= 0)
   norms        q <- l2norm(q) * dk**-0.5;  k <- l2norm(k);   l2norm(x) = x * rsqrt(sum(x^2) + 1e-6)
   delta rule   value head h reads key head h // r (r = Hv // Hk):
                S <- exp(g) S;  delta = beta (v - S^T k);  S <- S + k delta^T;  o = S^T q
   new ring     conv_state[b, n % Kc] = mixed_qkv[b] (the one slot the window does not read)
 
-(Yang, Kautz, Hatamizadeh, "Gated Delta Networks", ICLR 2025, eq. 10; HF ``Qwen3_5GatedDeltaNet``
-and ``torch_recurrent_gated_delta_rule``.) A row with ``active[b]`` False takes no token: its
-recurrent state and conv ring are left bit-exact and its o is 0 (the model's masking: q = k =
-v = 0, g = beta = 0, ring unchanged).
+(HF ``causal_conv1d_update``, ``l2norm``, ``torch_recurrent_gated_delta_rule``; Yang, Kautz,
+Hatamizadeh, "Gated Delta Networks", ICLR 2025, eq. 10.) A row with ``active[b]`` False is left
+bit-exact and its o is 0 (the model's masking: q = k = v = 0, g = beta = 0, ring unchanged).
 
-XLA runs this as about six small kernels per layer (conv window, norms, gating, delta rule,
-readout); :func:`deltanet_decode_pallas` is one. Grid (B, Hv, dv // block_v): program (b, h, j)
-holds columns ``[j*block_v, (j+1)*block_v)`` of S[b, h] as a [dk, block_v] float32 tile in the
-wgmma register layout (as ``gated_delta_decode``), and recomputes what it needs from the raw
-inputs: the conv and L2 norm of key head h // r's q and k (2*dk channels; every program of that
-key head repeats this, cheap next to the tile), the conv of its own block_v v channels, g and
-beta. The recurrent state and the conv ring are updated in place (outputs aliased to the inputs;
-an inactive row's are not written at all). Programs of one key head read its q and k window
-channels while one of them writes them, which is safe because the ring's write slot n % Kc is
-the one slot no window reads; each channel of that slot is written by exactly one program:
-program (b, h, j) its block_v v channels, program (b, h, 0) with h % r == 0 the 2*dk q and k
-channels of key head h // r.
-
-Tested against a float64 numpy version of the whole core in the Mosaic GPU interpreter on CPU;
-its CUDA lowering (state and ring aliased in place) is checked on CPU in
-tests/test_gpu_lowering.py.
-:func:`deltanet_decode_reference` is the model's decode math factored out;
-``jaxdecode.kernels.choice`` decides when the model uses the kernel.
+XLA runs this as about six small kernels per layer; :func:`deltanet_decode_pallas` is one. Program
+(b, h, j) holds columns ``[j*block_v, (j+1)*block_v)`` of S[b, h] as a [dk, block_v] float32
+tile in the wgmma register layout and recomputes what it needs from the raw inputs (the conv and
+L2 norm of key head h // r's q and k, cheap next to the tile). State and ring are updated in
+place (outputs aliased to inputs). Programs read window slots while others write the ring, which
+is safe because the write slot n % Kc is the one no window reads; each of its channels is written
+by exactly one program (its v channels by (b, h, j), key head h // r's q and k by (b, h, 0) with
+h % r == 0). :func:`deltanet_decode_reference` is the model's decode math factored out.
 """
 
 from __future__ import annotations
@@ -126,9 +114,7 @@ def _sigmoid(x):
 
 
 def _sigmoid_in(dtype, x):
-    """sigmoid of a ``dtype`` value computed in float32 and rounded once to ``dtype`` (as torch's
-    ``sigmoid`` of a bfloat16 tensor, and as jitted XLA computes ``jax.nn.sigmoid``; eager JAX
-    rounds after each op instead)."""
+    """sigmoid in float32, rounded once to ``dtype`` (as torch's bfloat16 ``sigmoid``)."""
     return _sigmoid(x).astype(dtype).astype(f32)
 
 
@@ -164,19 +150,15 @@ def _kernel(mixed_gmem,  # [B, C] model dtype
     group = (h // r) * (2 * dk + r * dv)  # first channel of key head h // r
     c0 = group + 2 * dk + (h % r) * dv + j * block_v  # first of this program's v channels
 
-    def window(chans, layout):
-        """The Kc inputs of these channels, oldest first: the ring's slots of positions
-        n-Kc+1 .. n-1, then this token."""
+    def window(chans, layout):  # the Kc inputs of these channels, oldest first
         return ([plgpu.load(conv_gmem.at[b, conv_slot(n, t, kc), chans], layout=layout,
                             optimized=False)
                  for t in range(1 - kc, 0)]
                 + [plgpu.load(mixed_gmem.at[b, chans], layout=layout, optimized=False)])
 
     def conv_silu(chans, layout):
-        """silu of the causal conv, rounded to the model dtype, as float32 (the model's casts),
-        and the window. The weight column w[chans, t] is a strided load (stride Kc): it lowers
-        in the row layout (one element per thread register), not in the column layout (whose
-        registers hold pairs of adjacent columns, which must be contiguous)."""
+        """(silu of the conv rounded to the model dtype, as float32; the window). Row layout only:
+        the strided weight column w[chans, t] does not lower in the column layout."""
         xs, acc = window(chans, layout), None
         for t, x in enumerate(xs):
             wt = plgpu.load(w_gmem.at[chans, t], layout=layout, optimized=False)
@@ -190,8 +172,7 @@ def _kernel(mixed_gmem,  # [B, C] model dtype
     def along_rows(vec):  # [block_v] column vector -> [dk, block_v], equal rows
         return lax.broadcast_in_dim(vec, (dk, block_v), [1])
 
-    # Every global load comes before the first cross-warp reduction (a barrier) in program
-    # order, so the state tile's load latency can overlap the conv work.
+    # Every global load precedes the first cross-warp reduction, so its latency overlaps the conv.
     cols_v = pl.ds(j * block_v, block_v)
     s = plgpu.load(state_gmem.at[b, h, :, cols_v], layout=tile, optimized=False)  # [dk, bv]
     v_window = window(pl.ds(c0, block_v), cols)  # this program's v channels, column layout
@@ -199,22 +180,19 @@ def _kernel(mixed_gmem,  # [B, C] model dtype
     g = -jnp.exp(a_log_gmem[h].astype(f32)) * _softplus(a_gmem[b, h].astype(f32)
                                                          + dt_bias_gmem[h].astype(f32))
 
-    # The convs of key head h // r's q and k, and of v. The v conv runs in the row layout over
-    # `vrows` channels from `start` (covering this program's block_v; see conv_silu).
+    # The v conv runs in the row layout over `vrows` channels from `start`, covering block_v.
     q, q_window = conv_silu(pl.ds(group, dk), rows)
     k, k_window = conv_silu(pl.ds(group + dk, dk), rows)
     start = jnp.minimum(c0, channels - vrows)
     v_rows, _ = conv_silu(pl.ds(start, vrows), rows)
 
-    # q and k L2-normalised inside the tile. The sum of squares is a reduction over the tile's
-    # rows (a full reduction of a row vector to a scalar does not lower), so it arrives as a
-    # [block_v] vector of equal entries.
+    # L2 norms inside the tile: a row vector's full reduction does not lower, so the sum of
+    # squares reduces the tile's rows into a [block_v] vector of equal entries.
     q, k = as_tile(q, dk), as_tile(k, dk)
     q = q * along_rows(lax.rsqrt(jnp.sum(q * q, axis=0) + L2NORM_EPS)) * (dk ** -0.5)
     k = k * along_rows(lax.rsqrt(jnp.sum(k * k, axis=0) + L2NORM_EPS))
 
-    # v into the column layout: a masked sum over the rows picks this program's block_v
-    # channels (each column sums one value and zeros: exact).
+    # v into the column layout: a masked sum over rows (one value plus zeros: exact).
     v_rows = as_tile(v_rows, vrows)
     pick = (lax.broadcasted_iota(jnp.int32, (vrows, block_v), 0)
             == lax.broadcasted_iota(jnp.int32, (vrows, block_v), 1) + (c0 - start))
@@ -227,7 +205,6 @@ def _kernel(mixed_gmem,  # [B, C] model dtype
     s_smem[...] = s
     o_smem[...] = jnp.where(jnp.broadcast_to(act, o.shape), o, jnp.zeros_like(o))
 
-    # This token's inputs go to the ring's slot n % Kc, which no program's window reads.
     v_smem[...] = v_window[-1]
     q_smem[...] = q_window[-1]
     k_smem[...] = k_window[-1]
@@ -255,23 +232,16 @@ def deltanet_decode_pallas(mixed_qkv, a, b, active, positions, conv_state, recur
     """The one-token Gated DeltaNet core in one kernel (math in the module docstring).
 
     Args:
-      mixed_qkv: [B, C] model dtype (float32 or bfloat16): this token's ``in_proj_qkv`` output
-        before the conv, channels grouped per key head ``[q_i | k_i | v of its r value heads]``
-        (``jaxdecode.params.conv_channel_order``), C = Hk * (2*dk + r*dv), r = Hv // Hk.
+      mixed_qkv: [B, C] model dtype (float32 or bfloat16): this token's ``in_proj_qkv`` output,
+        channels grouped per key head (``params.conv_channel_order``), C = Hk * (2*dk + r*dv).
       a, b: [B, Hv] model dtype: the ``in_proj_a`` and ``in_proj_b`` outputs.
-      active: [B] bool: the row takes this token (it has a new token). False: its state and ring
-        are kept bit-exact and its o is 0.
+      active: [B] bool; False: the row's state and ring are kept bit-exact and its o is 0.
       positions: [B] int32 >= 0: this token's position (tokens already in the row).
-      conv_state: [B, Kc, C] model dtype: the ring of pre-conv inputs, position p at slot
-        p % Kc (``jaxdecode.state.DecodeState``); donate it under jit and the update (one slot)
-        is in place.
-      recurrent_state: [B, Hv, dk, dv] float32; donate it under jit and the update is in place.
-      conv_weight: [C, Kc] float32 or bfloat16: the ``conv1d`` param [C, 1, Kc] as
-        ``conv1d[:, 0, :]``; ``w[:, Kc-1]`` multiplies the current token.
-      A_log, dt_bias: [Hv] float32 or bfloat16.
+      conv_state: [B, Kc, C] model dtype, the ring (position p at slot p % Kc); recurrent_state:
+        [B, Hv, dk, dv] float32. Donated under jit, both are updated in place.
+      conv_weight: [C, Kc] float32 or bfloat16 (``conv1d[:, 0, :]``); A_log, dt_bias: [Hv].
       num_key_heads: Hk (static).
-      block_v: state columns per program (default ``gated_delta_decode.choose_block_v``: 16 at
-        small batches, 32 from 264 programs up).
+      block_v: state columns per program (default ``gated_delta_decode.choose_block_v``).
       interpret: run in the Mosaic GPU interpreter (CPU) instead of compiling for the GPU.
 
     Returns:
@@ -302,8 +272,7 @@ def deltanet_decode_pallas(mixed_qkv, a, b, active, positions, conv_state, recur
         raise ValueError(f"{name}: {why}")
     if batch * hv == 0:
         return (jnp.zeros((batch, hv, dv), f32), conv_state, recurrent_state)
-    # v channels are convolved over a row-layout window of vrows >= block_v channels (a
-    # multiple of the tile's 64 rows; C >= 2*dk + dv >= vrows always holds).
+    # Row-layout v window: a multiple of the tile's 64 rows >= block_v (C >= vrows holds).
     vrows = -(-block_v // TILE_ROWS) * TILE_ROWS
     dtype = mixed_qkv.dtype
     kernel = plgpu.kernel(
@@ -316,13 +285,10 @@ def deltanet_decode_pallas(mixed_qkv, a, b, active, positions, conv_state, recur
         grid=(batch, hv, dv // block_v), grid_names=("b", "h", "j"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    # A bool in global memory is a byte; int32 keeps the kernel's scalar read plain (XLA fuses
-    # the convert into the op that computes `active`).
+    # A bool in global memory is a byte; int32 keeps the kernel's scalar read plain.
     active = active.astype(jnp.int32)
 
-    # o, the ring and the state are mutable refs: the kernel's writes become outputs aliased to
-    # them. The ring and the state are updated in place; o starts uninitialised (lax.empty),
-    # since every element is written.
+    # Mutable refs: the writes become outputs aliased to the inputs (o: lax.empty, fully written).
     def run(refs):
         o_ref, conv_ref, state_ref = refs
         kernel(mixed_qkv, a, b, active, positions, conv_weight, A_log, dt_bias, o_ref, conv_ref,
@@ -350,15 +316,13 @@ def deltanet_decode_xla(mixed_qkv, a, b, active, positions, conv_state, recurren
                                 conv_state, recurrent_state, conv_weight, A_log, dt_bias,
                                 num_key_heads)
     batch = mixed_qkv.shape[0]
-    # Causal depthwise conv over [cached Kc-1 inputs | this token]; cross-correlation, so
-    # w[:, Kc-1] multiplies the current token (spec §1.4).
+    # HF causal_conv1d_update over [cached Kc-1 inputs | this token]; w[:, Kc-1] hits this token.
     window = conv_window(conv_state, positions)  # [B, Kc-1, C]
     hist = jnp.concatenate([window.astype(mixed_qkv.dtype), mixed_qkv[:, None]], axis=1)
     w = conv_weight.astype(f32)  # [C, Kc]
     conv = sum(hist[:, t].astype(f32) * w[:, t] for t in range(kc))  # [B, C]
     conv = jax.nn.silu(conv).astype(mixed_qkv.dtype)
-    # This token into the ring's slot positions % Kc (active rows only): a select at equal
-    # indices, which XLA does in place in a donated buffer.
+    # This token into slot positions % Kc (active rows): a select XLA does in place when donated.
     write = (jnp.arange(kc)[None, :] == conv_slot(positions, 0, kc)[:, None]) & active[:, None]
     new_conv_state = jnp.where(write[:, :, None], mixed_qkv[:, None].astype(conv_state.dtype),
                                conv_state)
@@ -368,7 +332,7 @@ def deltanet_decode_xla(mixed_qkv, a, b, active, positions, conv_state, recurren
     k = grouped[..., dk:2 * dk].astype(f32)
     v = grouped[..., 2 * dk:].reshape(batch, hv, dv).astype(f32)
     beta = sigmoid(b).astype(f32)  # torch's bf16 sigmoid: float32 math, one rounding
-    # Log-space decay g = -exp(A_log) * softplus(a + dt_bias) <= 0, in float32 (spec §7 item 6).
+    # Log-space decay g = -exp(A_log) * softplus(a + dt_bias) <= 0, in float32 as HF.
     g = -jnp.exp(A_log.astype(f32)) * jax.nn.softplus(a.astype(f32) + dt_bias.astype(f32))
     q = l2_normalize(q) * (dk ** -0.5)
     k = l2_normalize(k)

@@ -1,6 +1,7 @@
 """One-token gated delta rule as a Pallas Mosaic GPU kernel: the state read once, written once.
 
-The same step as ``jaxdecode.gated_delta.gated_delta_rule_step``, with GQA done in the kernel:
+The step of ``jaxdecode.gated_delta.gated_delta_rule_step`` (HF
+``torch_recurrent_gated_delta_rule``), with GQA done in the kernel:
 
   q, k    [B, Hk, dk]      float32 (L2-normalised, q scaled by dk**-0.5), per KEY head
   v       [B, Hv, dv]      float32
@@ -9,21 +10,11 @@ The same step as ``jaxdecode.gated_delta.gated_delta_rule_step``, with GQA done 
 
   S <- exp(g) S;  delta = beta (v - S^T k);  S <- S + k delta^T;  o = S^T q
 
-(Yang, Kautz, Hatamizadeh, "Gated Delta Networks", ICLR 2025, eq. 10; HF
-``torch_recurrent_gated_delta_rule``; the same operation order as the library's XLA form.)
-Program (b, h, j) holds columns ``[j*block_v, (j+1)*block_v)`` of S[b, h] in registers (a
-[dk, block_v] float32 tile in the wgmma register layout), reduces over dk (across warps through
-shared memory) for S^T k and S'^T q, and writes the tile back; the state output aliases the
-input, so the update is in place. XLA's form of the same step makes three to four passes over S
-(benchmarks/RESULTS.md).
-
-Tested against a float64 recurrence in the Mosaic GPU interpreter on CPU and compiled on an H200
-(``pytest -m gpu``); its CUDA lowering, with the state aliased in place, is checked on CPU in CI
-(tests/test_gpu_lowering.py). ``jaxdecode.kernels.choice`` decides when the model uses it.
-
-Differences from the XLA form: not ``jax.vmap``-able (``pl.run_state`` has no batching rule; fold
-extra batch dimensions into B); with non-finite inputs some outputs are inf where the XLA form
-gives NaN (both non-finite).
+Program (b, h, j) holds columns ``[j*block_v, (j+1)*block_v)`` of S[b, h] as a [dk, block_v]
+float32 tile in the wgmma register layout and writes it back in place (the state output aliases
+the input); XLA's form makes several passes over S (benchmarks/RESULTS.md). Unlike the XLA form it
+is not ``jax.vmap``-able (``pl.run_state`` has no batching rule), and non-finite inputs may give
+inf where XLA gives NaN.
 """
 
 from __future__ import annotations
@@ -40,13 +31,12 @@ from jaxdecode.gated_delta import gated_delta_rule_step
 from jaxdecode.kernels import wait_for_inputs
 
 TILE_ROWS = 64  # the wgmma register layout covers rows in multiples of 64
-TARGET_PROGRAMS = 264  # two per SM of an H100/H200 (132 SMs)
+TARGET_PROGRAMS = 264  # two per SM of a 132-SM Hopper GPU
 
 
 def choose_block_v(batch: int, heads: int, dv: int) -> int:
-    """Columns of S per program: 32 when that still gives at least ``TARGET_PROGRAMS``
-    programs, else 16 (small batches spread the state over more programs), else the whole dv
-    when 16 does not divide it (the fastest measured per batch: benchmarks/RESULTS.md)."""
+    """Columns of S per program: 32 when that still gives ``TARGET_PROGRAMS`` programs, else 16 to
+    spread small batches over more programs (dv if 16 does not divide it); benchmarks/RESULTS.md."""
     for bv in (32, 16):
         if dv % bv == 0 and batch * heads * (dv // bv) >= TARGET_PROGRAMS:
             return bv
@@ -139,9 +129,7 @@ def gated_delta_decode_pallas(q, k, v, g, beta, state, *, block_v: int | None = 
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
 
-    # o and the state are passed as mutable refs: the kernel writes them, and JAX turns the
-    # writes into outputs aliased to those inputs (the state is updated in place; o starts
-    # uninitialised, lax.empty, since every element is written).
+    # Mutable refs: the writes become outputs aliased to the inputs (o: lax.empty, fully written).
     def run(refs):
         o_ref, state_ref = refs
         kernel(q, k, v, g, beta, o_ref, state_ref)
