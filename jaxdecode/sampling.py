@@ -1,39 +1,29 @@
-"""Token sampling: greedy, temperature, top-k, top-p, min-p, repetition/presence/frequency penalties.
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, repetition/presence/frequency
+penalties.
 
 :func:`sample` is a pure function of ``(logits, keys, params, token_counts)``. Every knob is a
-per-row array inside :class:`SamplingParams` (a pytree), so rows of one batch may use different
-settings, and passed as traced values a change never recompiles (but see "Skipping unused steps"
-for concrete values). Each row draws from its own PRNG key, so a row's
-samples do not depend on what else is in the batch.
+per-row leaf of :class:`SamplingParams`, so rows may differ and traced values never recompile;
+each row draws from its own key, so its samples do not depend on the rest of the batch.
 
-Order of operations, as in Hugging Face ``generate`` (``LogitsProcessorList`` built by
-``GenerationMixin._get_logits_processor``, transformers 5.24.0):
+Order of operations, as HF ``GenerationMixin._get_logits_processor`` (transformers 5.24.0):
 
-  1. penalties over the tokens generated so far (``token_counts``):
-     repetition (CTRL, Keskar et al. 2019, arXiv:1909.05858: a seen token's logit is divided by the
-     penalty if positive, multiplied if negative), then presence and frequency (OpenAI API
-     definition: ``logit -= presence * (count > 0) + frequency * count``);
-  2. temperature (``logits / T``; ``T = 0`` means greedy: argmax of the penalised logits);
+  1. penalties over the generated tokens (``token_counts``): repetition (CTRL, Keskar et al.
+     2019: a seen token's logit divided by the penalty if positive, multiplied if negative), then
+     presence and frequency (OpenAI: ``logit -= presence * (count > 0) + frequency * count``);
+  2. temperature (``logits / T``; ``T = 0``: argmax of the penalised logits);
   3. top-k: keep the ``k`` largest logits;
-  4. top-p (nucleus, Holtzman et al. 2020, arXiv:1904.09751): keep the smallest set of most likely
-     tokens whose probability (after steps 2-3) sums to at least ``p``;
-  5. min-p (Nguyen et al. 2024, arXiv:2407.01082): drop tokens whose probability is below
-     ``min_p`` times the most likely token's;
+  4. top-p (Holtzman et al. 2020): keep the smallest set of most likely tokens whose
+     probability (after 2-3) sums to at least ``p``;
+  5. min-p (Nguyen et al. 2024): drop tokens below ``min_p`` times the top probability;
   6. one categorical draw per row (Gumbel-max, ``jax.random.categorical``).
 
-Top-k and top-p find their cut-off logit by a radix search on the float32 bit pattern (exact; on
-GPUs 8 passes over the vocabulary with 15 candidate cut-offs each, elsewhere 32 passes of one, a
-bisection) instead of sorting the vocabulary: on CPU a sort of 248,320 logits costs about 10x
-more. Tokens tied with the cut-off logit are all kept.
+Top-k and top-p find their cut-off by an exact radix search on the float32 bits instead of
+sorting the vocabulary (a sort is far slower on CPU); tokens tied with the cut-off are kept.
 
-Skipping unused steps: a step no row uses costs nothing. :class:`SamplingFeatures` says which
-steps some row uses; it is read on the host from concrete values (:func:`features_of`) and is
-static under ``jit``, so the unused steps are left out of the program: an all-greedy batch is
-one argmax. :func:`sample` derives it itself when the values are concrete (e.g. closed over);
-:func:`jaxdecode.generate` passes it. With traced values and no ``features``, each step runs
-under a ``lax.cond`` instead. On a GPU every ``lax.cond`` copies its predicate to the host and
-waits for the device (XLA's conditional thunk): 4-5 waits per token, measured at 71 us per token
-greedy and 491 us with top-p on an H200 (``benchmarks/sampling_steps.py``).
+A step no row uses costs nothing: :class:`SamplingFeatures` (read on the host from concrete
+values by :func:`features_of`, static under ``jit``) leaves it out of the program. With traced
+values and no ``features`` each step runs under a ``lax.cond``, which on a GPU waits for the
+device once per step (benchmarks/RESULTS.md, ``benchmarks/sampling_steps.py``).
 """
 
 from __future__ import annotations
@@ -81,14 +71,11 @@ class SamplingParams:
     def create(cls, batch_size: int | None = None, *, temperature=0.0, top_k=0, top_p=1.0,
                min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
                frequency_penalty=0.0) -> "SamplingParams":
-        """Validated settings as numpy arrays (host values; jit moves them to the device).
-
-        Each argument is a scalar or a ``[batch_size]`` sequence. With ``batch_size`` given, every
-        leaf is broadcast to ``[batch_size]``; without it, leaves keep their given shapes.
+        """Validated settings as numpy arrays. Each argument is a scalar or a ``[batch_size]``
+        sequence; with ``batch_size``, every leaf is broadcast to ``[batch_size]``.
 
         Raises:
-          ValueError: for a value outside its range (see the class docstring) or a leaf whose
-            length is not ``batch_size``.
+          ValueError: a value outside its range (class docstring) or a leaf of another length.
         """
         values = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                       repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
@@ -170,9 +157,8 @@ def validate(params: SamplingParams) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class SamplingFeatures:
-    """Which sampling steps at least one row uses (host booleans; hashable, a static ``jit``
-    argument). Build with :func:`features_of`; :data:`ALL_FEATURES` (every step, each one still
-    a no-op for rows whose value turns it off) is always correct.
+    """Which sampling steps at least one row uses (hashable: a ``jit`` static). Build with
+    :func:`features_of`; :data:`ALL_FEATURES` (every step) is always correct.
 
     Attributes:
       penalties: some row has a repetition, presence or frequency penalty.
@@ -233,8 +219,7 @@ def _show(x) -> str:
 # ----- masks (each: logits [B, V] float32, per-row knob [B] -> masked logits [B, V]) -------------
 
 def _sortable_key(x: Array) -> Array:
-    """float32 -> uint32 with the same order (for non-NaN values; -0.0 and +0.0 equal, ties):
-    the cut-off search works on integers."""
+    """float32 -> uint32 of the same order (non-NaN values; -0.0 and +0.0 tie)."""
     x = jnp.where(x == 0, jnp.zeros_like(x), x)  # -0.0 -> +0.0
     bits = lax.bitcast_convert_type(x, jnp.int32)
     bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: reverse their order
@@ -242,31 +227,17 @@ def _sortable_key(x: Array) -> Array:
 
 
 def _radix_bits() -> int:
-    """Bits of the cut-off found per pass over the vocabulary (a performance choice only: every
-    setting finds the same cut-off). GPU: 4 (8 passes of 15 candidates; the passes are memory
-    bound, so fewer passes win); elsewhere 1 (32 passes of one candidate: a bisection, the least
-    arithmetic). Read at trace time."""
+    """Cut-off bits found per pass over the vocabulary (speed only; the cut-off is the same). GPU:
+    4, as memory-bound passes favour fewer; elsewhere 1 (a bisection: the least arithmetic)."""
     return 4 if jax.default_backend() == "gpu" else 1
 
 
 def _largest_key_where(u: Array, weights: Array, target: Array) -> Array:
-    """Per row, the largest uint32 t with ``sum(weights[u >= t]) >= target``: a most-significant-
-    digit-first radix search. Each pass fixes the next ``bits`` bits of t (:func:`_radix_bits`)
-    by summing, in one reduction over the vocabulary, the weights above each candidate
-    ``prefix | d << shift`` for d = 1 .. 2**bits - 1 and keeping the largest d that reaches the
-    target (0 if none does: the prefix itself reaches it, or the row's total never does).
-
-    Exact for non-negative weights (the sum then falls as t grows); t = 0 keeps every entry, so
-    a row whose target the total does not reach gets t = 0. t is at most the row's largest key,
-    so the largest entry is always kept (also for a target <= 0, e.g. a subnormal ``top_p``
-    flushed to zero).
-
-    Args:
-      u: [B, V] uint32 (``_sortable_key`` of the logits).
-      weights: [B, V] int32 or float32, >= 0.
-      target: [B], the weights' dtype.
-    Returns:
-      [B] uint32.
+    """Per row, the largest uint32 t with ``sum(weights[u >= t]) >= target`` (u: [B, V] uint32,
+    weights: [B, V] >= 0, target: [B]; returns [B] uint32). A most-significant-digit-first radix
+    search: each pass fixes the next bits of t, keeping the largest candidate digit whose mass
+    reaches the target. Exact for non-negative weights; t = 0 (keep all) when the total never
+    reaches the target; t <= the row's largest key, so its largest entry is always kept.
     """
     bits = _radix_bits()
     digits = jnp.arange(1, 2 ** bits, dtype=jnp.uint32)  # [D], ascending
@@ -283,13 +254,7 @@ def _largest_key_where(u: Array, weights: Array, target: Array) -> Array:
 
 def top_k_mask(logits: Array, top_k: Array) -> Array:
     """Sets all but each row's ``top_k`` largest logits to -inf (ties with the k-th are kept).
-
-    Args:
-      logits: [B, V] float32.
-      top_k: [B] int; 0 (or >= V) keeps every logit.
-    Returns:
-      [B, V] float32.
-    """
+    logits: [B, V] float32; top_k: [B] int, 0 (or >= V) keeps every logit."""
     top_k = jnp.asarray(top_k, jnp.int32)
     u = _sortable_key(logits)
     k = jnp.where(top_k > 0, top_k, logits.shape[-1])
@@ -298,16 +263,8 @@ def top_k_mask(logits: Array, top_k: Array) -> Array:
 
 
 def top_p_mask(logits: Array, top_p: Array) -> Array:
-    """Keeps each row's smallest set of most likely tokens with total probability >= ``top_p``.
-
-    Probabilities are ``softmax(logits)`` (so -inf logits from earlier filters count as zero).
-
-    Args:
-      logits: [B, V] float32.
-      top_p: [B] float in (0, 1]; 1 keeps every logit.
-    Returns:
-      [B, V] float32, the dropped entries set to -inf.
-    """
+    """Keeps each row's smallest set of most likely tokens with ``softmax`` mass >= ``top_p``; the
+    rest set to -inf. logits: [B, V] float32; top_p: [B] float in (0, 1], 1 keeps every logit."""
     top_p = jnp.asarray(top_p, jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
     u = _sortable_key(logits)
@@ -317,14 +274,8 @@ def top_p_mask(logits: Array, top_p: Array) -> Array:
 
 
 def min_p_mask(logits: Array, min_p: Array) -> Array:
-    """Drops tokens whose probability is below ``min_p`` times the row's largest probability.
-
-    Args:
-      logits: [B, V] float32.
-      min_p: [B] float in [0, 1]; 0 keeps every logit.
-    Returns:
-      [B, V] float32, the dropped entries set to -inf.
-    """
+    """Sets to -inf tokens whose probability is below ``min_p`` times the row's largest.
+    logits: [B, V] float32; min_p: [B] float in [0, 1], 0 keeps every logit."""
     min_p = jnp.asarray(min_p, jnp.float32)
     ratio = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))  # p / p_max
     return jnp.where(ratio < min_p[:, None], -jnp.inf, logits)
@@ -333,13 +284,9 @@ def min_p_mask(logits: Array, min_p: Array) -> Array:
 def apply_penalties(logits: Array, token_counts: Array, params: SamplingParams) -> Array:
     """Repetition, presence and frequency penalties over the tokens generated so far.
 
-    Args:
-      logits: [B, V] float32.
-      token_counts: [B, V] int32, how often each token was generated so far in each row.
-      params: leaves [B] (or scalars).
-    Returns:
-      [B, V] float32: for seen tokens ``x / r if x > 0 else x * r`` (HF
-      ``RepetitionPenaltyLogitsProcessor``), then ``- presence * seen - frequency * count``.
+    logits: [B, V] float32; token_counts: [B, V] int32 generated-token counts; params: [B] or
+    scalar leaves. Seen tokens get ``x / r if x > 0 else x * r`` (HF
+    ``RepetitionPenaltyLogitsProcessor``), then ``- presence * seen - frequency * count``.
     """
     b = logits.shape[0]
     p = params.broadcast(b)
@@ -411,13 +358,10 @@ def sample(logits: Array, key: Array, params: SamplingParams,
         :meth:`SamplingParams.create`.
       token_counts: optional [B, V] int32 counts of the tokens generated so far, for the
         penalties; ``None`` applies no penalty.
-      features: :func:`features_of` ``(params)`` (static): the steps no row uses are left out of
-        the program. It must describe ``params`` (a step it turns off is skipped for every row);
-        :data:`ALL_FEATURES` is always correct. None: derived from ``params`` when its values
-        are concrete (numpy or device arrays, also constants closed over inside ``jit``); with
-        traced values each step runs under a ``lax.cond`` instead, which on a GPU waits for the
-        device once per step (4-5 waits per token). Under ``jit`` with ``params`` as an
-        argument, pass ``features=features_of(host_params)`` as a static value.
+      features: :func:`features_of` ``(params)`` (static): steps no row uses are left out (a step
+        it turns off is skipped for every row; :data:`ALL_FEATURES` is always correct). None:
+        derived when the values are concrete, else each step runs under a ``lax.cond``, a device
+        wait on a GPU; under ``jit`` pass ``features_of(host_params)`` as a static.
     Returns:
       [B] int32 token ids: the argmax of the penalised logits where temperature is 0, otherwise a
       draw from ``softmax(processed_logits(...))``.

@@ -1,11 +1,10 @@
 """The library's jitted, donated entry points: :func:`prefill` and :func:`decode_step`.
 
-One jitted form of each pure function in ``jaxdecode.model``, built by :func:`jit_prefill` /
-:func:`jit_decode_step` for one device or, with ``out_shardings`` from ``jaxdecode.sharding``'s
-tables, for a mesh; the state is donated, so caches are updated in place. Inputs are validated
-on the host by one function per entry point (:func:`check_prefill`, :func:`check_decode_step`),
-for one device and a mesh alike. Inside your own ``jax.jit``, ``grad`` or ``scan`` call
-``model.prefill_fn`` / ``model.decode_step_fn``, and compile with :data:`COMPILER_OPTIONS`.
+:func:`jit_prefill` / :func:`jit_decode_step` jit ``jaxdecode.model``'s pure functions with the
+state donated (caches updated in place), on a mesh with ``out_shardings`` from
+``jaxdecode.sharding``. :func:`check_prefill` / :func:`check_decode_step` validate inputs on the
+host. Inside your own ``jit``, ``grad`` or ``scan`` call ``model.prefill_fn`` /
+``model.decode_step_fn`` and compile with :data:`COMPILER_OPTIONS`.
 """
 
 from __future__ import annotations
@@ -24,9 +23,8 @@ from jaxdecode.kernels.choice import Kernels, choose_kernels
 from jaxdecode.params import Params
 from jaxdecode.state import DecodeState
 
-# XLA options of every program the library compiles (GPU; other backends ignore them).
-#   xla_gpu_dot_merger_threshold_mb: merge dots sharing an operand up to this many MB (default
-#   32), so the MLP's gate and up projections become one GEMM reading the input once.
+# XLA options of every program the library compiles (other backends ignore them). The dot merger
+# threshold (default 32 MB) is raised so the MLP's gate and up projections become one GEMM.
 COMPILER_OPTIONS = types.MappingProxyType({"xla_gpu_dot_merger_threshold_mb": 1024})
 
 
@@ -87,8 +85,8 @@ def _on_host(x) -> bool:
 
 
 def check_prefill(params: Params, state: DecodeState, tokens, num_new) -> None:
-    """Validates a prefill on the host. Reads ``state.lengths`` back (one device sync per
-    prefill; skipped for a state spread over several processes).
+    """Validates a prefill on the host, reading ``state.lengths`` back (one device sync; skipped
+    for a state spread over several processes).
 
     Raises:
       ValueError: a state that does not fit the params (:func:`check_state`); tokens not
@@ -108,8 +106,7 @@ def check_prefill(params: Params, state: DecodeState, tokens, num_new) -> None:
     _check_token_ids(params.config, tokens, np.arange(tokens.shape[1]) < num_new[:, None])
     if not state.lengths.is_fully_addressable:
         return
-    # Read from a copy: on CPU np.asarray of a multi-device array keeps zero-copy views, and a
-    # buffer with outside references is copied instead of donated.
+    # Read a copy: a zero-copy CPU view would make the buffer copied instead of donated.
     cached = np.asarray(jnp.copy(state.lengths))
     if ((cached < 0) | (cached > state.max_len)).any():
         raise ValueError(f"state.lengths must be in [0, max_len={state.max_len}]; got "
@@ -122,9 +119,8 @@ def check_prefill(params: Params, state: DecodeState, tokens, num_new) -> None:
 
 
 def check_decode_step(params: Params, state: DecodeState, tokens, active=None) -> None:
-    """Validates a decode step on the host without reading anything back from the device:
-    token ids are checked when they are host values (a device array's ids are checked in the
-    step, which gives such a row NaN logits, as it does a row whose cache is full).
+    """Validates a decode step on the host without reading the device: token ids are checked when
+    they are host values (in the step a bad id, like a full cache, gives the row NaN logits).
 
     Raises:
       ValueError: a state that does not fit the params (:func:`check_state`); tokens not [B]
@@ -146,9 +142,9 @@ def check_decode_step(params: Params, state: DecodeState, tokens, active=None) -
 
 @functools.cache
 def jit_prefill(config: Config, mesh: Mesh | None = None, return_all_logits: bool = False):
-    """``model.prefill_fn`` jitted with the state donated and :data:`COMPILER_OPTIONS`; on a mesh
-    the outputs are pinned to ``jaxdecode.sharding``'s layout. Call it as ``f(params, state,
-    tokens, num_new)`` with inputs already placed (no validation)."""
+    """``model.prefill_fn`` jitted with the state donated and :data:`COMPILER_OPTIONS` (on a mesh,
+    outputs in ``jaxdecode.sharding``'s layout); ``f(params, state, tokens, num_new)``, inputs
+    placed, no validation."""
     fn = functools.partial(model.prefill_fn, return_all_logits=return_all_logits)
     out = None if mesh is None else (
         NamedSharding(mesh, sharding.logits_partition_spec(return_all_logits)),
@@ -158,9 +154,8 @@ def jit_prefill(config: Config, mesh: Mesh | None = None, return_all_logits: boo
 
 @functools.cache
 def jit_decode_step(config: Config, kernels: Kernels):
-    """``model.decode_step_fn`` with ``kernels``, jitted as :func:`jit_prefill` (the mesh is
-    ``kernels.mesh``). Call it as ``f(params, state, tokens, active)`` (``active`` may be
-    None)."""
+    """``model.decode_step_fn`` with ``kernels``, jitted as :func:`jit_prefill` on
+    ``kernels.mesh``; ``f(params, state, tokens, active)`` (``active`` may be None)."""
     fn = functools.partial(model.decode_step_fn, kernels=kernels)
     out = None if kernels.mesh is None else (
         NamedSharding(kernels.mesh, sharding.logits_partition_spec()),
@@ -190,15 +185,10 @@ def prefill(params: Params, state: DecodeState, tokens, num_new, *,
       num_new: [B] int32 real tokens per row, ``0 <= num_new <= T``; a row with 0 is untouched.
       return_all_logits: logits for every position instead of each row's last token.
 
-    Returns:
-      (logits, new_state) as ``model.prefill_fn``: logits [B, V] float32 (or [B, T, V]);
-      ``new_state.lengths = state.lengths + num_new``, in the state's layout.
-
-    Raises:
-      ValueError: see :func:`check_prefill`; params on another mesh than the state.
-
-    Compiles once per (B, T); pad prompts to a few bucket lengths (as ``jd.generate`` does).
-    Called with traced arguments (inside your own ``jit``/``grad``/``scan``) it is
+    Returns (logits, new_state) as ``model.prefill_fn``: logits [B, V] float32 (or [B, T, V]),
+    ``new_state.lengths = state.lengths + num_new``, in the state's layout. Raises ValueError:
+    :func:`check_prefill`, or params on another mesh than the state. Compiles once per (B, T)
+    (bucket prompt lengths, as ``jd.generate`` does); with traced arguments it is
     ``model.prefill_fn``, inlined.
     """
     if _traced(params, state, tokens, num_new):
@@ -216,8 +206,7 @@ def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
                 kernels: Kernels | None = None):
     """Appends one token per row, each at its own position; returns the next-token logits.
 
-    Jitted with the state donated (the executable aliases every state buffer to its output),
-    one executable for every step; no device read (see :func:`check_decode_step`).
+    One jitted executable for every step, the state donated; no device read.
 
     Args:
       params: model weights; on a mesh, placed on the state's mesh.
@@ -225,17 +214,12 @@ def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
       tokens: [B] int32 token ids (host or device).
       active: optional [B] bool; rows with False are untouched and get zero logits.
       kernels: which kernels run; None: ``choose_kernels(config, B, dtype, mesh)`` for the
-        state's device or mesh (``jaxdecode.kernels.choice``).
+        state's device or mesh.
 
-    Returns:
-      (logits [B, V] float32, new_state), ``new_state.lengths = state.lengths + active``. A row
-      whose cache is full, or given an id outside the vocabulary, is left untouched and gets
-      NaN logits.
-
-    Raises:
-      ValueError: see :func:`check_decode_step`; params on another mesh than the state.
-
-    Called with traced arguments it is ``model.decode_step_fn``, inlined.
+    Returns (logits [B, V] float32, new_state), ``new_state.lengths = state.lengths + active``;
+    a row whose cache is full, or given an id outside the vocabulary, is left untouched and gets
+    NaN logits. Raises ValueError: :func:`check_decode_step`, or params on another mesh than the
+    state. With traced arguments it is ``model.decode_step_fn``, inlined.
     """
     if _traced(params, state, tokens, active):
         return model.decode_step_fn(params, state, jnp.asarray(tokens, jnp.int32),
