@@ -38,25 +38,13 @@ DELTA_RULE_MIN_BATCH = 8
 
 @dataclasses.dataclass(frozen=True)
 class Kernels:
-    """The implementation of each decode-step op (frozen, hashable: a jit static).
-
-    Attributes:
-      attention: "pallas" (split-K Mosaic GPU kernel) or "xla" (``decode_attention_reference``).
-      deltanet: the one-token Gated DeltaNet core: "pallas" (conv, norms, gating and delta rule
-        in one kernel) or "xla" (XLA's conv, norms and gating, then ``delta_rule``).
-      delta_rule: with ``deltanet="xla"``: "pallas" (the one-pass kernel) or "xla".
-      interpret: run the Pallas kernels in the Mosaic GPU interpreter (CPU, for tests); None
-        (default): when the default backend is not a GPU.
-      mesh: a ``("data", "model")`` mesh: the Pallas kernels run per device under shard_map.
-
-    Raises:
-      ValueError: a value outside the above, or ``deltanet="pallas"`` with a mesh.
-    """
-    attention: str = "xla"
-    deltanet: str = "xla"
-    delta_rule: str = "xla"
-    interpret: bool | None = None
-    mesh: Mesh | None = None
+    """The implementation of each decode-step op, "pallas" or "xla" (frozen, hashable: a jit
+    static). ValueError for another value, or ``deltanet="pallas"`` with a mesh."""
+    attention: str = "xla"  # split-K decode attention kernel, or decode_attention_reference
+    deltanet: str = "xla"  # the one-token DeltaNet core in one kernel, or XLA then delta_rule
+    delta_rule: str = "xla"  # with deltanet="xla": the one-pass delta-rule kernel, or XLA
+    interpret: bool | None = None  # Mosaic GPU interpreter (CPU); None: when not on a GPU
+    mesh: Mesh | None = None  # a ("data", "model") mesh: Pallas kernels run under shard_map
 
     def __post_init__(self):
         for name in ("attention", "deltanet", "delta_rule"):
@@ -71,6 +59,15 @@ class Kernels:
 
 
 XLA = Kernels()  # every op in XLA: the reference path, any backend
+
+# The Pallas kernels behind a jit of their own: the layers of a step call each with the same
+# shapes, and JAX lowers a jitted function once per signature instead of once per layer.
+_attention_pallas = jax.jit(attention_kernel.decode_attention_pallas,
+                            static_argnames=("config", "interpret"))
+_deltanet_pallas = jax.jit(deltanet_kernel.deltanet_decode_pallas,
+                           static_argnames=("num_key_heads", "block_v", "interpret"))
+_delta_rule_pallas = jax.jit(delta_rule_kernel.gated_delta_decode_pallas,
+                             static_argnames=("block_v", "interpret"))
 
 
 def _compute_capability(device) -> tuple[int, int] | None:
@@ -129,15 +126,12 @@ def choose_kernels(config: Config, batch_size: int, *, dtype="bfloat16",
                    interpret=False, mesh=mesh)
 
 
-# ----- the call sites the model uses ------------------------------------------------------------
-
 def decode_attention(kernels: Kernels, q, k_cache, v_cache, kv_len):
     """GQA decode attention as ``kernels.attention`` says: q [B, Hq, D], caches [B, Hkv, S, D],
     kv_len [B] int32 valid keys per row. Returns [B, Hq, D] in q's dtype."""
     if kernels.attention == "xla":
         return attention_kernel.decode_attention_reference(q, k_cache, v_cache, kv_len)
-    attend = functools.partial(attention_kernel.decode_attention_pallas,
-                               interpret=kernels.interpret)
+    attend = functools.partial(_attention_pallas, interpret=kernels.interpret)
     if kernels.mesh is None:
         return attend(q, k_cache, v_cache, kv_len)
     heads, cache = P(DATA, MODEL, None), P(DATA, MODEL, None, None)
@@ -147,18 +141,16 @@ def decode_attention(kernels: Kernels, q, k_cache, v_cache, kv_len):
 
 def deltanet_decode(kernels: Kernels, mixed_qkv, a, b, active, positions, conv_state,
                     recurrent_state, conv_weight, A_log, dt_bias, *, num_key_heads: int):
-    """The one-token Gated DeltaNet core as ``kernels.deltanet`` / ``delta_rule`` say
-    (arguments and result: ``jaxdecode.kernels.deltanet_decode.deltanet_decode_pallas``)."""
+    """The one-token Gated DeltaNet core as ``kernels.deltanet`` / ``delta_rule`` say (arguments
+    and result as ``deltanet_decode.deltanet_decode_pallas``)."""
     args = (mixed_qkv, a, b, active, positions, conv_state, recurrent_state, conv_weight, A_log,
             dt_bias)
     if kernels.deltanet == "pallas":
-        return deltanet_kernel.deltanet_decode_pallas(*args, num_key_heads=num_key_heads,
-                                                      interpret=kernels.interpret)
+        return _deltanet_pallas(*args, num_key_heads=num_key_heads, interpret=kernels.interpret)
     if kernels.delta_rule == "xla":
         rule = delta_rule_kernel.gated_delta_decode_reference
     else:
-        rule = functools.partial(delta_rule_kernel.gated_delta_decode_pallas,
-                                 interpret=kernels.interpret)
+        rule = functools.partial(_delta_rule_pallas, interpret=kernels.interpret)
         if kernels.mesh is not None:
             heads, state = P(DATA, MODEL, None), P(DATA, MODEL, None, None)
             rule = jax.shard_map(rule, mesh=kernels.mesh,
