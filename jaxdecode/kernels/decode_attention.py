@@ -11,21 +11,17 @@ function in ``jnp``; ``jaxdecode.kernels.choice`` picks one.
 
 Why the kernel looks the way it does:
 
-* GQA: a program loads each K/V block once for all G query heads of its group, padded to the
-  64-row ``wgmma`` tile (rows are independent, so the padding never leaks; decode is memory bound,
-  so the wasted tensor work is free).
-* Blocks past a row's length are never loaded; a row's real blocks are split between the
-  ``num_splits`` programs by its real length (``num_splits`` itself is static: :func:`choose_config`).
-* Cache entries at positions >= kv_len[b] may hold NaN: their scores are replaced (not multiplied)
-  by -inf and the partial block's value rows zeroed before ``p @ v``.
-* 16-bit caches: TMA into ``num_stages`` buffers, one barrier per K and per V buffer, so ``q k^T``
-  starts before V lands; ``p`` goes through shared memory (the interpreter, which runs the CPU
-  tests, takes only shared-memory ``wgmma`` operands).
-* G not a multiple of 8 (G = 4, 6 in 9B, 27B) is zero-padded by XLA: a TMA copy moves whole
-  8-row tiles (inside the model the pad fuses into RoPE).
+* GQA: each K/V block is loaded once for the G query heads of its group, padded to the 64-row
+  ``wgmma`` tile (rows are independent; decode is memory bound, so the wasted work is free).
+* Blocks past a row's length are never loaded: the row's real blocks are split between the
+  static ``num_splits`` programs (:func:`choose_config`) by its real length.
+* Entries at positions >= kv_len[b] may hold NaN: their scores are replaced (not multiplied) by
+  -inf and the partial block's value rows zeroed before ``p @ v``.
+* 16-bit caches: TMA into ``num_stages`` buffers with a barrier per K and per V buffer (``q k^T``
+  starts before V lands); ``p`` goes through shared memory, the interpreter's only operand.
+* G not a multiple of 8 (9B, 27B) is zero-padded by XLA (a TMA copy moves whole 8-row tiles).
 * float32 caches: ``wgmma`` takes float32 only as tf32 and cannot transpose 32-bit operands, so
-  tiles are split into bfloat16 ``hi + lo`` and multiplied as three bf16 terms (about 1e-5
-  error); K/V come through registers (correct and tested, not tuned).
+  tiles are split into bfloat16 ``hi + lo`` and multiplied as three bf16 terms (about 1e-5).
 
 Sources: FlashAttention's online softmax (Dao et al., 2022), "flash decoding" (Dao, Haziza, Massa,
 Sizov, 2023); structure after ``jax/experimental/pallas/ops/gpu/attention_mgpu.py``.
@@ -53,13 +49,11 @@ SMEM_LIMIT_BYTES = 227 * 1024  # the most shared memory one Hopper block may use
 SMEM_BUDGET_BYTES = 200 * 1024  # what choose_config fills with pipeline stages
 
 
-# ----- tuning knobs -----------------------------------------------------------------------------
-
 @dataclasses.dataclass(frozen=True)
 class DecodeAttentionConfig:
     """Static tuning knobs of :func:`decode_attention_pallas`."""
     block_kv: int = 64  # keys per pipeline step; a multiple of 64 (the p @ v contraction tile)
-    num_stages: int = 2  # K/V blocks in flight per program (16-bit caches; float32 uses 1)
+    num_stages: int = 2  # K/V blocks in flight per program (16-bit caches; 1 for float32)
     num_splits: int = 1  # programs per (row, KV head) sharing the row's keys (split-K)
 
     def __post_init__(self):
@@ -126,8 +120,6 @@ def choose_config(batch: int, num_kv_heads: int, max_len: int, head_dim: int, ca
             best, best_cost = s, cost
     return DecodeAttentionConfig(block_kv=block_kv, num_stages=num_stages, num_splits=best)
 
-
-# ----- the kernel -------------------------------------------------------------------------------
 
 def _split_range(kv_len_gmem, b, s, *, max_len, block_kv, num_splits):
     """(length, first block, number of blocks) of split ``s`` of row ``b`` (all int32 scalars)."""
@@ -361,20 +353,11 @@ def decode_attention_pallas(q, k_cache, v_cache, kv_len, *,
                             interpret: bool = False):
     """Decode attention as a Pallas Mosaic GPU kernel (Hopper) plus an XLA split combine.
 
-    Args:
-      q: [B, Hq, D] query of the current token (cast to the cache dtype, the tensor-core type).
-      k_cache, v_cache: [B, Hkv, S, D] bfloat16, float16 or float32; Hq % Hkv == 0,
-        D a multiple of 64 up to 256, Hq // Hkv <= 64. An S that is not a multiple of
-        ``block_kv`` is zero-padded (a copy): allocate multiples of ``MAX_LEN_ALIGN``.
-      kv_len: [B] int32 valid positions per row (clipped to [0, S]).
-      config: tuning knobs; None picks :func:`choose_config` for these shapes.
-      interpret: run in the Mosaic GPU interpreter (CPU) instead of compiling for the GPU.
-
-    Returns:
-      [B, Hq, D] in q.dtype, as :func:`decode_attention_reference`.
-
-    Raises:
-      ValueError: for shapes or dtypes the kernel does not take (see :func:`check_supported`).
+    Arguments and result as :func:`decode_attention_reference`, plus: caches bfloat16, float16
+    or float32 (q is cast to their dtype), D a multiple of 64 up to 256, G <= 64, else
+    ValueError (:func:`check_supported`); an S not a multiple of ``block_kv`` is zero-padded (a
+    copy: allocate multiples of ``MAX_LEN_ALIGN``). ``config``: None picks :func:`choose_config`;
+    ``interpret``: run in the Mosaic GPU interpreter (CPU).
     """
     batch, num_heads, head_dim = q.shape
     _, num_kv_heads, max_len, _ = k_cache.shape
@@ -461,19 +444,12 @@ def _combine(o_part, lse):
     return out / jnp.where(total == 0, 1.0, total)[..., None]
 
 
-# ----- the reference ----------------------------------------------------------------------------
-
 def decode_attention_reference(q, k_cache, v_cache, kv_len):
     """Pure-JAX (XLA) decode attention, HF ``eager_attention_forward`` for one query.
 
-    Args:
-      q: [B, Hq, D] query of the current token (after q_norm and RoPE).
-      k_cache, v_cache: [B, Hkv, S, D] keys (after k_norm and RoPE) and values; Hq % Hkv == 0.
-      kv_len: [B] int32, number of valid cache positions per row (0 <= kv_len <= S).
-
-    Returns:
-      [B, Hq, D] in q.dtype; zeros where kv_len == 0. Entries at positions >= kv_len[b] (even
-      NaN) never affect row b.
+    q: [B, Hq, D] (after q_norm and RoPE); k_cache, v_cache: [B, Hkv, S, D]; kv_len: [B] int32
+    valid positions per row. Returns [B, Hq, D] in q.dtype, zeros where kv_len == 0; entries at
+    positions >= kv_len[b] (even NaN) never affect row b.
     """
     batch, num_heads, head_dim = q.shape
     _, num_kv_heads, max_len, _ = k_cache.shape

@@ -18,14 +18,12 @@ At decode time the core between the input projections and the gated RMSNorm of H
 Hatamizadeh, "Gated Delta Networks", ICLR 2025, eq. 10.) A row with ``active[b]`` False is left
 bit-exact and its o is 0 (the model's masking: q = k = v = 0, g = beta = 0, ring unchanged).
 
-XLA runs this as about six small kernels per layer; :func:`deltanet_decode_pallas` is one. Program
-(b, h, j) holds columns ``[j*block_v, (j+1)*block_v)`` of S[b, h] as a [dk, block_v] float32
-tile in the wgmma register layout and recomputes what it needs from the raw inputs (the conv and
-L2 norm of key head h // r's q and k, cheap next to the tile). State and ring are updated in
-place (outputs aliased to inputs). Programs read window slots while others write the ring, which
-is safe because the write slot n % Kc is the one no window reads; each of its channels is written
-by exactly one program (its v channels by (b, h, j), key head h // r's q and k by (b, h, 0) with
-h % r == 0). :func:`deltanet_decode_reference` is the model's decode math factored out.
+XLA runs this as about six small kernels per layer; :func:`deltanet_decode_pallas` is one.
+Program (b, h, j) holds columns ``[j*block_v, (j+1)*block_v)`` of S[b, h] as a [dk, block_v]
+float32 wgmma-layout tile and recomputes its q, k (cheap next to the tile). State and ring are
+updated in place; the write slot n % Kc is the one no window reads, and each of its channels is
+written by one program ((b, h, 0) with h % r == 0 writes key head h // r's q and k).
+:func:`deltanet_decode_reference` is the model's decode math factored out.
 """
 
 from __future__ import annotations
@@ -106,8 +104,6 @@ def _check(name, mixed_qkv, a, b, active, positions, conv_state, recurrent_state
                          f"{bad}")
     return hk, hv, dk, dv, kc
 
-
-# ----- the kernel ------------------------------------------------------------------------------
 
 def _sigmoid(x):
     return 1.0 / (1.0 + jnp.exp(-x))
@@ -244,14 +240,10 @@ def deltanet_decode_pallas(mixed_qkv, a, b, active, positions, conv_state, recur
       block_v: state columns per program (default ``gated_delta_decode.choose_block_v``).
       interpret: run in the Mosaic GPU interpreter (CPU) instead of compiling for the GPU.
 
-    Returns:
-      (o [B, Hv, dv] float32, new conv_state [B, Kc, C] (conv_state's dtype),
-      new recurrent_state [B, Hv, dk, dv] float32).
-
-    Raises:
-      ValueError (before any work): shapes that disagree; dtypes other than the above; Hv not
-        a multiple of Hk; dk not a multiple of 64 up to 256; Kc < 2; dv not a multiple of
-        ``block_v``, or ``block_v`` not a multiple of 8 up to 256.
+    Returns (o [B, Hv, dv] float32, new conv_state, new recurrent_state). Raises ValueError
+    before any work: shapes that disagree; other dtypes; Hv not a multiple of Hk; dk not a
+    multiple of 64 up to 256; Kc < 2; dv not a multiple of ``block_v``, or ``block_v`` not a
+    multiple of 8 up to 256.
     """
     name = "deltanet_decode_pallas"
     hk, hv, dk, dv, kc = _check(name, mixed_qkv, a, b, active, positions, conv_state,
@@ -299,9 +291,8 @@ def deltanet_decode_pallas(mixed_qkv, a, b, active, positions, conv_state, recur
 
 def deltanet_decode_reference(mixed_qkv, a, b, active, positions, conv_state, recurrent_state,
                               conv_weight, A_log, dt_bias, *, num_key_heads: int):
-    """The XLA form: the decode branch of ``jaxdecode.model.gated_delta_net`` (conv, masking, L2
-    norms, gating) then ``gated_delta_decode_reference``. Arguments and result as
-    :func:`deltanet_decode_pallas`; any Kc >= 1 and head dims."""
+    """The XLA form (conv, masking, L2 norms, gating, then ``gated_delta_decode_reference``);
+    arguments and result as :func:`deltanet_decode_pallas`, any Kc >= 1 and head dims."""
     return deltanet_decode_xla(mixed_qkv, a, b, active, positions, conv_state, recurrent_state,
                                conv_weight, A_log, dt_bias, num_key_heads=num_key_heads)
 
@@ -309,9 +300,8 @@ def deltanet_decode_reference(mixed_qkv, a, b, active, positions, conv_state, re
 def deltanet_decode_xla(mixed_qkv, a, b, active, positions, conv_state, recurrent_state,
                         conv_weight, A_log, dt_bias, *, num_key_heads: int,
                         delta_rule=gated_delta_decode_reference):
-    """Conv, masking, L2 norms and gating in XLA, then ``delta_rule`` (a function with
-    ``gated_delta_decode_reference``'s signature: that one, or the one-pass kernel). Arguments
-    (but ``delta_rule``), result and errors as :func:`deltanet_decode_reference`."""
+    """:func:`deltanet_decode_reference` with its delta rule replaced by ``delta_rule`` (of
+    ``gated_delta_decode_reference``'s signature: that one, or the one-pass kernel)."""
     hk, hv, dk, dv, kc = _check("deltanet_decode_reference", mixed_qkv, a, b, active, positions,
                                 conv_state, recurrent_state, conv_weight, A_log, dt_bias,
                                 num_key_heads)
@@ -344,8 +334,7 @@ def deltanet_decode_xla(mixed_qkv, a, b, active, positions, conv_state, recurren
 
 
 def check_supported(recurrent_state_shape, kernel_size, dtype=jnp.bfloat16) -> str | None:
-    """Why the kernel cannot take these shapes or this model dtype (None if it can; shapes
-    assumed consistent)."""
+    """Why the kernel cannot take these (consistent) shapes or this model dtype; None if it can."""
     batch, heads, dk, dv = recurrent_state_shape
     if jnp.dtype(dtype) not in MODEL_DTYPES:
         return f"model dtype {jnp.dtype(dtype)} (the kernel takes float32 and bfloat16)"

@@ -87,19 +87,11 @@ def gated_delta_decode_pallas(q, k, v, g, beta, state, *, block_v: int | None = 
                               interpret: bool = False):
     """The one-token gated delta rule in one pass over the state (see the module docstring).
 
-    Args:
-      q, k: [B, Hk, dk] float32 (per key head); v: [B, Hv, dv] float32; g, beta: [B, Hv]
-        float32; state: [B, Hv, dk, dv] float32 (donate it under jit and the update is in
-        place). Hv must be a multiple of Hk; value head h reads key head h // (Hv // Hk).
-      block_v: state columns per program (default :func:`choose_block_v`).
-      interpret: run in the Mosaic GPU interpreter (CPU) instead of compiling for the GPU.
-
-    Returns:
-      (o [B, Hv, dv] float32, new state [B, Hv, dk, dv] float32).
-
-    Raises:
-      ValueError: inputs not float32, shapes that disagree, dk not a multiple of 64, Hv not a
-        multiple of Hk, or dv not a multiple of ``block_v`` (itself a multiple of 8).
+    Shapes as in the module docstring (``state`` donated under jit is updated in place);
+    ``block_v``: state columns per program (default :func:`choose_block_v`); ``interpret``: run
+    in the Mosaic GPU interpreter (CPU). Returns (o [B, Hv, dv], new state), float32. Raises
+    ValueError: inputs not float32, shapes that disagree, dk not a multiple of 64, Hv not a
+    multiple of Hk, or dv not a multiple of ``block_v`` (itself a multiple of 8).
     """
     batch, heads, dk, dv = state.shape
     arrays = dict(q=q, k=k, v=v, g=g, beta=beta, state=state)
@@ -138,9 +130,8 @@ def gated_delta_decode_pallas(q, k, v, g, beta, state, *, block_v: int | None = 
 
 
 def gated_delta_decode_reference(q, k, v, g, beta, state):
-    """The XLA form: q, k repeated to the value heads, then
-    :func:`jaxdecode.gated_delta.gated_delta_rule_step`. Same arguments and result as
-    :func:`gated_delta_decode_pallas`."""
+    """The XLA form (q, k repeated to the value heads, then ``gated_delta_rule_step``); arguments
+    and result as :func:`gated_delta_decode_pallas`."""
     why = _heads_error(q.shape[1], state.shape[1])
     if why is not None:
         raise ValueError(f"gated_delta_decode_reference: {why}")
