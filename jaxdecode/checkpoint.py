@@ -30,12 +30,8 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 def checkpoint_files(directory: str | os.PathLike) -> list[str]:
-    """The safetensors files of a checkpoint directory (shards in index order).
-
-    Raises:
-      FileNotFoundError: when neither ``model.safetensors`` nor an index file exists, or a shard
-        named by the index is missing.
-    """
+    """The safetensors files of a checkpoint directory (shards in index order); FileNotFoundError
+    without ``model.safetensors`` or an index, or for a missing shard (ValueError: bad index)."""
     directory = os.fspath(directory)
     index = os.path.join(directory, INDEX_FILE)
     if os.path.exists(index):
@@ -99,16 +95,14 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
     Args:
       directory: ``config.json`` plus ``model.safetensors`` or shards with
         ``model.safetensors.index.json``; bf16 or float32 on disk.
-      dtype: model dtype of the params ("bfloat16" or "float32"); ``A_log`` and the gated-norm
-        weight stay float32.
+      dtype: "bfloat16" or "float32"; ``A_log`` and the gated-norm weight stay float32.
       place: optional ``(name, host_array) -> jax.Array`` putting each tensor (already cast, in
         jaxdecode's layout: ``params.conv_channel_order``) on device; default ``jnp.asarray``.
       mesh: a ``("data", "model")`` mesh: each tensor goes straight into its sharding as it is
         read (``sharding.checkpoint_placer``). Not together with ``place``.
 
-    Returns:
-      :class:`Params`, ``params.config`` from ``config.json``; tied checkpoints use
-      ``embed_tokens`` as the LM head (a stored ``lm_head.weight`` is ignored).
+    Returns :class:`Params` (config from ``config.json``; a tied checkpoint's stored
+    ``lm_head.weight`` is ignored).
 
     Raises:
       FileNotFoundError: missing ``config.json`` or safetensors files.

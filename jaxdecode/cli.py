@@ -1,9 +1,8 @@
 """The ``jaxdecode`` command line: ``jaxdecode generate [options]`` (also ``examples/generate.py``).
 
-With no options it generates from the embedded default model (``Config.from_preset("tiny")``,
-``init_params(config, jax.random.key(0))``: random weights, the real 248,320-token Qwen3.5
-vocabulary) and prints the token ids, the text and the speed. Timing is printed with compilation
-apart: the executables are compiled first (``jaxdecode.generation.precompile``), then run.
+With no options it generates from the embedded default model (preset "tiny", random weights
+from ``key(0)``, the real Qwen3.5 vocabulary) and prints the ids, the text and the speed, with
+compilation timed apart (``jaxdecode.generation.precompile``).
 """
 
 from __future__ import annotations

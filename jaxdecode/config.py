@@ -86,7 +86,6 @@ class Config:
         if problems:
             raise ValueError("invalid Config: " + "; ".join(problems))
 
-    # ----- derived sizes ---------------------------------------------------------------------
     @property
     def num_key_value_groups(self) -> int:
         """Query heads per KV head (Hq / Hkv)."""
@@ -127,19 +126,11 @@ class Config:
         """Indices of the gated full-attention (KV cache) layers."""
         return tuple(i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION)
 
-    # ----- constructors ----------------------------------------------------------------------
     @classmethod
     def from_hf_config(cls, hf_config: Mapping[str, Any]) -> "Config":
-        """Builds a Config from a Hugging Face ``config.json`` dict.
-
-        Accepts the text-only layout (``model_type`` ``qwen3_5_text``, ``Qwen3_5ForCausalLM``) and
-        the multimodal layout (``model_type`` ``qwen3_5`` with a ``text_config`` block).
-
-        Raises:
-          ValueError: for model types or settings this code cannot run (MoE, biases, non-SiLU
-            activations, rope scaling), naming what is unsupported; for a missing field or a
-            field of the wrong type.
-        """
+        """A Config from an HF ``config.json`` dict, text-only (``qwen3_5_text``) or multimodal
+        (``qwen3_5`` with a ``text_config`` block). ValueError naming what is unsupported (MoE,
+        biases, non-SiLU activations, rope scaling), or for a missing or mistyped field."""
         top = dict(hf_config)
         text = dict(top.get("text_config") or top)
         model_type = text.get("model_type", top.get("model_type"))
@@ -207,11 +198,8 @@ class Config:
 
     @classmethod
     def from_json_file(cls, path: str | os.PathLike) -> "Config":
-        """Reads a Hugging Face ``config.json`` file (see :meth:`from_hf_config`).
-
-        Raises:
-          ValueError: malformed JSON (naming the file) or an unsupported config.
-        """
+        """Reads an HF ``config.json`` file (:meth:`from_hf_config`); ValueError for malformed JSON
+        (naming the file) or an unsupported config."""
         with open(path) as f:
             try:
                 data = json.load(f)
@@ -221,11 +209,8 @@ class Config:
 
     @classmethod
     def from_preset(cls, name: str) -> "Config":
-        """The published Qwen3.5 text shapes, plus ``tiny`` for tests and the demo.
-
-        Raises:
-          ValueError: for an unknown name (the message lists the presets).
-        """
+        """The published Qwen3.5 text shapes, plus ``tiny`` for tests and the demo (ValueError for
+        an unknown name, listing the presets)."""
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; available: {sorted(PRESETS)}")
         return PRESETS[name]

@@ -1,18 +1,11 @@
 """The gated delta rule: one-token step, chunked parallel form, naive recurrence.
 
-All three take inputs prepared as in HF's torch kernels (q and k L2-normalised, q scaled by
-dk**-0.5, q/k repeated to the value heads):
+All three take float32 inputs prepared as in HF's torch kernels (q, k L2-normalised, q scaled
+by dk**-0.5, repeated to the H value heads): q, k [B, T, H, dk]; v [B, T, H, dv]; log-space
+decay g <= 0 and write strength beta in [0, 1], [B, T, H]; state S [B, H, dk, dv].
 
-  q, k   [B, T, H, dk]   float32
-  v      [B, T, H, dv]   float32
-  g      [B, T, H]       float32, log-space decay (g <= 0; the step multiplies S by exp(g))
-  beta   [B, T, H]       float32, write strength in [0, 1]
-  state  [B, H, dk, dv]  float32, S (key dim first)
-
-Per token (Yang, Kautz, Hatamizadeh, "Gated Delta Networks", ICLR 2025, eq. 10; HF
-``torch_recurrent_gated_delta_rule``):
-
-  S <- exp(g_t) S;  delta_t = beta_t (v_t - S^T k_t);  S <- S + k_t delta_t^T;  o_t = S^T q_t
+Per token (HF ``torch_recurrent_gated_delta_rule``; Yang et al., "Gated Delta Networks", ICLR
+2025, eq. 10): S <- exp(g) S;  delta = beta (v - S^T k);  S <- S + k delta^T;  o = S^T q.
 
 The chunked form (HF ``torch_chunk_gated_delta_rule``) computes the same 64 tokens at a time
 with a unit-lower-triangular solve per chunk. A token with ``beta = g = 0, k = 0`` leaves S

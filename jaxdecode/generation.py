@@ -11,13 +11,10 @@ Row ``r`` draws its ``i``-th token with ``fold_in(row_keys(key, rows)[r], i)``, 
 not depend on the chunking, the mode or the other rows.
 
 Compilation: prompts are padded to a power-of-two length (>= 16), the token buffer to a
-power-of-two budget, and ``max_len`` derives from both (a multiple of 64, the decode kernel's
-block), so few executables serve many requests. Sampling values, budgets, keys and up to 8 EOS
-ids are traced; only turning a sampling step on or off for the whole batch recompiles
-(:class:`~jaxdecode.sampling.SamplingFeatures`): unused steps are left out of the program rather
-than skipped by a ``lax.cond``, which on a GPU waits for the device (benchmarks/RESULTS.md).
-``features=ALL_FEATURES`` keeps one executable for every setting. The ``[R, V]`` int32 token
-counts exist only when some row has a penalty.
+power-of-two budget, ``max_len`` to a multiple of 64, so few executables serve many requests.
+Sampling values, budgets, keys and up to 8 EOS ids are traced; turning a sampling step on or off
+for the whole batch recompiles (:class:`~jaxdecode.sampling.SamplingFeatures`: unused steps are
+left out, as a ``lax.cond`` waits for the device on a GPU; benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -93,8 +90,6 @@ class StreamChunk:
     stop_reason: np.ndarray  # [R] int32, STOP_RUNNING for rows still going
 
 
-# ----- pure pieces (usable inside your own jit) ------------------------------------------------
-
 def _record(loop: LoopState, state: DecodeState, token: Array, active: Array,
             eos_token_ids: Array, pad_id: int) -> tuple[LoopState, Array]:
     """Books one sampled token per active row; returns the new carry and the emitted ids."""
@@ -130,15 +125,14 @@ def start_fn(params: Params, state: DecodeState, prompts: Array, prompt_lengths:
       prompts: [P, T] int32, right-padded; prompt_lengths: [P] int32, >= 1.
       budgets: [R] int32 (R = P × num_samples), token budget per output row, >= 1.
       sampling: :class:`SamplingParams` with [R] leaves; keys: [R] per-row PRNG keys.
-      eos_token_ids: [E] int32 (entries -1 are ignored).
+      eos_token_ids: [E] int32 (entries -1 are ignored); pad_id: for rows that emit nothing.
       num_samples: rows per prompt (``fork``); row ``p * num_samples + j`` continues prompt p.
-      track_counts: keep [R, V] generated-token counts for the penalties (without them no
-        penalty applies); None: ``features.penalties`` when ``features`` is given, else False.
-      features: ``sampling.features_of(sampling)`` (static): steps no row uses are left out of
-        the program; None: each step is decided on the device by a ``lax.cond``.
-      pad_id: id written for rows that emit nothing.
-    Returns:
-      (LoopState, first tokens [R] int32).
+      track_counts: keep [R, V] generated-token counts for the penalties (else none applies);
+        None: ``features.penalties`` when ``features`` is given, else False.
+      features: ``features_of(sampling)`` (static): unused steps are left out; None: each step
+        is decided on the device by a ``lax.cond``.
+
+    Returns (LoopState, first tokens [R] int32).
     """
     logits, state = prefill_fn(params, state, prompts, prompt_lengths)
     if num_samples > 1:
@@ -229,8 +223,6 @@ def generate_fn(params: Params, state: DecodeState, prompts: Array, prompt_lengt
     return GenerateOutput(tokens=tokens, num_generated=loop.num_generated,
                           stop_reason=loop.stop_reason), loop
 
-
-# ----- host side: validation, bucketing, jitted entry points ---------------------------------
 
 def bucket(n: int, minimum: int) -> int:
     """The smallest power of two >= max(n, minimum)."""
@@ -427,10 +419,8 @@ def _generate_jit(params, prompts, prompt_lengths, budgets, sampling, keys, eos_
 def _start_jit(params, prompts, prompt_lengths, budgets, sampling, keys, eos_token_ids, pad_id,
                *, max_len, num_samples, features):
     state = init_state(params.config, prompts.shape[0], max_len, dtype=params.dtype)
-    loop, first = start_fn(params, state, prompts, prompt_lengths, budgets, sampling, keys,
-                           eos_token_ids, num_samples=num_samples, features=features,
-                           pad_id=pad_id)
-    return loop, first
+    return start_fn(params, state, prompts, prompt_lengths, budgets, sampling, keys,
+                    eos_token_ids, num_samples=num_samples, features=features, pad_id=pad_id)
 
 
 @functools.partial(jax.jit, static_argnames=("chunk_size", "kernels", "features"),
@@ -441,20 +431,16 @@ def _chunk_jit(params, loop, sampling, eos_token_ids, pad_id, *, chunk_size, ker
                     kernels=kernels, features=features)
 
 
-def _generate_args(params: Params, plan: _Plan, progress):
-    args = (params, plan.prompts, plan.prompt_lengths, plan.budgets, plan.sampling, plan.keys,
-            plan.eos_token_ids, np.int32(plan.pad_id))
-    static = dict(max_len=plan.max_len, max_new_tokens=plan.max_new_tokens,
-                  chunk_size=plan.chunk_size, num_samples=plan.num_samples,
-                  features=plan.features, kernels=plan.kernels, progress=progress)
-    return args, static
-
-
 def _start_args(params: Params, plan: _Plan):
     args = (params, plan.prompts, plan.prompt_lengths, plan.budgets, plan.sampling, plan.keys,
             plan.eos_token_ids, np.int32(plan.pad_id))
-    static = dict(max_len=plan.max_len, num_samples=plan.num_samples, features=plan.features)
-    return args, static
+    return args, dict(max_len=plan.max_len, num_samples=plan.num_samples, features=plan.features)
+
+
+def _generate_args(params: Params, plan: _Plan, progress):
+    args, static = _start_args(params, plan)
+    return args, dict(static, max_new_tokens=plan.max_new_tokens, chunk_size=plan.chunk_size,
+                      kernels=plan.kernels, progress=progress)
 
 
 def _chunk_args(params: Params, plan: _Plan, loop):
@@ -501,24 +487,19 @@ def _call(fn, args, static, executables: Executables | None):
 
 _DOC_ARGS = """
     Args:
-      params: model weights (``params.config`` gives vocab size, EOS ids and position limit).
       prompts: a list of token-id lists (ragged) or a [P, T] int array; every prompt non-empty.
-      max_new_tokens: token budget, an int or one per prompt (>= 1).
+      max_new_tokens: token budget (>= 1), an int or one per prompt.
       sampling: :class:`~jaxdecode.sampling.SamplingParams`, scalar, [P] or [P × num_samples]
         leaves; None = greedy.
       key: one PRNG key (row r uses ``fold_in(key, r)``) or one per output row; None = key(0).
       eos_token_ids: ids that stop a row; None = ``params.config.eos_token_id``; () = none.
       max_len: state capacity per row; None = prompt bucket + budget bucket, rounded up to a
         multiple of 64 and capped at ``max_position_embeddings``.
-      num_samples: continuations per prompt (forked after the prefill; row ``p * num_samples +
-        j`` continues prompt ``p``).
-      chunk_size: decode steps per jitted chunk / scan iteration.
-      pad_id: id written after a row stops.
-      kernels: which kernels the decode steps run (``jaxdecode.kernels.choice``); None:
-        ``choose_kernels`` for the output rows on the params' device or mesh.
+      num_samples: continuations per prompt; row ``p * num_samples + j`` continues prompt ``p``.
+      chunk_size: decode steps per jitted chunk / scan iteration; pad_id: written after a stop.
+      kernels: the decode steps' kernels; None: ``choose_kernels`` on the params' device or mesh.
       features: the sampling steps compiled in (:class:`~jaxdecode.sampling.SamplingFeatures`);
-        None: those the sampling values use (one executable per combination);
-        ``sampling.ALL_FEATURES``: one executable for every setting.
+        None: those the sampling values use; ``ALL_FEATURES``: one executable for every setting.
       executables: from :func:`precompile` for the same arguments (optional).
 
     Raises:
@@ -537,11 +518,8 @@ def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParam
              executables: Executables | None = None) -> GenerateOutput:
     """Generates continuations with the whole loop on device (one jitted call, no per-token sync).
 
-    ``progress``, if given, is called on the host after every chunk with ``num_generated [R]``
-    (a hashable callable: a new function object compiles a new executable).
-
-    Returns:
-      :class:`GenerateOutput` (device arrays; R = P × num_samples rows, N = bucketed budget).
+    Returns a :class:`GenerateOutput` of device arrays. ``progress``, if given, is called on the
+    host after every chunk with ``num_generated [R]`` (a new function object compiles anew).
     """
     plan = _plan(params, prompts, max_new_tokens, sampling, key, eos_token_ids, max_len=max_len,
                  num_samples=num_samples, chunk_size=chunk_size, pad_id=pad_id,
@@ -556,15 +534,11 @@ def generate_stream(params: Params, prompts, max_new_tokens=64,
                     num_samples: int = 1, chunk_size: int = 1, pad_id: int = -1,
                     kernels: Kernels | None = None, features: SamplingFeatures | None = None,
                     executables: Executables | None = None) -> Iterator[StreamChunk]:
-    """Generates continuations, yielding tokens to the host as they are produced.
+    """Generates continuations, yielding a :class:`StreamChunk` to the host per jitted chunk.
 
-    The first chunk holds each row's first token (prefill + one sample: its arrival is the time to
-    first token); each later chunk holds ``chunk_size`` decode steps. Stops once every row has
-    stopped. Same tokens as :func:`generate` for the same arguments. Validation happens on the
-    first ``next()``.
-
-    Yields:
-      :class:`StreamChunk` (numpy arrays).
+    The first chunk holds each row's first token (prefill + one sample: the time to first token),
+    each later one ``chunk_size`` decode steps, until every row has stopped; the same tokens as
+    :func:`generate`. Validation happens on the first ``next()``.
     """
     plan = _plan(params, prompts, max_new_tokens, sampling, key, eos_token_ids, max_len=max_len,
                  num_samples=num_samples, chunk_size=chunk_size, pad_id=pad_id,

@@ -32,8 +32,6 @@ f32 = jnp.float32
 CHUNK_SIZE = 64
 
 
-# ----- small pieces ---------------------------------------------------------------------------
-
 def linear(x: Array, w: Array) -> Array:
     """``x @ w.T`` with ``w`` in PyTorch layout ``[out, in]`` (no bias anywhere in Qwen3.5)."""
     return jnp.einsum("...i,oi->...o", x, w)
@@ -71,7 +69,7 @@ def rope_cos_sin(positions: Array, config: Config) -> tuple[Array, Array]:
 
 def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
     """HF ``apply_rotary_pos_emb``: rotates the first ``rotary_dim`` dims of x [B, T, N, D] (dim j
-    pairs with j + rotary_dim/2, "rotate half"); the rest pass through; cos/sin cast to x's dtype."""
+    pairs with j + rotary_dim/2, "rotate half"), the rest pass; cos/sin cast to x's dtype."""
     rd = cos.shape[-1]
     cos = cos[:, :, None, :].astype(x.dtype)
     sin = sin[:, :, None, :].astype(x.dtype)
@@ -95,23 +93,16 @@ def token_mask(length: int, num_new: Array) -> Array:
     return jnp.arange(length)[None, :] < num_new[:, None]
 
 
-# ----- Gated DeltaNet -------------------------------------------------------------------------
-
 def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurrent_state: Array,
                     start: Array, num_new: Array, valid: Array, config: Config, *, decode: bool,
                     kernels: Kernels = choice.XLA):
     """HF ``Qwen3_5GatedDeltaNet`` over T new tokens per row.
 
-    Args:
-      x: [B, T, H] input_layernorm output; row b's first ``num_new[b]`` tokens are real, the rest
-        right padding that must not touch any state.
-      conv_state: [B, Kc, C] ring of pre-conv inputs; recurrent_state: [B, Hv, dk, dv] float32.
-      start: [B] int32 tokens already in the row (the first new token's position); num_new: [B].
-      valid: [B, T] bool, ``token_mask(T, num_new)``.
-      decode: T == 1: the one-token recurrence through ``kernels`` instead of the chunked form.
-
-    Returns:
-      (out [B, T, H], new conv_state, new recurrent_state).
+    x: [B, T, H] input_layernorm output, right-padded after row b's ``num_new[b]`` real tokens
+    (padding touches no state); conv_state: [B, Kc, C] ring; recurrent_state: [B, Hv, dk, dv]
+    float32; start: [B] int32 tokens already in the row; valid: [B, T] bool ``token_mask``;
+    decode: T == 1, the one-token form through ``kernels``. Returns (out [B, T, H], new
+    conv_state, new recurrent_state).
     """
     c = config
     batch, length, _ = x.shape
@@ -175,8 +166,6 @@ def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurre
     return out, new_conv_state, new_state
 
 
-# ----- gated full attention -------------------------------------------------------------------
-
 def gated_attention(p: AttentionParams, x: Array, cache: KVCache, start: Array, num_new: Array,
                     valid: Array, config: Config, *, decode: bool,
                     kernels: Kernels = choice.XLA):
@@ -224,13 +213,12 @@ def gated_attention(p: AttentionParams, x: Array, cache: KVCache, start: Array, 
 
 def causal_attention(q: Array, k_cache: Array, v_cache: Array, positions: Array, end: Array,
                      *, query_block: int = 512) -> Array:
-    """Prefill attention of T new queries over the whole cache (HF ``eager_attention_forward``).
+    """HF ``eager_attention_forward`` of T new queries over the whole cache.
 
-    q: [B, T, Hq, D]; k_cache, v_cache: [B, Hkv, S, D]; positions: [B, T]; end: [B] valid cache
-    positions. Query at position p sees keys ``s <= p`` and ``s < end``; float32 scores scaled by
-    D**-0.5, probabilities cast to the model dtype before ``@ V`` (as HF). Queries go
-    ``query_block`` at a time so the float32 scores stay [B, Hq, query_block, S].
-    Returns [B, T, Hq, D] in q's dtype.
+    q: [B, T, Hq, D]; caches: [B, Hkv, S, D]; positions: [B, T]; end: [B] valid cache positions.
+    Position p sees keys ``s <= p`` and ``s < end``; float32 scores scaled by D**-0.5,
+    probabilities cast to the model dtype before ``@ V``; ``query_block`` queries at a time
+    bound the float32 scores to [B, Hq, query_block, S]. Returns [B, T, Hq, D] in q's dtype.
     """
     batch, length, hq, d = q.shape
     if length <= query_block:
@@ -263,8 +251,6 @@ def _attend(q, k_cache, v_cache, positions, end):
     o = jnp.einsum("bkgts,bksd->btkgd", probs, v)
     return o.reshape(batch, length, hq, d)
 
-
-# ----- the whole model ------------------------------------------------------------------------
 
 def _forward(params: Params, state: DecodeState, tokens: Array, num_new: Array | None, *,
              return_all_logits: bool, kernels: Kernels = choice.XLA,

@@ -208,7 +208,7 @@ CONV_CHANNEL_LEAVES = ("linear_attn.in_proj_qkv.weight", "linear_attn.conv1d.wei
 
 def conv_channel_order(config: Config) -> np.ndarray:
     """Internal order of the C conv channels, as indices into HF's ``[q (Hk·dk) | k (Hk·dk) |
-    v (Hv·dv)]``: grouped per key head, ``[q_i (dk) | k_i (dk) | v_{i·r} .. v_{i·r+r-1} (r·dv)]``
+    v (Hv·dv)]``: grouped per key head, ``[q_i (dk) | k_i (dk) | v_{i·r} .. v_{i·r+r-1}]``
     for i = 0 .. Hk-1 (the value heads of key head i, as HF's ``repeat_interleave``; Qwen3-Next's
     ``in_proj_qkvz`` grouping). The depthwise conv is unchanged, but a contiguous split of C over
     m devices (m dividing Hk) holds whole heads, so tensor parallelism moves no conv activations.
@@ -255,16 +255,10 @@ def _init_leaf(spec: ParamSpec, key: Array, dtype, config: Config) -> Array:
 
 
 def init_params(config: Config, key: Array, dtype="float32") -> Params:
-    """Random parameters with the real shapes (for tests, demos and benchmarks).
-
-    Args:
-      key: a ``jax.random.key``; leaf ``n`` (in :func:`param_specs` order) uses
-        ``fold_in(key, n)`` (under ``jax.jit`` a leaf may differ from the eager value by ~1 ulp).
-      dtype: "float32" or "bfloat16"; ``A_log`` and the gated-norm weight stay float32.
-
-    Returns :class:`Params` (``jax.eval_shape`` of this gives shapes without allocating).
-    Raises ValueError for another dtype.
-    """
+    """Random :class:`Params` of the real shapes (tests, demos, benchmarks). Leaf ``n`` (in
+    :func:`param_specs` order) uses ``fold_in(key, n)`` (under jit ~1 ulp from the eager value).
+    ``dtype``: "float32" or "bfloat16" (else ValueError); ``A_log`` and the gated-norm weight stay
+    float32. ``jax.eval_shape`` of it gives shapes without allocating."""
     dtype = jnp.dtype(dtype)
     if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         raise ValueError(f"{dtype=} must be float32 or bfloat16")

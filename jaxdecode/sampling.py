@@ -1,9 +1,7 @@
-"""Token sampling: greedy, temperature, top-k, top-p, min-p, repetition/presence/frequency
-penalties.
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, repetition/presence/frequency penalties.
 
-:func:`sample` is a pure function of ``(logits, keys, params, token_counts)``. Every knob is a
-per-row leaf of :class:`SamplingParams`, so rows may differ and traced values never recompile;
-each row draws from its own key, so its samples do not depend on the rest of the batch.
+:func:`sample` is pure. Every knob is a per-row leaf of :class:`SamplingParams` (rows may differ;
+traced values never recompile) and each row draws from its own key (independent of the batch).
 
 Order of operations, as HF ``GenerationMixin._get_logits_processor`` (transformers 5.24.0):
 
@@ -17,19 +15,16 @@ Order of operations, as HF ``GenerationMixin._get_logits_processor`` (transforme
   5. min-p (Nguyen et al. 2024): drop tokens below ``min_p`` times the top probability;
   6. one categorical draw per row (Gumbel-max, ``jax.random.categorical``).
 
-Top-k and top-p find their cut-off by an exact radix search on the float32 bits instead of
-sorting the vocabulary (a sort is far slower on CPU); tokens tied with the cut-off are kept.
-
-A step no row uses costs nothing: :class:`SamplingFeatures` (read on the host from concrete
-values by :func:`features_of`, static under ``jit``) leaves it out of the program. With traced
-values and no ``features`` each step runs under a ``lax.cond``, which on a GPU waits for the
-device once per step (benchmarks/RESULTS.md, ``benchmarks/sampling_steps.py``).
+Top-k and top-p find their cut-off by an exact radix search on the float32 bits, not a sort of
+the vocabulary (far slower on CPU); ties with the cut-off are kept. A step no row uses is left
+out of the program (:class:`SamplingFeatures`, read on the host by :func:`features_of`); with
+traced values and no ``features`` each runs under a ``lax.cond``, a device wait on a GPU
+(benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import numbers
 
 import jax
 import jax.numpy as jnp
@@ -47,25 +42,14 @@ _DTYPES = {"top_k": np.int32}
 @struct.dataclass
 class SamplingParams:
     """Per-row sampling settings; each leaf is ``[B]`` (or a scalar, broadcast to every row).
-
-    Attributes:
-      temperature: float32 >= 0. ``0`` = greedy (argmax).
-      top_k: int32 >= 0. ``0`` = off.
-      top_p: float32 in (0, 1]. ``1`` = off.
-      min_p: float32 in [0, 1]. ``0`` = off.
-      repetition_penalty: float32 > 0, applied to tokens generated so far. ``1`` = off.
-      presence_penalty: float32, subtracted once from each generated token's logit. ``0`` = off.
-      frequency_penalty: float32, subtracted per occurrence of a generated token. ``0`` = off.
-
-    Build with :meth:`create`, which validates; the raw constructor does not.
-    """
-    temperature: Array
-    top_k: Array
-    top_p: Array
-    min_p: Array
-    repetition_penalty: Array
-    presence_penalty: Array
-    frequency_penalty: Array
+    Build with :meth:`create`, which validates; the raw constructor does not."""
+    temperature: Array  # float32 >= 0; 0 = greedy (argmax)
+    top_k: Array  # int32 >= 0; 0 = off
+    top_p: Array  # float32 in (0, 1]; 1 = off
+    min_p: Array  # float32 in [0, 1]; 0 = off
+    repetition_penalty: Array  # float32 > 0, on tokens generated so far; 1 = off
+    presence_penalty: Array  # float32, subtracted once from a generated token's logit; 0 = off
+    frequency_penalty: Array  # float32, subtracted per occurrence of a generated token; 0 = off
 
     @classmethod
     def create(cls, batch_size: int | None = None, *, temperature=0.0, top_k=0, top_p=1.0,
@@ -122,13 +106,8 @@ def greedy(batch_size: int | None = None) -> SamplingParams:
 
 
 def validate(params: SamplingParams) -> None:
-    """Checks concrete (host or device, not traced) sampling values.
-
-    Raises:
-      ValueError: naming every field outside its range: negative or non-finite temperature,
-        top_k < 0, top_p outside (0, 1], min_p outside [0, 1], repetition_penalty <= 0, or a
-        non-finite presence/frequency penalty.
-    """
+    """Checks concrete (not traced) sampling values; one ValueError naming every field outside
+    its range (:class:`SamplingParams`; temperature and penalties must also be finite)."""
     try:
         v = {name: np.asarray(getattr(params, name)) for name in _FIELDS}
     except jax.errors.TracerArrayConversionError:
@@ -158,16 +137,10 @@ def validate(params: SamplingParams) -> None:
 @dataclasses.dataclass(frozen=True)
 class SamplingFeatures:
     """Which sampling steps at least one row uses (hashable: a ``jit`` static). Build with
-    :func:`features_of`; :data:`ALL_FEATURES` (every step) is always correct.
-
-    Attributes:
-      penalties: some row has a repetition, presence or frequency penalty.
-      sampled: some row has temperature > 0 (otherwise every row takes the argmax).
-      top_k, top_p, min_p: some sampled row uses that filter.
-    """
-    penalties: bool = True
-    sampled: bool = True
-    top_k: bool = True
+    :func:`features_of`; :data:`ALL_FEATURES` (every step) is always correct."""
+    penalties: bool = True  # some row has a repetition, presence or frequency penalty
+    sampled: bool = True  # some row has temperature > 0 (else every row takes the argmax)
+    top_k: bool = True  # some sampled row uses that filter (also top_p, min_p)
     top_p: bool = True
     min_p: bool = True
 
@@ -176,12 +149,8 @@ ALL_FEATURES = SamplingFeatures()
 
 
 def features_of(params: SamplingParams) -> SamplingFeatures:
-    """The steps some row of ``params`` uses, from concrete (host or device) values.
-
-    Raises:
-      ValueError: for traced values (inside ``jit`` pass ``features=None`` to :func:`sample`)
-        and for device arrays this process cannot read whole (multi-process global arrays).
-    """
+    """The steps some row of ``params`` uses, from concrete values; ValueError for traced values
+    and for arrays this process cannot read whole (multi-process global arrays)."""
     partial = [name for name in _FIELDS if isinstance(getattr(params, name), jax.Array)
                and not isinstance(getattr(params, name), jax.core.Tracer)
                and not getattr(params, name).is_fully_addressable]
@@ -215,8 +184,6 @@ def _show(x) -> str:
     x = np.asarray(x).ravel()
     return repr(x[0].item()) if x.size == 1 else str(x.tolist())
 
-
-# ----- masks (each: logits [B, V] float32, per-row knob [B] -> masked logits [B, V]) -------------
 
 def _sortable_key(x: Array) -> Array:
     """float32 -> uint32 of the same order (non-NaN values; -0.0 and +0.0 tie)."""
@@ -299,8 +266,8 @@ def apply_penalties(logits: Array, token_counts: Array, params: SamplingParams) 
 
 
 def _maybe(features: SamplingFeatures | None, step: str, predicate, fn, x):
-    """``fn(x)`` if some row uses ``step``: decided on the host from ``features``, or, with
-    ``features`` None, by a ``lax.cond`` on ``predicate()`` (traced values)."""
+    """``fn(x)`` if some row uses ``step``: per ``features``, or (None) a ``lax.cond`` on
+    ``predicate()``."""
     if features is None:
         return lax.cond(predicate(), fn, lambda x: x, x)
     return fn(x) if getattr(features, step) else x
@@ -308,11 +275,8 @@ def _maybe(features: SamplingFeatures | None, step: str, predicate, fn, x):
 
 def processed_logits(logits: Array, params: SamplingParams, token_counts: Array | None = None,
                      *, features: SamplingFeatures | None = None) -> Array:
-    """The logits each sampled row draws from: steps 1-5 of the module docstring.
-
-    Rows with temperature 0 get their penalised logits unscaled and unfiltered (they take the
-    argmax). Args as :func:`sample`; returns [B, V] float32.
-    """
+    """The [B, V] float32 logits each row draws from: steps 1-5 of the module docstring (rows with
+    temperature 0 get their penalised logits unscaled and unfiltered). Args as :func:`sample`."""
     logits = jnp.asarray(logits, jnp.float32)
     b = logits.shape[0]
     if features is None:  # before broadcast, which would trace closed-over device arrays
@@ -337,10 +301,7 @@ def processed_logits(logits: Array, params: SamplingParams, token_counts: Array 
 
 
 def row_keys(key: Array, batch_size: int) -> Array:
-    """``[batch_size]`` keys from one key: row ``i`` gets ``fold_in(key, i)``.
-
-    A row's key depends on its index only, not on the batch size or the other rows.
-    """
+    """``[batch_size]`` keys from one key: row ``i`` gets ``fold_in(key, i)`` (its index only)."""
     return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(batch_size, dtype=jnp.uint32))
 
 
@@ -351,20 +312,16 @@ def sample(logits: Array, key: Array, params: SamplingParams,
 
     Args:
       logits: [B, V] float (cast to float32).
-      key: [B] per-row PRNG keys (typed ``jax.random.key`` array, or raw ``[B, 2]`` uint32), or a
-        single key, expanded with :func:`row_keys`.
-      params: :class:`SamplingParams` with leaves ``[B]`` or scalars. Not validated here (the
-        values may be traced): validate on the host with :func:`validate` or
-        :meth:`SamplingParams.create`.
-      token_counts: optional [B, V] int32 counts of the tokens generated so far, for the
-        penalties; ``None`` applies no penalty.
-      features: :func:`features_of` ``(params)`` (static): steps no row uses are left out (a step
-        it turns off is skipped for every row; :data:`ALL_FEATURES` is always correct). None:
-        derived when the values are concrete, else each step runs under a ``lax.cond``, a device
-        wait on a GPU; under ``jit`` pass ``features_of(host_params)`` as a static.
-    Returns:
-      [B] int32 token ids: the argmax of the penalised logits where temperature is 0, otherwise a
-      draw from ``softmax(processed_logits(...))``.
+      key: [B] per-row PRNG keys (typed, or raw ``[B, 2]`` uint32), or one key (:func:`row_keys`).
+      params: :class:`SamplingParams`, leaves ``[B]`` or scalars; not validated here (they may
+        be traced): use :func:`validate` or :meth:`SamplingParams.create` on the host.
+      token_counts: optional [B, V] int32 generated-token counts; None applies no penalty.
+      features: :func:`features_of` ``(params)`` (static; a step it turns off is skipped for
+        every row). None: derived from concrete values, else each step runs under a ``lax.cond``
+        (a device wait on a GPU): under ``jit`` pass ``features_of(host_params)``.
+
+    Returns [B] int32 ids: the argmax of the penalised logits where temperature is 0, else a
+    draw from ``softmax(processed_logits(...))``.
     """
     logits = jnp.asarray(logits, jnp.float32)
     if logits.ndim != 2:

@@ -1,9 +1,7 @@
 """Tensor and data parallelism over a ``("data", "model")`` mesh, as data.
 
-The model code never mentions devices. This module says where every leaf of
-:class:`~jaxdecode.params.Params` and :class:`~jaxdecode.state.DecodeState` lives, as
-``PartitionSpec`` pytrees shaped like them; ``jax.jit`` and XLA's SPMD partitioner insert every
-collective (no hand-written communication).
+The model code never mentions devices: this module gives ``PartitionSpec`` pytrees shaped like
+``Params`` and ``DecodeState``, and ``jax.jit``'s SPMD partitioner inserts every collective.
 
     mesh = sharding.make_mesh(data=2, model=4)
     params = jd.load_checkpoint(path, "bfloat16", mesh=mesh)     # or sharding.shard_params(p, mesh)
@@ -11,24 +9,20 @@ collective (no hand-written communication).
     logits, state = jd.prefill(params, state, tokens, num_new)     # runs on the state's mesh
     logits, state = jd.decode_step(params, state, jnp.argmax(logits, -1))
 
-Layout: :data:`PARAM_RULES` and :data:`STATE_RULES` below (every weight split over ``"model"``,
-the RMSNorm gains replicated; state rows over ``"data"``); logits [B, V] are ``(data, model)``.
-
-Megatron pattern: column-parallel in-projections, row-parallel out-projections, so no weight
-ever moves and each mixer and MLP ends with one all-reduce of its [B, T, H] update
-(tests/test_sharding.py counts them). Caches live with the heads that use them. ``q_proj`` rows
-are ``[Hq, 2D]`` per head, so contiguous blocks hold whole heads with their gates; the conv
-channels are held grouped per key head (``params.conv_channel_order``) for the same reason. The
-Pallas kernels run per device under ``shard_map`` (``kernels.choice``): the partitioner cannot
-split a custom call. The cache write is a per-row scatter, so no K/V row crosses ``"data"``.
-
-Requirements (one ``ValueError`` naming every failure, :func:`check_mesh`): head counts,
-``intermediate_size`` and ``vocab_size`` divisible by the ``"model"`` size, the batch by the
-``"data"`` size (published models: at most 4-way tensor parallelism, 2-way for 0.8B and 2B).
+Layout (:data:`PARAM_RULES`, :data:`STATE_RULES`): every weight split over ``"model"`` but the
+replicated RMSNorm gains, state rows over ``"data"``, logits [B, V] ``(data, model)``. Megatron
+pattern (column-parallel in-, row-parallel out-projections): no weight moves, and each mixer and
+MLP ends with one all-reduce of its [B, T, H] update (tests/test_sharding.py counts them).
+``q_proj``'s per-head ``[Hq, 2D]`` rows and the per-key-head conv channels
+(``params.conv_channel_order``) make contiguous blocks whole heads. The Pallas kernels run under
+``shard_map`` (the partitioner cannot split a custom call); the per-row cache write moves no K/V
+row across ``"data"``. :func:`check_mesh`: head counts, ``intermediate_size`` and ``vocab_size``
+divisible by the ``"model"`` size (published models: up to 4-way, 0.8B/2B 2-way), the batch by
+the ``"data"`` size.
 
 Several hosts: every process runs the same script, calls ``jax.distributed.initialize`` first,
-and builds the mesh from the global device list (:func:`make_mesh` keeps ``"model"`` inside a
-host); every process passes the same global host inputs and :func:`shard_batch` keeps its shards.
+builds the mesh from the global device list (:func:`make_mesh` keeps ``"model"`` in a host) and
+passes the same global host inputs; :func:`shard_batch` keeps each process's shards.
 
 Source: Megatron-LM tensor parallelism (Shoeybi et al., 2019) as in gpt-fast's ``tp.py``; JAX's
 "Distributed arrays and automatic parallelization" and "Multi-process" guides.
@@ -86,18 +80,11 @@ STATE_RULES: dict[str, P] = {
 _LAYER_PREFIX = re.compile(r"^model\.layers\.\d+\.|^model\.")
 
 
-# ----- the mesh and its checks ----------------------------------------------------------------
-
 def make_mesh(data: int, model: int, *, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A ``("data", "model")`` mesh of ``data × model`` devices, ``AxisType.Auto`` axes (the model
-    code carries no sharding annotations; the partitioner propagates them).
-
-    ``data`` splits the batch, ``model`` heads, intermediate and vocabulary. ``devices``: default
-    ``jax.devices()`` (every process's), ordered by (process, id) so a ``"model"`` group stays
-    inside one host whenever ``model`` divides the local device count.
-
-    Raises:
-      ValueError: non-positive sizes, or ``data * model`` not the device count.
+    code has no sharding annotations). ``devices`` (default ``jax.devices()``, every process's)
+    are ordered by (process, id), so a ``"model"`` group stays in one host when ``model``
+    divides the local device count. ValueError: non-positive sizes or the wrong device count.
     """
     if not all(isinstance(n, int) and n > 0 for n in (data, model)):
         raise ValueError(f"{data=} and {model=} must be positive ints")
@@ -138,8 +125,6 @@ def check_mesh(config: Config, mesh: Mesh, batch_size: int | None = None) -> Non
         raise ValueError(f"cannot shard over the mesh (data={d}, model={m}): "
                          + "; ".join(problems))
 
-
-# ----- PartitionSpecs shaped like the pytrees -------------------------------------------------
 
 def param_partition_spec(name: str) -> P:
     """The spec of one parameter, by its HF checkpoint name (``Qwen3_5ForCausalLM`` layout)."""
@@ -187,8 +172,6 @@ def state_shardings(config: Config, mesh: Mesh, batch_size: int | None = None) -
     return _named(mesh, state_partition_specs(config))
 
 
-# ----- placing arrays -------------------------------------------------------------------------
-
 def _put(x, sharding: NamedSharding) -> jax.Array:
     """Places one array: a reshard for global arrays, else each device gets only its slice."""
     if isinstance(x, jax.Array) and (jax.process_count() == 1 or not x.is_fully_addressable):
@@ -221,7 +204,7 @@ def _check_state_mesh(state: DecodeState, mesh: Mesh) -> None:
 def init_state_sharded(config: Config, mesh: Mesh, batch_size: int, max_len: int,
                        dtype="float32") -> DecodeState:
     """:func:`jaxdecode.init_state` created directly in its sharding (each device allocates only
-    its shard). Arguments as ``init_state`` plus ``mesh``; ValueError as it and :func:`check_mesh`."""
+    its shard); arguments as ``init_state`` plus ``mesh``, ValueError also :func:`check_mesh`."""
     check_mesh(config, mesh, batch_size)
     return _init_state_jit(config, mesh)(config, batch_size, max_len, jnp.dtype(dtype).name)
 

@@ -31,21 +31,12 @@ class KVCache:
 
 @struct.dataclass
 class DecodeState:
-    """Per-row decoding state.
-
-    Attributes:
-      conv_state: one ``[B, Kc, C]`` ring of pre-conv ``in_proj_qkv`` outputs per Gated DeltaNet
-        layer: slot ``p % Kc`` holds position p's (zeros before the first token); channels
-        grouped per key head (``params.conv_channel_order``).
-      recurrent_state: one ``[B, Hv, dk, dv]`` float32 delta-rule state S per Gated DeltaNet
-        layer (key dim first, as HF).
-      kv_cache: one :class:`KVCache` per full-attention layer (in layer order).
-      lengths: ``[B]`` int32 tokens already written per row = next write index = next position.
-    """
-    conv_state: tuple[Array, ...]
-    recurrent_state: tuple[Array, ...]
+    """Per-row decoding state; one entry per Gated DeltaNet / full-attention layer, in layer order.
+    ``conv_state`` channels are grouped per key head (``params.conv_channel_order``)."""
+    conv_state: tuple[Array, ...]  # [B, Kc, C] ring of pre-conv inputs: slot p % Kc holds p's
+    recurrent_state: tuple[Array, ...]  # [B, Hv, dk, dv] float32 delta-rule state (as HF)
     kv_cache: tuple[KVCache, ...]
-    lengths: Array
+    lengths: Array  # [B] int32 tokens written per row = next write index = next position
 
     @property
     def batch_size(self) -> int:
@@ -59,18 +50,13 @@ class DecodeState:
 
 
 def init_state(config: Config, batch_size: int, max_len: int, dtype="float32") -> DecodeState:
-    """An empty :class:`DecodeState` (zeros, ``lengths = 0``; memory: :func:`state_bytes`).
+    """An empty :class:`DecodeState` of ``batch_size`` rows (zeros, ``lengths = 0``).
 
-    Args:
-      batch_size: rows B.
-      max_len: KV cache capacity S per row (prompt + generated). On GPU use a multiple of 64
-        (``MAX_LEN_ALIGN``), or the decode kernel pads (copies) the caches every step.
-      dtype: of the conv rings and KV caches, "float32" or "bfloat16": the params' dtype
-        (``prefill``/``decode_step`` check). The recurrent state is always float32.
-
-    Raises:
-      ValueError: a non-positive ``batch_size``/``max_len``, ``max_len`` above
-        ``config.max_position_embeddings``, or another dtype.
+    ``max_len``: cache capacity S per row (prompt + generated); on GPU a multiple of 64
+    (``MAX_LEN_ALIGN``), or the decode kernel copies the caches every step. ``dtype`` (of the
+    conv rings and KV caches): the params' dtype, "float32" or "bfloat16"; the recurrent state is
+    float32. ValueError: non-positive sizes, ``max_len`` above ``max_position_embeddings``, or
+    another dtype.
     """
     batch_size = _positive_int("batch_size", batch_size)
     max_len = _positive_int("max_len", max_len)

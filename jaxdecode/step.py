@@ -28,8 +28,6 @@ from jaxdecode.state import DecodeState
 COMPILER_OPTIONS = types.MappingProxyType({"xla_gpu_dot_merger_threshold_mb": 1024})
 
 
-# ----- validation (host, before any device work) ------------------------------------------------
-
 def check_state(config: Config, state: DecodeState, dtype) -> None:
     """Raises ValueError if the state's structure, shapes or dtypes do not fit ``config`` and the
     params' ``dtype`` (shapes and dtypes only: no device read)."""
@@ -86,13 +84,9 @@ def _on_host(x) -> bool:
 
 def check_prefill(params: Params, state: DecodeState, tokens, num_new) -> None:
     """Validates a prefill on the host, reading ``state.lengths`` back (one device sync; skipped
-    for a state spread over several processes).
-
-    Raises:
-      ValueError: a state that does not fit the params (:func:`check_state`); tokens not
-        [B, T] with T >= 1 for the state's B; ``num_new`` not [B] integers in ``[0, T]``; real
-        token ids outside ``[0, vocab_size)``; a row whose ``state.lengths + num_new`` exceeds
-        ``max_len``.
+    for a state spread over several processes). ValueError: a state that does not fit the params
+    (:func:`check_state`); tokens not [B, T], T >= 1; ``num_new`` not [B] integers in ``[0, T]``;
+    real ids outside ``[0, vocab_size)``; a row whose ``state.lengths + num_new`` > ``max_len``.
     """
     check_state(params.config, state, params.dtype)
     tokens, num_new = np.asarray(tokens), np.asarray(num_new)
@@ -119,13 +113,10 @@ def check_prefill(params: Params, state: DecodeState, tokens, num_new) -> None:
 
 
 def check_decode_step(params: Params, state: DecodeState, tokens, active=None) -> None:
-    """Validates a decode step on the host without reading the device: token ids are checked when
-    they are host values (in the step a bad id, like a full cache, gives the row NaN logits).
-
-    Raises:
-      ValueError: a state that does not fit the params (:func:`check_state`); tokens not [B]
-        for the state's B; ``active`` not [B]; host token ids outside ``[0, vocab_size)``.
-    """
+    """Validates a decode step on the host without reading the device (device token ids are
+    checked in the step, where a bad id, like a full cache, gives NaN logits). ValueError: a state
+    that does not fit (:func:`check_state`); tokens or ``active`` not [B]; host ids outside
+    ``[0, vocab_size)``."""
     check_state(params.config, state, params.dtype)
     if tuple(np.shape(tokens)) != (state.batch_size,):
         raise ValueError(f"tokens must be [B] with B = {state.batch_size} (the state's batch "
@@ -137,8 +128,6 @@ def check_decode_step(params: Params, state: DecodeState, tokens, active=None) -
                 else np.asarray(active, bool))
         _check_token_ids(params.config, np.asarray(tokens), real)
 
-
-# ----- the jitted forms -------------------------------------------------------------------------
 
 @functools.cache
 def jit_prefill(config: Config, mesh: Mesh | None = None, return_all_logits: bool = False):
@@ -171,8 +160,6 @@ def _batch_input(x, mesh: Mesh | None, dtype):
     return jnp.asarray(x, dtype) if mesh is None else sharding.shard_batch(x, mesh, dtype)
 
 
-# ----- the entry points -------------------------------------------------------------------------
-
 def prefill(params: Params, state: DecodeState, tokens, num_new, *,
             return_all_logits: bool = False):
     """Appends each row's prompt tokens to the state (a fresh prompt or a continuation).
@@ -188,7 +175,7 @@ def prefill(params: Params, state: DecodeState, tokens, num_new, *,
     Returns (logits, new_state) as ``model.prefill_fn``: logits [B, V] float32 (or [B, T, V]),
     ``new_state.lengths = state.lengths + num_new``, in the state's layout. Raises ValueError:
     :func:`check_prefill`, or params on another mesh than the state. Compiles once per (B, T)
-    (bucket prompt lengths, as ``jd.generate`` does); with traced arguments it is
+    (pad prompts to a few sizes, as ``jd.generate`` does); with traced arguments it is
     ``model.prefill_fn``, inlined.
     """
     if _traced(params, state, tokens, num_new):

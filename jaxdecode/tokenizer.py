@@ -30,22 +30,14 @@ CHATML_TEMPLATE = (
 
 @dataclasses.dataclass(frozen=True)
 class Tokenizer:
-    """Text <-> token ids, plus the chat template and the ids that end a turn.
-
-    Attributes:
-      name: where the vocabulary comes from (shown by the CLI).
-      encode_fn: ``str -> list[int]`` (special tokens in the text are recognised);
-        decode_fn: ``list[int] -> str`` for ids ``0 .. num_ids - 1`` (others: ``<|unk:ID|>``).
-      chat_template: jinja2 source or None; special_tokens: names given to the template.
-      chat_eos_token_ids: ids that end an assistant turn (for ``--chat``), e.g. ``<|im_end|>``.
-    """
-    name: str
-    encode_fn: Callable[[str], list[int]]
-    decode_fn: Callable[[list[int]], str]
+    """Text <-> token ids, plus the chat template and the ids that end a turn."""
+    name: str  # where the vocabulary comes from (shown by the CLI)
+    encode_fn: Callable[[str], list[int]]  # special tokens in the text are recognised
+    decode_fn: Callable[[list[int]], str]  # for ids 0 .. num_ids - 1 (others: <|unk:ID|>)
     num_ids: int
-    chat_template: str | None = None
-    special_tokens: tuple[tuple[str, str], ...] = ()
-    chat_eos_token_ids: tuple[int, ...] = ()
+    chat_template: str | None = None  # jinja2 source
+    special_tokens: tuple[tuple[str, str], ...] = ()  # names given to the template
+    chat_eos_token_ids: tuple[int, ...] = ()  # ids that end an assistant turn (--chat)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (no BOS is added: Qwen prompts have none)."""
@@ -68,11 +60,8 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]],
                             add_generation_prompt: bool = True, **kwargs) -> str:
-        """Renders ``messages`` (``[{"role": ..., "content": ...}]``) with the chat template.
-
-        Raises:
-          ValueError: when the tokenizer has no chat template, or the template raises.
-        """
+        """Renders ``messages`` (``[{"role": ..., "content": ...}]``) with the chat template
+        (ValueError when there is none, or the template raises)."""
         if self.chat_template is None:
             raise ValueError(f"tokenizer {self.name!r} has no chat template")
         return render_chat_template(self.chat_template, messages,
