@@ -166,7 +166,7 @@ def time_generate(params, batch, new_tokens=512, prompt_len=16, chunk_size=32):
         t0 = time.perf_counter()
         out = run()
         times.append(time.perf_counter() - t0)
-    assert (np.asarray(out.lengths) == new_tokens).all()
+    assert (np.asarray(out.num_generated) == new_tokens).all()
     return statistics.median(times) / new_tokens, first_s
 
 
