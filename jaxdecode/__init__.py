@@ -12,7 +12,9 @@ functions) -> ``sharding`` (layouts) -> ``step`` (the jitted, donated entry poin
 ``generation`` (sampling loops), ``checkpoint`` -> ``cli``.
 """
 
-from jaxdecode import model, sharding
+__version__ = "0.2.0"
+
+from jaxdecode import model, sharding  # noqa: E402 (after __version__, which pyproject reads)
 from jaxdecode.checkpoint import load_checkpoint
 from jaxdecode.config import PRESETS, Config
 from jaxdecode.generation import GenerateOutput, StreamChunk, generate, generate_stream
@@ -24,7 +26,7 @@ from jaxdecode.step import COMPILER_OPTIONS, decode_step, prefill
 from jaxdecode.tokenizer import load_tokenizer
 
 __all__ = [
-    "COMPILER_OPTIONS", "Config", "DecodeState", "GenerateOutput", "KVCache", "Kernels",
+    "__version__", "COMPILER_OPTIONS", "Config", "DecodeState", "GenerateOutput", "KVCache", "Kernels",
     "PRESETS", "Params", "SamplingParams", "StreamChunk", "choose_kernels", "decode_step",
     "fork", "generate", "generate_stream", "init_params", "init_state", "load_checkpoint",
     "load_tokenizer", "model", "num_params", "param_specs", "prefill", "sample", "sharding",

@@ -20,7 +20,7 @@ import numpy as np
 from safetensors import safe_open
 
 from jaxdecode import sharding
-from jaxdecode.config import Config
+from jaxdecode.config import Config, model_dtype
 from jaxdecode.params import Params, hf_to_internal, leaf_dtype, param_specs, params_from_flat
 
 TEXT_PREFIX = "model.language_model."
@@ -69,7 +69,7 @@ def _index_tensors(files: list[str], problems: list[str]):
     ``problems`` every tensor stored twice (both layouts, or two shards) or not floating point."""
     found = {}
     for path in files:
-        with safe_open(path, framework="np") as f:
+        with _open(path) as f:
             for stored in f.keys():
                 name = canonical_name(stored)
                 if name is None:
@@ -87,44 +87,58 @@ def _index_tensors(files: list[str], problems: list[str]):
     return found
 
 
+def _open(path: str):
+    """``safe_open`` with a ValueError naming the file for a damaged, truncated or empty one."""
+    try:
+        return safe_open(path, framework="np")
+    except Exception as e:  # noqa: BLE001 - SafetensorError, OSError: say which file
+        raise ValueError(f"{path!r} is not a readable safetensors file ({type(e).__name__}: "
+                         f"{e})") from None
+
+
 def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
                     place: Callable[[str, np.ndarray], jax.Array] | None = None,
-                    mesh: jax.sharding.Mesh | None = None) -> Params:
+                    mesh: jax.sharding.Mesh | None = None, check_finite: bool = True) -> Params:
     """Loads a Hugging Face Qwen3.5 checkpoint directory.
 
     Args:
       directory: ``config.json`` plus ``model.safetensors`` or shards with
-        ``model.safetensors.index.json``; bf16 or float32 on disk.
+        ``model.safetensors.index.json``, or the path of one ``.safetensors`` file beside its
+        ``config.json``; bf16 or float32 on disk.
       dtype: "bfloat16" or "float32"; ``A_log`` and the gated-norm weight stay float32.
       place: optional ``(name, host_array) -> jax.Array`` putting each tensor (already cast, in
         jaxdecode's layout: ``params.conv_channel_order``) on device; default ``jnp.asarray``.
       mesh: a ``("data", "model")`` mesh: each tensor goes straight into its sharding as it is
         read (``sharding.checkpoint_placer``). Not together with ``place``.
+      check_finite: raise if a tensor holds NaN or inf (one host pass over each tensor as read;
+        damaged data otherwise loads silently and decodes garbage).
 
     Returns :class:`Params` (config from ``config.json``; a tied checkpoint's stored
     ``lm_head.weight`` is ignored).
 
     Raises:
       FileNotFoundError: missing ``config.json`` or safetensors files.
-      ValueError: an unsupported or malformed config (``Config.from_hf_config``) or index file;
+      ValueError: a damaged, truncated or empty safetensors file (named); a tensor with NaN or
+        inf values (named, with the file); an unsupported or malformed config (``Config.from_hf_config``) or index file;
         one message listing every missing, unexpected, misshapen, duplicated or non-float
         tensor; a config that cannot be split over ``mesh``; both ``place`` and ``mesh``.
     """
     directory = os.fspath(directory)
+    files = None
+    if os.path.isfile(directory) and directory.endswith(".safetensors"):
+        directory, files = os.path.dirname(directory) or ".", [directory]
     config_path = os.path.join(directory, "config.json")
     if not os.path.exists(config_path):
         raise FileNotFoundError(f"no config.json in {directory!r}")
     config = Config.from_json_file(config_path)
-    dtype = jnp.dtype(dtype)
-    if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-        raise ValueError(f"{dtype=} must be float32 or bfloat16")
+    dtype = model_dtype(dtype)
     if mesh is not None:
         if place is not None:
             raise ValueError("pass place or mesh to load_checkpoint, not both")
         place = sharding.checkpoint_placer(config, mesh)
     specs = param_specs(config)
     problems: list[str] = []
-    found = _index_tensors(checkpoint_files(directory), problems)
+    found = _index_tensors(files or checkpoint_files(directory), problems)
     if config.tie_word_embeddings and "lm_head.weight" in found:
         # A tied checkpoint's stored LM head is not read, but a misshapen one is a wrong file.
         stored_shape = found.pop("lm_head.weight")[2]
@@ -147,6 +161,11 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
     place = place or (lambda name, x: jnp.asarray(x))
     flat = {}
     for name, array in _iter_tensors(found):
+        if check_finite and not np.isfinite(array).all():
+            path, stored = found[name][:2]
+            raise ValueError(f"tensor {stored} in {path!r} has {int((~np.isfinite(array)).sum())} "
+                             "NaN or inf values (a damaged file?); check_finite=False loads it "
+                             "anyway")
         target = leaf_dtype(specs[name], dtype)
         array = hf_to_internal(config, name, array.astype(target, copy=False))
         flat[name] = place(name, array)
@@ -158,6 +177,11 @@ def _iter_tensors(found) -> Iterator[tuple[str, np.ndarray]]:
     for name, (path, stored, _) in found.items():
         by_file.setdefault(path, []).append((name, stored))
     for path, names in by_file.items():
-        with safe_open(path, framework="np") as f:
+        with _open(path) as f:
             for name, stored in names:
-                yield name, f.get_tensor(stored)
+                try:
+                    array = f.get_tensor(stored)
+                except Exception as e:  # noqa: BLE001 - a truncated data section
+                    raise ValueError(f"cannot read tensor {stored} from {path!r} ({type(e).__name__}: "
+                                     f"{e})") from None
+                yield name, array

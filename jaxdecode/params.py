@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxdecode.config import FULL_ATTENTION, Config
+from jaxdecode.config import FULL_ATTENTION, Config, model_dtype
 
 Array = jax.Array
 
@@ -259,9 +259,7 @@ def init_params(config: Config, key: Array, dtype="float32") -> Params:
     :func:`param_specs` order) uses ``fold_in(key, n)`` (under jit ~1 ulp from the eager value).
     ``dtype``: "float32" or "bfloat16" (else ValueError); ``A_log`` and the gated-norm weight stay
     float32. ``jax.eval_shape`` of it gives shapes without allocating."""
-    dtype = jnp.dtype(dtype)
-    if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-        raise ValueError(f"{dtype=} must be float32 or bfloat16")
+    dtype = model_dtype(dtype)
     specs = param_specs(config)
     flat = {name: _init_leaf(spec, jax.random.fold_in(key, n), dtype, config)
             for n, (name, spec) in enumerate(specs.items())}

@@ -71,6 +71,9 @@ class SamplingParams:
                 arr = np.asarray(value)
                 if arr.dtype.kind not in "iu" and not np.all(np.mod(arr, 1) == 0):
                     raise ValueError(f"top_k={value!r} must be an integer (0 = off)")
+                if np.any(arr > np.iinfo(np.int32).max):
+                    raise ValueError(f"top_k={value!r} must be below 2**31 (a value >= the "
+                                     "vocabulary size keeps every token, as 0 does)")
             arr = np.asarray(value, dtype=dtype)
             if arr.ndim > 1:
                 raise ValueError(f"{name} must be a scalar or a [batch] sequence, got shape "
@@ -321,7 +324,9 @@ def sample(logits: Array, key: Array, params: SamplingParams,
         (a device wait on a GPU): under ``jit`` pass ``features_of(host_params)``.
 
     Returns [B] int32 ids: the argmax of the penalised logits where temperature is 0, else a
-    draw from ``softmax(processed_logits(...))``.
+    draw from ``softmax(processed_logits(...))``; -1 for a row whose logits hold NaN (a decode
+    step's signal for a rejected row: a full cache or an id outside the vocabulary), which the
+    next decode step rejects in turn, so the row never silently continues from token 0.
     """
     logits = jnp.asarray(logits, jnp.float32)
     if logits.ndim != 2:
@@ -345,5 +350,7 @@ def sample(logits: Array, key: Array, params: SamplingParams,
         return jnp.where(sampled, drawn, greedy_tokens)
 
     if features is None:
-        return lax.cond(jnp.any(sampled), draw, lambda x: greedy_tokens, x)
-    return draw(x) if features.sampled else greedy_tokens
+        tokens = lax.cond(jnp.any(sampled), draw, lambda x: greedy_tokens, x)
+    else:
+        tokens = draw(x) if features.sampled else greedy_tokens
+    return jnp.where(jnp.isnan(logits).any(axis=-1), -1, tokens)

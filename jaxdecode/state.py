@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxdecode.config import Config
+from jaxdecode.config import Config, model_dtype
 
 Array = jax.Array
 
@@ -63,9 +63,7 @@ def init_state(config: Config, batch_size: int, max_len: int, dtype="float32") -
     if max_len > config.max_position_embeddings:
         raise ValueError(f"{max_len=} exceeds the model's max_position_embeddings="
                          f"{config.max_position_embeddings}")
-    dtype = jnp.dtype(dtype)
-    if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-        raise ValueError(f"state dtype={dtype} must be float32 or bfloat16 (the params' dtype)")
+    dtype = model_dtype(dtype)
     c = config
     conv = tuple(jnp.zeros((batch_size, c.linear_conv_kernel_dim, c.linear_conv_dim), dtype)
                  for _ in c.linear_attention_layers)
@@ -111,7 +109,17 @@ def fork(state: DecodeState, n: int) -> DecodeState:
     decode). Returns a new state of batch ``B * n``, rows ``b*n .. b*n + n - 1`` copies of row
     ``b``; ``state`` stays valid. Raises ValueError if ``n`` is not a positive integer."""
     n = _positive_int("n", n)
+    check_not_donated(state)
     return jax.tree.map(lambda x: jnp.repeat(x, n, axis=0), state)
+
+
+def check_not_donated(state: DecodeState) -> None:
+    """Raises ValueError if ``state`` was donated to an earlier call (its buffers deleted)."""
+    if any(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted()
+           for x in jax.tree.leaves(state)):
+        raise ValueError("this DecodeState was donated to an earlier prefill, decode_step or "
+                         "generate call, which reused its buffers in place; pass the state that "
+                         "call returned (logits, state = jd.decode_step(params, state, tokens))")
 
 
 def _positive_int(name: str, value) -> int:

@@ -21,7 +21,7 @@ from jaxdecode import model, sharding
 from jaxdecode.config import Config
 from jaxdecode.kernels.choice import Kernels, choose_kernels
 from jaxdecode.params import Params
-from jaxdecode.state import DecodeState
+from jaxdecode.state import DecodeState, check_not_donated
 
 # XLA options of every program the library compiles (other backends ignore them). The dot merger
 # threshold (default 32 MB) is raised so the MLP's gate and up projections become one GEMM.
@@ -31,6 +31,7 @@ COMPILER_OPTIONS = types.MappingProxyType({"xla_gpu_dot_merger_threshold_mb": 10
 def check_state(config: Config, state: DecodeState, dtype) -> None:
     """Raises ValueError if the state's structure, shapes or dtypes do not fit ``config`` and the
     params' ``dtype`` (shapes and dtypes only: no device read)."""
+    check_not_donated(state)
     c = config
     problems = []
     dtypes = {x.dtype for x in state.conv_state} | {x.dtype for kv in state.kv_cache
