@@ -10,6 +10,7 @@ before jax is imported, which is why this is a separate script and not a fixture
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -25,8 +26,16 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+if MODE == "process":
+    # First, as the sharding docs say. (Before importing jaxdecode, which initializes the XLA
+    # backend when imported: tests/test_sharding.py::test_importing_jaxdecode_leaves_the_backend
+    # _uninitialized.)
+    jax.distributed.initialize(f"127.0.0.1:{sys.argv[3]}", num_processes=2,
+                               process_id=int(sys.argv[2]), initialization_timeout=60,
+                               heartbeat_timeout_seconds=30, shutdown_timeout_seconds=30)
+
 import jaxdecode as jd  # noqa: E402
-from jaxdecode import model, sharding  # noqa: E402
+from jaxdecode import model, sharding, step  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -90,10 +99,15 @@ def collectives(hlo_text: str) -> dict[str, int]:
     return {op: ops.count(op) for op in sorted(set(ops))}
 
 
+def mesh_kernels(mesh):
+    """The kernels jd.decode_step picks for a state on ``mesh``."""
+    return jd.choose_kernels(CONFIG, BATCH, dtype="float32", mesh=mesh)
+
+
 def run_meshes() -> dict:
     params, tokens = inputs()
     ref_logits, ref_tokens, _ = greedy(params, jd.init_state(CONFIG, BATCH, MAX_LEN), tokens,
-                                       jd.prefill, jd.decode_step)
+                                       jd.prefill, jd.decode_step)  # one device
     ref_logits = [np.asarray(x) for x in ref_logits]
     scale = max(float(np.abs(x).max()) for x in ref_logits)
     out = {"greedy_tokens": np.stack([np.asarray(t) for t in ref_tokens]).tolist(), "meshes": {}}
@@ -105,21 +119,21 @@ def run_meshes() -> dict:
         res["param_mismatches"] = spec_mismatches(sp, sharding.param_partition_specs(CONFIG), mesh)
         state = sharding.init_state_sharded(CONFIG, mesh, BATCH, MAX_LEN)
         res["state_mismatches"] = {"init": spec_mismatches(state, state_specs, mesh)}
-        logits, state = sharding.prefill(sp, state, tokens, PROMPT_LENGTHS)
+        logits, state = jd.prefill(sp, state, tokens, PROMPT_LENGTHS)  # on the state's mesh
         res["state_mismatches"]["prefill"] = spec_mismatches(state, state_specs, mesh)
         res["logits_sharding_ok"] = logits.sharding.is_equivalent_to(
             jax.sharding.NamedSharding(mesh, sharding.logits_partition_spec()), 2)
         errors = [float(np.abs(np.asarray(logits) - ref_logits[0]).max()) / scale]
         donated = []
-        for step in range(DECODE_STEPS):
+        for i in range(DECODE_STEPS):
             old = jax.tree.leaves(state)
-            logits, state = sharding.decode_step(sp, state, np.asarray(ref_tokens[step]))
+            logits, state = jd.decode_step(sp, state, np.asarray(ref_tokens[i]))
             donated.append(all(x.is_deleted() for x in old))
-            errors.append(float(np.abs(np.asarray(logits) - ref_logits[step + 1]).max()) / scale)
-            res["state_mismatches"][f"decode{step}"] = spec_mismatches(state, state_specs, mesh)
+            errors.append(float(np.abs(np.asarray(logits) - ref_logits[i + 1]).max()) / scale)
+            res["state_mismatches"][f"decode{i}"] = spec_mismatches(state, state_specs, mesh)
         res["rel_errors"] = errors
         res["donated"] = donated
-        step_fn = sharding.jit_decode_step(CONFIG, mesh)
+        step_fn = step.jit_decode_step(CONFIG, mesh_kernels(mesh))
         tok = sharding.shard_batch(np.zeros(BATCH, np.int32), mesh)
         hlo = step_fn.lower(sp, state, tok, None).compile().as_text()
         n_params, n_state = len(jax.tree.leaves(sp)), len(jax.tree.leaves(state))
@@ -176,32 +190,45 @@ def check_checkpoint(params) -> dict:
 
 
 def check_unpinned(params, tokens) -> list[str]:
-    """Whether model.decode_step_jit (no out_shardings) also keeps the state layout."""
+    """Whether a user's jax.jit of model.decode_step_fn (no out_shardings) also keeps the state
+    layout."""
     mesh = sharding.make_mesh(2, 4)
     sp = sharding.shard_params(params, mesh)
     state = sharding.init_state_sharded(CONFIG, mesh, BATCH, MAX_LEN)
-    _, state = sharding.prefill(sp, state, tokens, PROMPT_LENGTHS)
-    _, state = model.decode_step_jit(sp, state, sharding.shard_batch(tokens[:, 0], mesh), None)
+    _, state = jd.prefill(sp, state, tokens, PROMPT_LENGTHS)
+    unpinned = jax.jit(functools.partial(model.decode_step_fn, kernels=mesh_kernels(mesh)),
+                       donate_argnums=1)
+    _, state = unpinned(sp, state, sharding.shard_batch(tokens[:, 0], mesh), None)
     return spec_mismatches(state, sharding.state_partition_specs(CONFIG), mesh)
 
 
 def check_public_decode_step_routes(params, tokens) -> dict:
-    """jaxdecode.decode_step on a sharded state runs sharding.decode_step (per-device attention,
-    pinned layout) and gives its logits."""
+    """jaxdecode.decode_step on a sharded state runs step.jit_decode_step with the mesh's kernels
+    (per-device attention, pinned layout) and gives that jitted step's logits."""
     mesh = sharding.make_mesh(2, 4)
     sp = sharding.shard_params(params, mesh)
+    kernels = mesh_kernels(mesh)
     out = {}
-    for name, step in (("public", jd.decode_step), ("sharding", sharding.decode_step)):
-        state = sharding.init_state_sharded(CONFIG, mesh, BATCH, MAX_LEN)
-        _, state = sharding.prefill(sp, state, tokens, PROMPT_LENGTHS)
-        hits = sharding.jit_decode_step.cache_info().hits + sharding.jit_decode_step.cache_info(
-            ).misses
-        logits, state = step(sp, state, tokens[:, 0])
-        used = (sharding.jit_decode_step.cache_info().hits
-                + sharding.jit_decode_step.cache_info().misses) - hits
-        out[name] = {"logits": np.asarray(logits), "used_jit_decode_step": used,
-                     "mismatches": spec_mismatches(state, sharding.state_partition_specs(CONFIG),
-                                                   mesh)}
+
+    def calls():
+        info = step.jit_decode_step.cache_info()
+        return info.hits + info.misses, info.misses
+
+    state = sharding.init_state_sharded(CONFIG, mesh, BATCH, MAX_LEN)
+    _, state = jd.prefill(sp, state, tokens, PROMPT_LENGTHS)
+    twin = jax.tree.map(jnp.copy, state)
+    step.jit_decode_step.cache_clear()  # so the entry jd.decode_step uses is built below
+    before, _ = calls()
+    logits, state = jd.decode_step(sp, state, tokens[:, 0])
+    after, misses = calls()
+    out["jit_decode_step_calls"] = after - before
+    out["mesh_kernels"] = kernels.mesh == mesh
+    step.jit_decode_step(CONFIG, kernels)  # a hit iff jd.decode_step built this entry
+    out["built_for_the_mesh_kernels"] = calls()[1] == misses
+    out["mismatches"] = spec_mismatches(state, sharding.state_partition_specs(CONFIG), mesh)
+    direct, _ = step.jit_decode_step(CONFIG, kernels)(
+        sp, twin, sharding.shard_batch(tokens[:, 0], mesh, jnp.int32), None)
+    out["logits_equal"] = bool(np.array_equal(np.asarray(logits), np.asarray(direct)))
     errors = []
     state = sharding.init_state_sharded(CONFIG, mesh, BATCH, MAX_LEN)
     other = sharding.shard_params(params, sharding.make_mesh(1, 8))
@@ -211,25 +238,20 @@ def check_public_decode_step_routes(params, tokens) -> dict:
             errors.append(None)
         except ValueError as e:
             errors.append(str(e))
-    return {"wrong_params_errors": errors,
-            "used_jit_decode_step": out["public"]["used_jit_decode_step"],
-            "mismatches": out["public"]["mismatches"],
-            "logits_equal": bool(np.array_equal(out["public"]["logits"],
-                                                out["sharding"]["logits"]))}
+    out["wrong_params_errors"] = errors
+    return out
 
 
-def run_process(process_id: int, port: int) -> dict:
+def run_process() -> dict:
+    """Process ``sys.argv[2]`` of 2 (jax.distributed initialized above)."""
     from jax.experimental import multihost_utils
-    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
-                               initialization_timeout=60, heartbeat_timeout_seconds=30,
-                               shutdown_timeout_seconds=30)
     params, tokens = inputs()
     out = {"process_index": jax.process_index(), "num_devices": jax.device_count(), "tokens": {}}
     for shape in PROCESS_MESHES:
         mesh = sharding.make_mesh(*shape)
         sp = sharding.shard_params(params, mesh)
         state = sharding.init_state_sharded(CONFIG, mesh, BATCH, MAX_LEN)
-        _, toks, state = greedy(sp, state, tokens, sharding.prefill, sharding.decode_step)
+        _, toks, state = greedy(sp, state, tokens, jd.prefill, jd.decode_step)
         gathered = [multihost_utils.process_allgather(t, tiled=True) for t in toks]
         out["tokens"][f"{shape[0]},{shape[1]}"] = np.stack(gathered).tolist()
     out["sample"] = sample_global_arrays()
@@ -261,7 +283,7 @@ if __name__ == "__main__":
     if MODE == "meshes":
         result = run_meshes()
     elif MODE == "process":
-        result = run_process(int(sys.argv[2]), int(sys.argv[3]))
+        result = run_process()
     else:
         raise SystemExit(f"unknown mode {MODE!r}")
     print("RESULT " + json.dumps(result), flush=True)

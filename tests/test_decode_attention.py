@@ -18,13 +18,13 @@ cache past every row's length.
 from __future__ import annotations
 
 import math
-import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxdecode.kernels import choice
 from jaxdecode.kernels import decode_attention as da
 
 HEADS = {"8x2": (8, 2), "16x4": (16, 4), "24x4": (24, 4), "32x2": (32, 2), "8x8": (8, 8),
@@ -42,7 +42,7 @@ TOL = {jnp.bfloat16: 1e-2, jnp.float32: 1e-4}  # per (row, head) relative L2 err
 
 def _has_sm90_gpu() -> bool:
     try:
-        return da._gpu_compute_capability() is not None and da._gpu_compute_capability() >= (9, 0)
+        return (choice._compute_capability(jax.devices()[0]) or (0, 0)) >= (9, 0)
     except RuntimeError:
         return False
 
@@ -212,34 +212,7 @@ def test_reference(heads, head_dim, lengths, max_len, dtype):
     assert_close(out, reference_f64(q, k, v, lengths), lengths, TOL[dtype])
 
 
-# ----- dispatcher and configuration -------------------------------------------------------------
-
-def test_dispatch_on_cpu():
-    q, k, v, lengths = make_inputs(8, (8, 2), 64, 128, (100, 3), jnp.float32)
-    expected = reference_f64(q, k, v, lengths)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # CPU "auto" is the reference, silently
-        auto = da.decode_attention(q, k, v, lengths)
-    if jax.devices()[0].platform == "cpu":
-        np.testing.assert_array_equal(auto, da.decode_attention_reference(q, k, v, lengths))
-    for impl in ("auto", "pallas", "reference"):
-        out = jax.jit(lambda *a, impl=impl: da.decode_attention(*a, implementation=impl))(
-            q, k, v, lengths)
-        assert_close(out, expected, lengths, TOL[jnp.float32])
-    with pytest.raises(ValueError, match="implementation='triton'"):
-        da.decode_attention(q, k, v, lengths, implementation="triton")
-
-
-@pytest.mark.parametrize("cc, why", [((9, 0), "head_dim=32"), ((8, 0), "compute capability")],
-                         ids=["unsupported-shape", "pre-hopper"])
-def test_auto_fallback_on_gpu_is_loud(monkeypatch, cc, why):
-    monkeypatch.setattr(da, "_gpu_compute_capability", lambda: cc)
-    q, k, v, lengths = make_inputs(9, (4, 2), 32 if cc >= (9, 0) else 64, 64, (10, 0),
-                                   jnp.float32)
-    with pytest.warns(UserWarning, match=why):
-        out = da.decode_attention(q, k, v, lengths)
-    np.testing.assert_array_equal(out, da.decode_attention_reference(q, k, v, lengths))
-
+# ----- configuration ---------------------------------------------------------------------------
 
 def test_choose_config():
     for heads, kv_heads in HEADS.values():
@@ -275,19 +248,19 @@ def test_greedy_decode_kernel_equals_reference(mode):
     prompt_lengths = np.array([11, 6], np.int32)
     steps = 6
 
-    def greedy(impl):
+    def greedy(kernels):
         state = jd.init_state(config, batch_size=2, max_len=128)
         logits, state = jd.prefill(params, state, prompt, prompt_lengths)
         tokens, all_logits = [], []
         for _ in range(steps):
             token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
             tokens.append(np.asarray(token))
-            logits, state = jd.decode_step(params, state, token, attention_impl=impl)
+            logits, state = jd.decode_step(params, state, token, kernels=kernels)
             all_logits.append(np.asarray(logits))
         return np.stack(tokens, 1), np.stack(all_logits, 1)
 
-    ref_tokens, ref_logits = greedy("reference")
-    kernel_tokens, kernel_logits = greedy("pallas")
+    ref_tokens, ref_logits = greedy(choice.XLA)
+    kernel_tokens, kernel_logits = greedy(choice.Kernels(attention="pallas"))
     np.testing.assert_array_equal(kernel_tokens, ref_tokens)
     scale = np.abs(ref_logits).max()
     assert np.abs(kernel_logits - ref_logits).max() <= 1e-4 * scale

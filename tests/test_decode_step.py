@@ -1,5 +1,6 @@
-"""The compiled decode step: donation aliases every state buffer, one executable for all steps,
-inactive rows, use inside a user's jit, and the documented state layout."""
+"""The compiled decode step (jaxdecode.step): donation aliases every state buffer, one executable
+for all steps, the compiler options, inactive rows, use inside a user's jit/grad/scan (the pure
+functions inlined), and the documented state layout."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import numpy as np
 import pytest
 
 import jaxdecode as jd
-from jaxdecode import model
+from jaxdecode import model, step
+from jaxdecode.kernels import choice
 
 CONFIG = jd.Config.from_preset("tiny").__class__(**{
     **jd.Config.from_preset("tiny").__dict__, "vocab_size": 1000})
@@ -26,8 +28,17 @@ def _prefilled(params, batch=2, max_len=64, seed=0):
     rng = np.random.default_rng(seed)
     state = jd.init_state(CONFIG, batch_size=batch, max_len=max_len)
     tokens = rng.integers(0, CONFIG.vocab_size, (batch, 9)).astype(np.int32)
-    lengths = np.array([9, 4, 7, 1][:batch], np.int32)
-    return jd.prefill(params, state, tokens, lengths)
+    num_new = np.array([9, 4, 7, 1][:batch], np.int32)
+    return jd.prefill(params, state, tokens, num_new)
+
+
+def _copy(tree):
+    return jax.tree.map(jnp.copy, tree)
+
+
+def _kernels(batch=2):
+    """What jd.decode_step runs for this batch on this machine (choose_kernels)."""
+    return jd.choose_kernels(CONFIG, batch, dtype="float32")
 
 
 def test_state_layout_is_as_documented():
@@ -54,7 +65,8 @@ def _aliased_parameters(hlo_text: str) -> set[int]:
 def test_compiled_decode_step_aliases_every_state_leaf(params):
     _, state = _prefilled(params)
     tokens = jnp.zeros((2,), jnp.int32)
-    compiled = model.decode_step_jit.lower(params, state, tokens, None).compile()
+    compiled = step.jit_decode_step(CONFIG, _kernels()).lower(params, state, tokens,
+                                                              None).compile()
     aliased = _aliased_parameters(compiled.as_text())
     n_params = len(jax.tree.leaves(params))
     n_state = len(jax.tree.leaves(state))
@@ -62,64 +74,173 @@ def test_compiled_decode_step_aliases_every_state_leaf(params):
     assert state_params <= aliased, f"state parameters not aliased: {state_params - aliased}"
 
 
-def test_library_jits_carry_the_compiler_options_and_compose(params):
-    """decode_step_jit and prefill_jit are compiled with jd.COMPILER_OPTIONS (JAX accepts those
-    only on a top-level jit: the raw jitted function raises when nested); inside a user's jit,
-    grad or eager scan, and for jd.decode_step with everything closed over, they run the pure
-    function instead, with the same results."""
-    assert jd.COMPILER_OPTIONS == {"xla_gpu_dot_merger_threshold_mb": 1024}
+def test_compiled_prefill_aliases_every_state_leaf(params):
+    state = jd.init_state(CONFIG, batch_size=2, max_len=64)
+    tokens, num_new = jnp.zeros((2, 5), jnp.int32), jnp.array([5, 2], jnp.int32)
+    for return_all_logits in (False, True):
+        compiled = step.jit_prefill(CONFIG, None, return_all_logits).lower(
+            params, state, tokens, num_new).compile()
+        aliased = _aliased_parameters(compiled.as_text())
+        n_params, n_state = len(jax.tree.leaves(params)), len(jax.tree.leaves(state))
+        assert set(range(n_params, n_params + n_state)) <= aliased
+
+
+def test_top_level_executables_carry_the_compiler_options(params):
+    """step.jit_decode_step and step.jit_prefill are compiled with COMPILER_OPTIONS: JAX accepts
+    compiler_options only on a top-level jit, so the jitted functions raise when nested, naming
+    the options (which is why the entry points inline the pure functions when traced)."""
+    assert jd.COMPILER_OPTIONS is step.COMPILER_OPTIONS
+    assert dict(step.COMPILER_OPTIONS) == {"xla_gpu_dot_merger_threshold_mb": 1024}
+    with pytest.raises(TypeError):
+        step.COMPILER_OPTIONS["xla_gpu_dot_merger_threshold_mb"] = 1  # read-only
     _, state = _prefilled(params)
     tokens = jnp.asarray([3, 7], jnp.int32)
-    with pytest.raises(ValueError, match="compiler_options"):
-        jax.jit(lambda p, s, t: model.decode_step_jit._jitted(p, s, t, None))(params, state,
-                                                                               tokens)
-    twin = jax.tree.map(jnp.copy, state)
-    want, _ = model.decode_step_fn(params, twin, tokens)
-    nested, _ = jax.jit(lambda p, s, t: model.decode_step_jit(p, s, t, None))(
-        params, jax.tree.map(jnp.copy, state), tokens)
-    closed, _ = jax.jit(lambda: jd.decode_step(params, twin, tokens))()  # no tracer argument
-    for got in (nested, closed):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-    grad = jax.grad(lambda p: model.decode_step_jit(p, twin, tokens)[0].sum())(params)
-    assert np.isfinite(np.asarray(grad.norm)).all()
-    prefill_logits, _ = jax.jit(lambda s: model.prefill_jit(
-        params, s, tokens[:, None], jnp.ones(2, jnp.int32)))(jax.tree.map(jnp.copy, state))
-    assert np.isfinite(np.asarray(prefill_logits)).all()
-    top, _ = model.decode_step_jit(params, state, tokens)  # top level: the jitted function
-    np.testing.assert_allclose(np.asarray(top), np.asarray(want), rtol=1e-5, atol=1e-5)
+    decode = step.jit_decode_step(CONFIG, _kernels())
+    with pytest.raises(ValueError, match=r"compiler_options.*xla_gpu_dot_merger_threshold_mb"):
+        jax.jit(lambda p, s, t: decode(p, s, t, None))(params, _copy(state), tokens)
+    for return_all_logits in (False, True):
+        prefill = step.jit_prefill(CONFIG, None, return_all_logits)
+        with pytest.raises(ValueError, match=r"compiler_options.*xla_gpu_dot_merger"):
+            jax.jit(lambda p, s, t: prefill(p, s, t, jnp.ones(2, jnp.int32)))(
+                params, _copy(state), tokens[:, None])
+    # the builders are cached: one jitted function per (config, kernels) / (config, mesh, all)
+    assert step.jit_decode_step(CONFIG, _kernels()) is decode
+    assert step.jit_prefill(CONFIG, None, True) is step.jit_prefill(CONFIG, None, True)
+    # top level, the entry point runs that jitted function (built once, then cached)
+    calls = step.jit_decode_step.cache_info()
+    jd.decode_step(params, _copy(state), tokens)
+    after = step.jit_decode_step.cache_info()
+    assert (after.hits, after.misses) == (calls.hits + 1, calls.misses)
+    assert decode._cache_size() >= 1
 
 
-def test_at_top_level_sees_every_transformation():
-    """model.at_top_level (which picks TopLevelJit's path) reads JAX's current trace by its
-    class name: this fails if a JAX upgrade renames it."""
-    seen = {}
+def test_decode_step_traced_inlines_the_pure_function(params):
+    """jd.decode_step called with traced arguments (a user's jit, grad, scan, vmap, eval_shape)
+    runs model.decode_step_fn inline (a nested library jit would raise: compiler_options) and
+    gives the top-level result; with everything closed over in a jit too."""
+    _, state = _prefilled(params)
+    tokens = jnp.asarray([3, 7], jnp.int32)
+    want, want_state = model.decode_step_fn(params, _copy(state), tokens)
+    top, top_state = jd.decode_step(params, _copy(state), tokens)  # the jitted, donated step
+    close = dict(rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(top), np.asarray(want), **close)
 
-    def probe(name, x):
-        seen[name] = model.at_top_level()
-        return x
+    in_jit, jit_state = jax.jit(lambda p, s, t: jd.decode_step(p, s, t))(params, _copy(state),
+                                                                          tokens)
+    twin = _copy(state)
+    only_tokens, _ = jax.jit(lambda t: jd.decode_step(params, twin, t))(tokens)
+    for got in (in_jit, only_tokens):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(top), **close)
+    for a, b in zip(jax.tree.leaves(jit_state), jax.tree.leaves(top_state)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), **close)
 
-    probe("top", 1.0)
-    jax.jit(lambda x: probe("jit", x))(1.0)
-    jax.grad(lambda x: probe("grad", x))(1.0)
-    jax.vmap(lambda x: probe("vmap", x))(jnp.ones(2))
-    jax.lax.scan(lambda c, x: (probe("scan", c), x), 0.0, jnp.ones(2))
-    jax.eval_shape(lambda x: probe("eval_shape", x), 1.0)
-    assert seen == {"top": True, "jit": False, "grad": False, "vmap": False, "scan": False,
-                    "eval_shape": False}
+    grad = jax.grad(lambda p: jd.decode_step(p, twin, tokens)[0].sum())(params)
+    want_grad = jax.grad(lambda p: model.decode_step_fn(p, twin, tokens)[0].sum())(params)
+    for a, b in zip(jax.tree.leaves(grad), jax.tree.leaves(want_grad)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    assert any(np.abs(np.asarray(x)).max() > 0 for x in jax.tree.leaves(grad))
+
+    # three greedy steps in a scan == three top-level calls
+    def body(carry, _):
+        s, t = carry
+        logits, s = jd.decode_step(params, s, t)
+        return (s, jnp.argmax(logits, -1).astype(jnp.int32)), logits
+
+    (scan_state, _), scan_logits = jax.lax.scan(body, (_copy(state), tokens), None, length=3)
+    s, t = _copy(state), tokens
+    for i in range(3):
+        logits, s = jd.decode_step(params, s, t)
+        np.testing.assert_allclose(np.asarray(scan_logits[i]), np.asarray(logits), **close)
+        t = jnp.argmax(logits, -1).astype(jnp.int32)
+    np.testing.assert_array_equal(np.asarray(scan_state.lengths), np.asarray(s.lengths))
+
+    shapes = jax.eval_shape(lambda s: jd.decode_step(params, s, tokens), twin)
+    assert shapes[0].shape == (2, CONFIG.vocab_size) and shapes[0].dtype == jnp.float32
+    assert not any(x.is_deleted() for x in jax.tree.leaves(twin))  # traced calls donate nothing
+
+
+def test_prefill_traced_inlines_the_pure_function(params):
+    """jd.prefill inside a user's jit, grad and scan: model.prefill_fn inline, the top-level
+    result (last-token and all logits)."""
+    _, state = _prefilled(params)
+    rng = np.random.default_rng(4)
+    tokens = jnp.asarray(rng.integers(0, CONFIG.vocab_size, (2, 3)), jnp.int32)
+    num_new = jnp.asarray([3, 1], jnp.int32)
+    close = dict(rtol=1e-5, atol=1e-5)
+    for all_logits in (False, True):
+        top, top_state = jd.prefill(params, _copy(state), tokens, num_new,
+                                    return_all_logits=all_logits)
+        in_jit, jit_state = jax.jit(lambda p, s, t, n: jd.prefill(
+            p, s, t, n, return_all_logits=all_logits))(params, _copy(state), tokens, num_new)
+        np.testing.assert_allclose(np.asarray(in_jit), np.asarray(top), **close)
+        np.testing.assert_array_equal(np.asarray(jit_state.lengths), np.asarray(top_state.lengths))
+        for a, b in zip(jax.tree.leaves(jit_state), jax.tree.leaves(top_state)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), **close)
+    np.testing.assert_array_equal(np.asarray(top_state.lengths), [12, 5])
+
+    twin = _copy(state)
+    grad = jax.grad(lambda p: jd.prefill(p, twin, tokens, num_new)[0].sum())(params)
+    want = jax.grad(lambda p: model.prefill_fn(p, twin, tokens, num_new)[0].sum())(params)
+    for a, b in zip(jax.tree.leaves(grad), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+    # the prompts fed one token per scan step == one top-level prefill of all of them
+    def body(s, t):
+        logits, s = jd.prefill(params, s, t[:, None], jnp.ones(2, jnp.int32))
+        return s, logits
+
+    scan_state, scan_logits = jax.lax.scan(body, _copy(state), tokens.T)
+    whole, whole_state = jd.prefill(params, _copy(state), tokens, jnp.full(2, 3, jnp.int32))
+    np.testing.assert_allclose(np.asarray(scan_logits[-1]), np.asarray(whole), rtol=1e-4,
+                               atol=1e-4 * np.abs(np.asarray(whole)).max())
+    np.testing.assert_array_equal(np.asarray(scan_state.lengths), [12, 7])
+    np.testing.assert_array_equal(np.asarray(whole_state.lengths), [12, 7])
+
+
+@pytest.mark.xfail(strict=True, raises=(ValueError, jax.errors.TracerArrayConversionError),
+                   reason="library: step.prefill/decode_step decide 'traced' from their arguments "
+                          "only; inside a user's jit with every argument closed over they run the "
+                          "top-level path: decode_step calls the top-level jit, which JAX refuses "
+                          "(ValueError: compiler_options on a nested jit), prefill's host check "
+                          "reads the lengths (TracerArrayConversionError)")
+@pytest.mark.parametrize("entry", ["decode_step", "prefill"])
+def test_entry_points_inside_a_jit_with_everything_closed_over(params, entry):
+    _, state = _prefilled(params)
+    tokens = jnp.asarray([3, 7], jnp.int32)
+    if entry == "decode_step":
+        want, _ = model.decode_step_fn(params, _copy(state), tokens)
+        got, _ = jax.jit(lambda: jd.decode_step(params, state, tokens))()  # no tracer argument
+    else:
+        prompt, num_new = tokens[:, None], jnp.ones(2, jnp.int32)
+        want, _ = model.prefill_fn(params, _copy(state), prompt, num_new)
+        got, _ = jax.jit(lambda: jd.prefill(params, state, prompt, num_new))()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.xfail(strict=True, raises=AttributeError,
+                   reason="library: jd.decode_step does not check kernels= (a str gets an "
+                          "AttributeError from jit_decode_step, not a ValueError naming it)")
+def test_decode_step_rejects_kernels_that_are_not_a_kernels_value(params):
+    state = jd.init_state(CONFIG, 1, 64)
+    with pytest.raises(ValueError, match="kernels"):
+        jd.decode_step(params, state, [1], kernels="pallas")
 
 
 def test_decode_steps_compile_once_and_donate(params):
     logits, state = _prefilled(params)
-    before = model.decode_step_jit._cache_size()
+    jitted = step.jit_decode_step(CONFIG, _kernels())
+    before = jitted._cache_size()
+    builders = step.jit_decode_step.cache_info().currsize
     for _ in range(6):
         old_leaves = jax.tree.leaves(state)
         logits, state = jd.decode_step(params, state, jnp.argmax(logits, -1).astype(jnp.int32))
         assert all(x.is_deleted() for x in old_leaves), "state buffers were not donated"
-    assert model.decode_step_jit._cache_size() - before <= 1
-    after_first = model.decode_step_jit._cache_size()
+    assert jitted._cache_size() - before <= 1
+    after_first = jitted._cache_size()
     for _ in range(4):
         logits, state = jd.decode_step(params, state, jnp.argmax(logits, -1).astype(jnp.int32))
-    assert model.decode_step_jit._cache_size() == after_first  # lengths advanced, no recompile
+    assert jitted._cache_size() == after_first  # lengths advanced, no recompile
+    assert step.jit_decode_step.cache_info().currsize == builders  # the same jitted function
     np.testing.assert_array_equal(np.asarray(state.lengths), [19, 14])
 
 

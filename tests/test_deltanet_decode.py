@@ -8,8 +8,6 @@ is checked against the model's own decode math (``model.gated_delta_net``, decod
 
 from __future__ import annotations
 
-import warnings
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,16 +15,16 @@ import pytest
 
 import jaxdecode as jd
 from jaxdecode import model
+from jaxdecode.kernels import choice
 from jaxdecode.kernels import deltanet_decode as dnd
-from jaxdecode.kernels import gated_delta_decode as gdd
-from jaxdecode.kernels.deltanet_decode import (deltanet_decode, deltanet_decode_pallas,
-                                               deltanet_decode_reference)
+from jaxdecode.kernels.deltanet_decode import (deltanet_decode_pallas, deltanet_decode_reference,
+                                               deltanet_decode_xla)
 from jaxdecode.kernels.gated_delta_decode import gated_delta_decode_reference
 from test_decode_attention import MODES  # interpret / gpu (skipped without an sm_90 GPU)
 from test_gated_delta import numpy_recurrence
 
 f32, bf16 = jnp.float32, jnp.bfloat16
-ARG_NAMES = ("mixed_qkv", "a", "b", "active", "lengths", "conv_state", "recurrent_state",
+ARG_NAMES = ("mixed_qkv", "a", "b", "active", "positions", "conv_state", "recurrent_state",
              "conv_weight", "A_log", "dt_bias")
 
 
@@ -43,7 +41,7 @@ def random_core_inputs(seed, batch, hk, hv, dk, dv, kc, active, dtype=f32, param
         active=(np.asarray(active, bool), jnp.bool_),
         # positions from 0 (the window wraps to slots of positions before 0) to past several
         # turns of the ring
-        lengths=(rng.integers(0, 4 * kc + 3, batch), jnp.int32),
+        positions=(rng.integers(0, 4 * kc + 3, batch), jnp.int32),
         conv_state=(rng.standard_normal((batch, kc, channels)), dtype),
         recurrent_state=(rng.standard_normal((batch, hv, dk, dv)), f32),
         conv_weight=(0.6 * rng.standard_normal((channels, kc)), param_dtype),
@@ -54,7 +52,7 @@ def random_core_inputs(seed, batch, hk, hv, dk, dv, kc, active, dtype=f32, param
     return [jnp.asarray(x, d) for x, d in arrays.values()]
 
 
-def numpy_core(mixed_qkv, a, b, active, lengths, conv_state, recurrent_state, conv_weight, A_log,
+def numpy_core(mixed_qkv, a, b, active, positions, conv_state, recurrent_state, conv_weight, A_log,
                dt_bias, *, num_key_heads):
     """Float64 version of the whole core (spec §1.4): conv + silu, split, gating, L2 norms,
     masking of inactive rows, the GQA delta rule (value head h reads key head h // r) and the
@@ -62,12 +60,12 @@ def numpy_core(mixed_qkv, a, b, active, lengths, conv_state, recurrent_state, co
     mixed, a, b, conv_state, state, w, A_log, dt_bias = (
         np.asarray(x, np.float64) for x in (mixed_qkv, a, b, conv_state, recurrent_state,
                                             conv_weight, A_log, dt_bias))
-    active, lengths = np.asarray(active), np.asarray(lengths)
+    active, positions = np.asarray(active), np.asarray(positions)
     batch, hv, dk, dv = state.shape
     hk, r, kc = num_key_heads, hv // num_key_heads, conv_state.shape[1]
     # the window: positions n-Kc+1 .. n-1, position p in ring slot p mod Kc
     rows = np.arange(batch)[:, None]
-    slots = (lengths[:, None] - kc + 1 + np.arange(kc - 1)[None, :]) % kc  # [B, Kc-1]
+    slots = (positions[:, None] - kc + 1 + np.arange(kc - 1)[None, :]) % kc  # [B, Kc-1]
     hist = np.concatenate([conv_state[rows, slots], mixed[:, None]], axis=1)  # [B, Kc, C]
     conv = np.einsum("btc,ct->bc", hist, w)
     x = conv / (1.0 + np.exp(-conv))  # silu
@@ -85,7 +83,7 @@ def numpy_core(mixed_qkv, a, b, active, lengths, conv_state, recurrent_state, co
     o, new_state = numpy_recurrence(q[:, None], k[:, None], v[:, None], g[:, None],
                                     beta[:, None], state)
     new_ring = conv_state.copy()
-    new_ring[active, lengths[active] % kc] = mixed[active]  # this token at slot n mod Kc
+    new_ring[active, positions[active] % kc] = mixed[active]  # this token at slot n mod Kc
     return o[:, 0], new_ring, new_state
 
 
@@ -132,7 +130,7 @@ def test_matches_float64_core(mode, case):
     assert_close(new_state, want_state, 2e-5, "recurrent_state")
     np.testing.assert_array_equal(np.asarray(new_conv), want_conv)  # a copy: exact
     assert_inactive_rows_untouched(args, o, new_conv, new_state)
-    # and the XLA form (what the dispatcher falls back to) agrees with both
+    # and the XLA form (what choose_kernels falls back to) agrees with both
     ref = deltanet_decode_reference(*args, num_key_heads=hk)
     assert_close(o, ref[0], 2e-5, "o vs reference")
     assert_close(new_state, ref[2], 2e-5, "state vs reference")
@@ -177,10 +175,10 @@ def test_every_conv_channel_written(mode, block_v):
 # ----- the reference is the model's decode math --------------------------------------------
 
 def test_models_decode_equals_its_one_token_prefill():
-    """The model's decode branch (deltanet_decode's reference, and the callable delta-rule path
-    through deltanet_decode_xla) against the model's prefill path for the same one token: its
-    own conv, ring update (take_along_axis), masking and chunked delta rule (float32), at
-    positions on both sides of the ring's wrap."""
+    """The model's decode branch (kernels=XLA: deltanet_decode_xla with the callable delta rule
+    gated_delta_decode_reference, the default and an explicit one) against the model's prefill
+    path for the same one token: its own conv, ring update (take_along_axis), masking and
+    chunked delta rule (float32), at positions on both sides of the ring's wrap."""
     config = jd.Config.from_preset("tiny")
     params = jd.init_params(config, jax.random.key(0))
     p = next(layer.linear_attn for layer in params.layers if layer.linear_attn is not None)
@@ -198,9 +196,10 @@ def test_models_decode_equals_its_one_token_prefill():
     valid = model.token_mask(1, n_new)
     want = jax.jit(lambda *xs: model.gated_delta_net(p, *xs, c, decode=False))(
         x, conv_state, state, start, n_new, valid)
-    for impl in ("reference", gated_delta_decode_reference):
-        got = jax.jit(lambda *xs: model.gated_delta_net(p, *xs, c, decode=True,
-                                                        deltanet_impl=impl))(
+    assert deltanet_decode_xla.__kwdefaults__["delta_rule"] is gated_delta_decode_reference
+    for impl in ("default", "kernels.XLA"):
+        kw = {} if impl == "default" else dict(kernels=choice.XLA)
+        got = jax.jit(lambda *xs: model.gated_delta_net(p, *xs, c, decode=True, **kw))(
             x, conv_state, state, start, n_new, valid)
         for g, w, what in zip(got, want, ("out", "conv_state", "recurrent_state"), strict=True):
             assert g.dtype == w.dtype and g.shape == w.shape, what
@@ -215,8 +214,9 @@ def test_models_decode_equals_its_one_token_prefill():
 
 @pytest.mark.parametrize("mode", MODES)
 def test_model_decode_with_the_kernel_equals_the_reference(mode):
-    """Whole decode steps (float32) with deltanet_impl="pallas" (the kernel; the interpreter on
-    CPU) against "reference": logits and every DeltaNet state, with an inactive row."""
+    """Whole decode steps (float32) with Kernels(deltanet="pallas") (the kernel; the interpreter
+    on CPU; on a GPU choose_kernels' choice, which is the kernel at batch 2) against
+    kernels=XLA: logits and every DeltaNet state, with an inactive row."""
     base = jd.Config.from_preset("tiny")  # its dk = 32 is below the kernel's 64: widen
     config = base.__class__(**{**base.__dict__, "vocab_size": 1000, "linear_key_head_dim": 128,
                                "linear_value_head_dim": 128})
@@ -224,19 +224,22 @@ def test_model_decode_with_the_kernel_equals_the_reference(mode):
     prompt = np.random.default_rng(11).integers(0, config.vocab_size, (2, 7)).astype(np.int32)
     active = [np.array([True, True]), np.array([True, False]), np.array([True, True])]
 
-    def run(impl):
+    def run(kernels):
         state = jd.init_state(config, batch_size=2, max_len=64)
         logits, state = jd.prefill(params, state, prompt, np.array([7, 4], np.int32))
         out = []
         for act in active:
             token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-            logits, state = model.decode_step_jit(params, state, token, jnp.asarray(act),
-                                                  deltanet_impl=impl)
+            logits, state = jd.decode_step(params, state, token, jnp.asarray(act),
+                                           kernels=kernels)
             out.append(np.asarray(logits))
         return np.stack(out), state
 
-    want_logits, want_state = run("reference")
-    got_logits, got_state = run("pallas" if mode == "interpret" else "auto")
+    want_logits, want_state = run(choice.XLA)
+    if mode == "gpu":
+        assert jd.choose_kernels(config, 2, dtype="float32").deltanet == "pallas"
+    got_logits, got_state = run(choice.Kernels(deltanet="pallas") if mode == "interpret"
+                                else None)
     assert_close(got_logits, want_logits, 1e-4, "logits")
     for i, (g, w) in enumerate(zip(got_state.recurrent_state, want_state.recurrent_state)):
         assert_close(g, w, 1e-4, f"recurrent_state[{i}]")
@@ -244,7 +247,7 @@ def test_model_decode_with_the_kernel_equals_the_reference(mode):
         assert_close(g, w, 1e-5, f"conv_state[{i}]")
 
 
-# ----- errors, dispatcher --------------------------------------------------------------------
+# ----- errors --------------------------------------------------------------------------------
 
 def test_bad_inputs_raise_before_any_work():
     args = random_core_inputs(1, 2, 2, 4, 128, 128, 4, [True, False])
@@ -256,10 +259,10 @@ def test_bad_inputs_raise_before_any_work():
         deltanet_decode_pallas(*with_("mixed_qkv", args[0][:, 1:]), num_key_heads=2)
     with pytest.raises(ValueError, match=r"shapes.*conv_state"):
         deltanet_decode_pallas(*with_("conv_state", args[5][:, 1:]), num_key_heads=2)
-    with pytest.raises(ValueError, match=r"shapes.*lengths"):
-        deltanet_decode_pallas(*with_("lengths", args[4][:1]), num_key_heads=2)
-    with pytest.raises(ValueError, match="dtypes.*lengths"):
-        deltanet_decode_reference(*with_("lengths", args[4].astype(f32)), num_key_heads=2)
+    with pytest.raises(ValueError, match=r"shapes.*positions"):
+        deltanet_decode_pallas(*with_("positions", args[4][:1]), num_key_heads=2)
+    with pytest.raises(ValueError, match="dtypes.*positions"):
+        deltanet_decode_reference(*with_("positions", args[4].astype(f32)), num_key_heads=2)
     with pytest.raises(ValueError, match="shapes.*active"):
         deltanet_decode_reference(*with_("active", args[3][:1]), num_key_heads=2)
     with pytest.raises(ValueError, match="4 value heads are not a multiple of 3 key heads"):
@@ -280,8 +283,6 @@ def test_bad_inputs_raise_before_any_work():
     with pytest.raises(ValueError, match="at least 2"):
         deltanet_decode_pallas(*random_core_inputs(1, 1, 1, 1, 64, 64, 1, [True]),
                                num_key_heads=1)
-    with pytest.raises(ValueError, match="implementation"):
-        deltanet_decode(*args, num_key_heads=2, implementation="triton")
 
 
 def test_reference_takes_any_head_dims_and_kc_1():
@@ -301,45 +302,10 @@ def test_empty_batch():
     assert new_state.shape == args[6].shape
 
 
-def test_dispatcher_on_this_machine():
-    """'auto' is the reference without a Hopper GPU (silently) and the kernel with one;
-    'pallas' is the kernel."""
-    args = random_core_inputs(3, 2, 1, 2, 128, 128, 4, [True, False])
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        got = jax.jit(lambda *x: deltanet_decode(*x, num_key_heads=1))(*args)
-    want = numpy_core(*args, num_key_heads=1)
-    assert_close(got[2], want[2], 2e-5, "recurrent_state")
-    text = jax.jit(lambda *x: deltanet_decode(*x, num_key_heads=1)).lower(*args).as_text()
-    on_hopper = (dnd._gpu_compute_capability() or (0, 0)) >= (9, 0)
-    assert ("mosaic_gpu" in text) == on_hopper
-    # "pallas" is the kernel (the interpreter without a GPU)
-    got = jax.jit(lambda *x: deltanet_decode(*x, num_key_heads=1, implementation="pallas"))(*args)
-    assert_close(got[2], want[2], 2e-5, "recurrent_state")
-
-
-@pytest.mark.parametrize("batch,fused", [(1, True), (dnd.MAX_BATCH_AUTO - 1, True),
-                                         (dnd.MAX_BATCH_AUTO, False),
-                                         (gdd.MIN_BATCH_AUTO, False)])
-def test_auto_on_hopper_takes_this_kernel_below_max_batch_auto(monkeypatch, batch, fused):
-    """On a Hopper GPU (faked; lowered for CUDA on CPU) "auto" is this kernel below
-    MAX_BATCH_AUTO rows; from it, XLA's conv/gating/norms (a sigmoid in the outer program) and
-    the delta rule of gated_delta_decode "auto": XLA's below its MIN_BATCH_AUTO, its one-pass
-    kernel from there."""
-    for module in (dnd, gdd):
-        monkeypatch.setattr(module, "_gpu_compute_capability", lambda: (9, 0))
-    args = random_core_inputs(4, batch, 2, 4, 128, 128, 4, [True] * batch, dtype=bf16)
-    specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args]
-    text = jax.jit(lambda *x: deltanet_decode(*x, num_key_heads=2)).trace(*specs).lower(
-        lowering_platforms=("cuda",)).as_text()
-    kernel = fused or batch >= gdd.MIN_BATCH_AUTO  # the whole core, or the delta rule
-    assert ("mosaic_gpu" in text) == kernel
-    # XLA's form computes the L2 norms (rsqrt) and the decay (exp) outside any kernel
-    assert ("stablehlo.rsqrt" not in text) == fused, "norms outside the kernel: XLA's form"
-
-
-def test_dispatcher_warns_on_a_shape_the_kernel_cannot_take(monkeypatch):
-    monkeypatch.setattr(dnd, "_gpu_compute_capability", lambda: (9, 0))
-    args = random_core_inputs(1, 1, 1, 2, 32, 48, 4, [True])
-    with pytest.warns(UserWarning, match="not a multiple of 64"):
-        deltanet_decode(*args, num_key_heads=1)
+def test_check_supported():
+    """What choose_kernels asks before picking the kernel (shapes per device, the model dtype)."""
+    assert dnd.check_supported((1, 32, 128, 128), 4, bf16) is None
+    assert dnd.check_supported((1, 32, 128, 128), 4, f32) is None
+    assert "model dtype float16" in dnd.check_supported((1, 32, 128, 128), 4, jnp.float16)
+    assert "not a multiple of 64" in dnd.check_supported((1, 2, 32, 48), 4, bf16)
+    assert "at least 2" in dnd.check_supported((1, 2, 64, 64), 1, bf16)

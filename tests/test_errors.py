@@ -1,4 +1,7 @@
-"""Bad input gets a clear ValueError before any device work; checkpoints are validated whole."""
+"""Bad input gets a clear ValueError before any device work (prefill; decode_step for what it
+can check without reading the device); what decode_step cannot check on the host (a full cache,
+device token ids out of range) gets NaN logits and an untouched row; checkpoints are validated
+whole."""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ import dataclasses
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
@@ -55,19 +59,20 @@ def test_continuation_past_cache(params):
         jd.prefill(params, state, np.ones((2, 7), np.int32), np.array([7, 7]))
 
 
-@pytest.mark.parametrize("lengths, match", [
-    (np.array([4, 1]), r"lengths must be in \[0, T=3\]"),
-    (np.array([-1, 1]), r"lengths must be in \[0, T=3\]"),
-    (np.array([1, 1, 1]), r"lengths must be \[B\]"),
-    (np.array([1.0, 1.0]), r"lengths must be integers"),
+@pytest.mark.parametrize("num_new, match", [
+    (np.array([4, 1]), r"num_new must be in \[0, T=3\]; got \[4, 1\]"),
+    (np.array([-1, 1]), r"num_new must be in \[0, T=3\]"),
+    (np.array([1, 1, 1]), r"num_new must be \[B\] integers; got num_new.shape=\(3,\)"),
+    (np.array([1.0, 1.0]), r"num_new must be \[B\] integers; .*float64"),
 ])
-def test_prefill_rejects_bad_lengths(params, lengths, match):
+def test_prefill_rejects_bad_num_new(params, num_new, match):
     with pytest.raises(ValueError, match=match):
-        jd.prefill(params, fresh(), np.ones((2, 3), np.int32), lengths)
+        jd.prefill(params, fresh(), np.ones((2, 3), np.int32), num_new)
 
 
 def test_prefill_rejects_batch_mismatch_and_bad_shapes(params):
-    with pytest.raises(ValueError, match=r"batch size mismatch"):
+    with pytest.raises(ValueError, match=r"tokens must be \[B, T\] with B = 3 \(the state's "
+                                         r"batch size\)"):
         jd.prefill(params, fresh(batch=3), np.ones((2, 3), np.int32), np.array([3, 3]))
     with pytest.raises(ValueError, match=r"tokens must be \[B, T\]"):
         jd.prefill(params, fresh(), np.ones((2, 0), np.int32), np.array([0, 0]))
@@ -75,40 +80,86 @@ def test_prefill_rejects_batch_mismatch_and_bad_shapes(params):
         jd.prefill(params, fresh(), np.ones((2, 3)), np.array([3, 3]))
 
 
-def test_decode_rejects_bad_tokens_and_full_cache(params):
+def test_decode_rejects_host_token_ids_and_shapes(params):
     _, state = jd.prefill(params, fresh(max_len=4), np.ones((2, 4), np.int32), np.array([4, 1]))
-    with pytest.raises(ValueError, match=r"token ids must be in \[0, vocab_size=300\)"):
-        jd.decode_step(params, state, np.array([0, 300]))
+    for bad in (np.array([0, 300]), [0, -1], (0, 10**6)):  # host ids (numpy, list, tuple)
+        with pytest.raises(ValueError, match=r"token ids must be in \[0, vocab_size=300\)"):
+            jd.decode_step(params, state, bad)
+    with pytest.raises(ValueError, match=r"token ids must be integers"):
+        jd.decode_step(params, state, np.array([0.0, 1.0]))
     with pytest.raises(ValueError, match=r"tokens must be \[B\] with B = 2"):
         jd.decode_step(params, state, np.array([0, 1, 2]))
-    with pytest.raises(ValueError, match=r"row 0: the cache is full \(4 of max_len=4"):
-        jd.decode_step(params, state, np.array([0, 1]))
-    # The full row may sit out while the other row continues.
-    _, state = jd.decode_step(params, state, np.array([0, 1]), active=np.array([False, True]))
+    with pytest.raises(ValueError, match=r"tokens must be \[B\] with B = 2"):
+        jd.decode_step(params, state, np.array([[0, 1]]))
+    with pytest.raises(ValueError, match=r"active must be \[B\] like tokens"):
+        jd.decode_step(params, state, np.array([0, 1]), active=np.array([True]))
+    assert not any(x.is_deleted() for x in jax.tree.leaves(state))  # raised before donating
+    # an inactive row's id is padding: not checked
+    _, state = jd.decode_step(params, state, np.array([300, 1]), active=np.array([False, True]))
     np.testing.assert_array_equal(np.asarray(state.lengths), [4, 2])
 
 
-def test_unchecked_overflow_inside_jit_gives_nan_not_a_silent_clamp(params):
+def _snapshot(state):
+    return jax.tree.map(lambda x: np.asarray(x).copy(), state)
+
+
+def _assert_rows(before, after, untouched, moved):
+    for old, new in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+        new = np.asarray(new)
+        for r in untouched:
+            np.testing.assert_array_equal(new[r], old[r])
+        assert np.isfinite(new).all()  # no NaN written into any state
+    np.testing.assert_array_equal(np.asarray(after.lengths),
+                                  np.asarray(before.lengths) + np.isin(
+                                      np.arange(len(before.lengths)), moved))
+
+
+@pytest.mark.parametrize("how", ["top-level", "jit"])
+def test_decode_on_a_full_cache_gives_nan_and_leaves_the_row_untouched(params, how):
+    """No device read per step (issue 16): a row whose cache is full is rejected in the graph
+    (NaN logits, state and lengths untouched), not by a host ValueError; the other rows run."""
     _, state = jd.prefill(params, fresh(max_len=4), np.ones((2, 4), np.int32), np.array([4, 1]))
-    before = jax.tree.map(lambda x: np.asarray(x).copy(), state)
-    logits, state = jax.jit(jd.decode_step)(params, state, np.array([0, 1], np.int32))
+    before = _snapshot(state)
+    step = jd.decode_step if how == "top-level" else jax.jit(jd.decode_step)
+    logits, state = step(params, state, np.array([0, 1], np.int32))
     logits = np.asarray(logits)
     assert np.isnan(logits[0]).all() and np.isfinite(logits[1]).all()
-    np.testing.assert_array_equal(np.asarray(state.lengths), [4, 2])  # the full row did not move
-    for old, new in zip(jax.tree.leaves(before), jax.tree.leaves(state)):
-        np.testing.assert_array_equal(np.asarray(new)[0], old[0])
+    _assert_rows(before, state, untouched=[0], moved=[1])
+    np.testing.assert_array_equal(np.asarray(state.lengths), [4, 2])
+    # The full row may sit out while the other row continues (finite logits, zeros for it).
+    logits, state = jd.decode_step(params, state, np.array([0, 1]), active=np.array([False, True]))
+    assert not np.asarray(logits)[0].any() and np.isfinite(np.asarray(logits)[1]).all()
+    np.testing.assert_array_equal(np.asarray(state.lengths), [4, 3])
 
 
-@pytest.mark.parametrize("bad", [-1, -300, 300])
-def test_unchecked_bad_token_ids_give_nan_and_leave_the_row_untouched(params, bad):
+@pytest.mark.parametrize("how", ["top-level", "jit"])
+@pytest.mark.parametrize("bad", [-1, -300, 300, 2**31 - 1])
+def test_device_token_ids_out_of_range_give_nan_and_leave_the_row_untouched(params, bad, how):
+    """Token ids on the device are not read back on the host: an id outside the vocabulary
+    (negative ones too, which a gather would wrap) gives that row NaN logits and leaves it
+    untouched (no NaN written, no advance)."""
     _, state = jd.prefill(params, fresh(), np.ones((2, 3), np.int32), np.array([3, 3]))
-    before = jax.tree.map(lambda x: np.asarray(x).copy(), state)
-    logits, state = jax.jit(jd.decode_step)(params, state, np.array([bad, 5], np.int32))
+    before = _snapshot(state)
+    tokens = jnp.asarray([bad, 5], jnp.int32)  # a device array
+    step = jd.decode_step if how == "top-level" else jax.jit(jd.decode_step)
+    logits, state = step(params, state, tokens)
     logits = np.asarray(logits)
     assert np.isnan(logits[0]).all() and np.isfinite(logits[1]).all()
-    for old, new in zip(jax.tree.leaves(before), jax.tree.leaves(state)):
-        np.testing.assert_array_equal(np.asarray(new)[0], old[0])  # no NaN written, no advance
+    _assert_rows(before, state, untouched=[0], moved=[1])
     np.testing.assert_array_equal(np.asarray(state.lengths), [3, 4])
+
+
+def test_rejected_row_next_to_a_good_row_does_not_change_the_good_rows_result(params):
+    """The NaN of a rejected row stays in its row: the other row's logits and state equal the
+    same step with the bad row inactive."""
+    _, state = jd.prefill(params, fresh(), np.ones((2, 3), np.int32), np.array([3, 3]))
+    twin = jax.tree.map(jnp.copy, state)
+    bad_logits, bad_state = jd.decode_step(params, state, jnp.asarray([300, 5], jnp.int32))
+    ok_logits, ok_state = jd.decode_step(params, twin, jnp.asarray([0, 5], jnp.int32),
+                                         active=np.array([False, True]))
+    np.testing.assert_array_equal(np.asarray(bad_logits)[1], np.asarray(ok_logits)[1])
+    for a, b in zip(jax.tree.leaves(bad_state), jax.tree.leaves(ok_state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_unchecked_prefill_lengths_outside_the_tokens_are_rejected_in_graph(params):
@@ -124,13 +175,20 @@ def test_unchecked_prefill_lengths_outside_the_tokens_are_rejected_in_graph(para
 
 def test_state_dtype_and_lengths_are_checked(params):
     bf16 = jd.init_state(CONFIG, batch_size=2, max_len=16, dtype="bfloat16")
-    with pytest.raises(ValueError, match=r"dtype \['bfloat16'\] != the params' dtype float32"):
-        jd.decode_step(params, bf16, np.array([0, 1]))
+    for call in (lambda s: jd.decode_step(params, s, np.array([0, 1])),
+                 lambda s: jd.prefill(params, s, np.ones((2, 1), np.int32), np.array([1, 1]))):
+        with pytest.raises(ValueError, match=r"dtype \['bfloat16'\] != the params' dtype "
+                                             r"float32"):
+            call(bf16)
     with pytest.raises(ValueError, match=r"state dtype=int32 must be float32 or bfloat16"):
         jd.init_state(CONFIG, batch_size=2, max_len=16, dtype="int32")
-    bad = fresh().replace(lengths=np.array([-1, 2], np.int32))
-    with pytest.raises(ValueError, match=r"state.lengths must be in \[0, max_len=16\]"):
-        jd.decode_step(params, bad, np.array([0, 1]))
+    # prefill reads the lengths once (decode_step does not read the device)
+    for lengths in ([-1, 2], [0, 17]):
+        bad = fresh().replace(lengths=jnp.asarray(lengths, jnp.int32))
+        with pytest.raises(ValueError, match=r"state.lengths must be in \[0, max_len=16\]"):
+            jd.prefill(params, bad, np.ones((2, 1), np.int32), np.array([1, 1]))
+    with pytest.raises(ValueError, match=r"lengths must be int32, got int64"):
+        jd.decode_step(params, fresh().replace(lengths=np.zeros(2, np.int64)), np.array([0, 1]))
     # numpy integers are integers
     assert jd.init_state(CONFIG, np.int64(2), np.int32(8)).max_len == 8
     assert jd.fork(fresh(), np.int64(2)).batch_size == 4
@@ -141,6 +199,12 @@ def test_state_for_another_config(params):
     state = jd.init_state(other, batch_size=2, max_len=16)
     with pytest.raises(ValueError, match=r"state does not match params.config: kv_cache shape"):
         jd.decode_step(params, state, np.array([0, 1]))
+    with pytest.raises(ValueError, match=r"state does not match params.config: kv_cache shape"):
+        jd.prefill(params, state, np.ones((2, 1), np.int32), np.array([1, 1]))
+    fewer = dataclasses.replace(CONFIG, num_hidden_layers=4, layer_types=CONFIG.layer_types[:4])
+    with pytest.raises(ValueError, match=r"state has 3 conv / 3 recurrent states but the config "
+                                         r"has 6 linear_attention layers"):
+        jd.decode_step(params, jd.init_state(fewer, 2, 16), np.array([0, 1]))
 
 
 # ----- config ----------------------------------------------------------------------------------

@@ -7,8 +7,6 @@ updated in place (aliased), are checked on CPU in tests/test_gpu_lowering.py.
 
 from __future__ import annotations
 
-import warnings
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,8 +14,7 @@ import pytest
 
 from jaxdecode.gated_delta import gated_delta_rule_step
 from jaxdecode.kernels import gated_delta_decode as gdd
-from jaxdecode.kernels.gated_delta_decode import (choose_block_v, gated_delta_decode,
-                                                  gated_delta_decode_pallas,
+from jaxdecode.kernels.gated_delta_decode import (choose_block_v, gated_delta_decode_pallas,
                                                   gated_delta_decode_reference)
 from test_decode_attention import MODES  # interpret / gpu (skipped without an sm_90 GPU)
 from test_gated_delta import numpy_recurrence, random_inputs
@@ -55,7 +52,7 @@ def test_matches_float64_recurrence(mode, case):
     assert o.shape == (batch, hv, dv) and s.shape == (batch, hv, dk, dv)
     np.testing.assert_allclose(np.asarray(o), want_o, rtol=0, atol=1e-5 * np.abs(want_o).max())
     np.testing.assert_allclose(np.asarray(s), want_s, rtol=0, atol=1e-5 * np.abs(want_s).max())
-    # and the XLA form (the reference the dispatcher falls back to)
+    # and the XLA form (the reference choose_kernels falls back to)
     o_xla, s_xla = gated_delta_decode_reference(*args)
     np.testing.assert_allclose(np.asarray(o), np.asarray(o_xla), rtol=0,
                                atol=1e-5 * np.abs(want_o).max())
@@ -94,8 +91,6 @@ def test_bad_inputs_raise_before_any_work():
         gated_delta_decode_pallas(*args)
     with pytest.raises(ValueError, match="block_v"):
         gated_delta_decode_pallas(q, k, v, g, beta, state, block_v=48)
-    with pytest.raises(ValueError, match="implementation"):
-        gated_delta_decode(q, k, v, g, beta, state, implementation="triton")
 
 
 def test_empty_batch():
@@ -115,40 +110,16 @@ def test_block_v_choice():
     assert choose_block_v(64, 2, 40) == 40  # no multiple of 16 divides it: the whole dv
 
 
-def test_dispatcher_on_this_machine():
-    """'auto' is the reference without a Hopper GPU (silently), and the kernel with one from
-    MIN_BATCH_AUTO rows up."""
-    args, want_o, _ = gqa_inputs(3, gdd.MIN_BATCH_AUTO, 2, 4, 128, 128, 1.0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        o, _ = jax.jit(lambda *a: gated_delta_decode(*a, implementation="auto"))(*args)
-    np.testing.assert_allclose(np.asarray(o), want_o, rtol=0, atol=1e-5 * np.abs(want_o).max())
-    text = jax.jit(lambda *a: gated_delta_decode(*a)).lower(*args).as_text()
-    on_hopper = (gdd._gpu_compute_capability() or (0, 0)) >= (9, 0)
-    assert ("mosaic_gpu" in text) == on_hopper
-    small = [x[:gdd.MIN_BATCH_AUTO - 1] for x in args]
-    assert "mosaic_gpu" not in jax.jit(lambda *a: gated_delta_decode(*a)).lower(*small).as_text()
+def test_check_supported():
+    """What choose_kernels asks before picking the kernel."""
+    assert gdd.check_supported((8, 16, 128), (8, 32, 128, 128)) is None
+    assert "not a multiple of 64" in gdd.check_supported((8, 1, 32), (8, 2, 32, 48))
+    assert "not a multiple of 8" in gdd.check_supported((8, 1, 64), (8, 2, 64, 44))
+    assert "3 value heads are not a multiple of 2 key heads" in gdd.check_supported(
+        (8, 2, 64), (8, 3, 64, 64))
 
 
-def test_dispatcher_warns_on_a_shape_the_kernel_cannot_take(monkeypatch):
-    monkeypatch.setattr(gdd, "_gpu_compute_capability", lambda: (9, 0))
-    args, _, _ = gqa_inputs(1, gdd.MIN_BATCH_AUTO, 1, 2, 32, 48, 1.0)
-    with pytest.warns(UserWarning, match="not a multiple of 64"):
-        gated_delta_decode(*args)
-
-
-def test_unknown_implementations_are_named_before_any_work():
-    import jaxdecode as jd
-    params = jd.init_params(jd.Config.from_preset("tiny"), jax.random.key(0))
-    state = jd.init_state(params.config, 1, 64)
-    with pytest.raises(ValueError, match="deltanet_impl='bogus'"):
-        jd.decode_step(params, state, [1], deltanet_impl="bogus")
-    with pytest.raises(ValueError, match="attention_impl='triton'"):
-        jd.decode_step(params, state, [1], attention_impl="triton")
-    with pytest.raises(ValueError, match="deltanet_impl='bogus'"):
-        next(jd.generate_stream(params, [[1, 2]], 4, deltanet_impl="bogus"))
-    with pytest.raises(ValueError, match="deltanet_impl='bogus'"):
-        jd.generate(params, [[1, 2]], 4, deltanet_impl="bogus")
+def test_reference_rejects_value_heads_not_a_multiple_of_key_heads():
     args, _, _ = gqa_inputs(1, 1, 1, 3, 32, 48, 1.0)
     with pytest.raises(ValueError, match="3 value heads are not a multiple of 2 key heads"):
         gated_delta_decode_reference(jnp.tile(args[0], (1, 2, 1)), jnp.tile(args[1], (1, 2, 1)),

@@ -1,7 +1,6 @@
-"""jaxdecode.generate: HF parity (greedy), stopping, frozen finished rows, fork, compile reuse,
+"""jaxdecode.generation (jd.generate, jd.generate_stream): HF parity (greedy), stopping, frozen finished rows, fork, compile reuse,
 streaming == on-device, validation."""
 
-import importlib
 import json
 import subprocess
 from pathlib import Path
@@ -12,9 +11,9 @@ import numpy as np
 import pytest
 
 import jaxdecode as jd
-# The module (``jaxdecode.generate`` may also name the function once exported from the package).
-gen = importlib.import_module("jaxdecode.generate")
+from jaxdecode import generation as gen
 from jaxdecode import sampling as sampling_lib
+from jaxdecode.kernels import choice
 from jaxdecode.sampling import SamplingParams
 
 from conftest import HERE, LIN, FULL, hf_python, text_config
@@ -98,7 +97,7 @@ def test_per_row_eos_stopping_with_two_eos_ids(params):
 
 def test_per_row_budgets(params):
     out = _greedy(params, budget=[3, 16, 1])
-    np.testing.assert_array_equal(np.asarray(out.lengths), [3, 16, 1])
+    np.testing.assert_array_equal(np.asarray(out.num_generated), [3, 16, 1])
     free = _greedy(params).token_lists()
     assert out.token_lists() == [free[0][:3], free[1], free[2][:1]]
 
@@ -106,8 +105,7 @@ def test_per_row_budgets(params):
 def test_finished_row_state_stops_changing(params):
     """Once a row stops, decode steps leave its state (caches, lengths) bit-identical."""
     plan = gen._plan(params, PROMPTS, [2, 16, 16], None, None, (), max_len=None,
-                     num_samples=1, chunk_size=4, pad_id=-1, attention_impl="auto",
-                     deltanet_impl="auto")
+                     num_samples=1, chunk_size=4, pad_id=-1, kernels=None)
     args, static = gen._start_args(params, plan)
     loop, _ = gen._start_jit(*args, **static)
 
@@ -179,7 +177,7 @@ def test_loop_has_one_conditional_per_chunk_only(params, sampling):
     """The decode loop carries no lax.cond per token (on a GPU each one waits for the device):
     the only conditional in generate's program is the per-chunk skip of finished batches."""
     plan = gen._plan(params, PROMPTS, 16, sampling, None, (), max_len=None, num_samples=1,
-                     chunk_size=4, pad_id=-1, attention_impl="auto", deltanet_impl="auto")
+                     chunk_size=4, pad_id=-1, kernels=None)
     args, static = gen._generate_args(params, plan, None)
     text = gen._generate_jit.lower(*args, **static).as_text()
     assert text.count("stablehlo.case") == 1
@@ -243,7 +241,7 @@ def test_stream_matches_on_device_loop(params, chunk_size):
     streamed = [row[row != -1].tolist() for row in streamed]
     assert streamed == out.token_lists()
     np.testing.assert_array_equal(chunks[-1].stop_reason, np.asarray(out.stop_reason))
-    np.testing.assert_array_equal(chunks[-1].lengths, np.asarray(out.lengths))
+    np.testing.assert_array_equal(chunks[-1].num_generated, np.asarray(out.num_generated))
 
 
 def test_presence_penalty_prevents_repeats(params):
@@ -285,6 +283,24 @@ def test_invalid_inputs_raise_before_device_work(params, kwargs, message):
     call.update(kwargs)
     with pytest.raises(ValueError, match=message):
         gen.generate(params, call.pop("prompts"), call.pop("max_new_tokens"), **call)
+
+
+def test_kernels_are_checked_and_chosen(params):
+    """kernels= must be a Kernels value (checked before any device work, in the stream on the
+    first next()); None is choose_kernels' choice for the output rows."""
+    for bad in ("pallas", {"attention": "pallas"}):
+        with pytest.raises(ValueError, match=r"must be a jaxdecode.Kernels"):
+            gen.generate(params, [[1, 2]], 4, kernels=bad)
+        with pytest.raises(ValueError, match=r"must be a jaxdecode.Kernels"):
+            next(gen.generate_stream(params, [[1, 2]], 4, kernels=bad))
+    plan = gen._plan(params, PROMPTS, 4, None, None, (), max_len=None, num_samples=3,
+                     chunk_size=4, pad_id=-1, kernels=None)
+    assert plan.kernels == jd.choose_kernels(SMALL, 9, dtype=params.dtype)
+    mine = choice.Kernels(interpret=True)
+    assert gen._plan(params, PROMPTS, 4, None, None, (), max_len=None, num_samples=1,
+                     chunk_size=4, pad_id=-1, kernels=mine).kernels is mine
+    explicit = gen.generate(params, PROMPTS, 6, eos_token_ids=(), kernels=choice.XLA)
+    assert explicit.token_lists() == _greedy(params, budget=6).token_lists()
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-0.5), dict(top_p=0.0), dict(top_p=1.01),

@@ -46,7 +46,7 @@ def test_generate(tiny, rows):
     prompts = np.random.default_rng(10 + rows).integers(0, 1000, (rows, 4)).tolist()
     out = jd.generate(tiny, prompts, 12, eos_token_ids=(), chunk_size=4)
     assert np.asarray(out.tokens).shape[0] == rows
-    assert (np.asarray(out.lengths) == 12).all()
+    assert (np.asarray(out.num_generated) == 12).all()
     streamed = np.concatenate([c.tokens for c in jd.generate_stream(
         tiny, prompts, 12, eos_token_ids=(), chunk_size=4)], axis=1)
     np.testing.assert_array_equal(streamed[:, :12], np.asarray(out.tokens)[:, :12])

@@ -1,0 +1,248 @@
+"""jaxdecode.kernels.choice: the Kernels value, what choose_kernels decides, and the two call
+sites the model uses (run with explicit Kernels: the Pallas kernels in the Mosaic GPU
+interpreter on CPU, against float64 references).
+
+choose_kernels decides on the host from the device's compute capability; these tests fake a
+Hopper GPU by monkeypatching ``choice._compute_capability`` (and clear choose_kernels' cache
+around each test, so a decision made under one fake is never seen under another)."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, Mesh
+
+import jaxdecode as jd
+from jaxdecode import sharding
+from jaxdecode.kernels import choice
+from test_decode_attention import TOL, assert_close, make_inputs, reference_f64
+from test_deltanet_decode import assert_inactive_rows_untouched, numpy_core, random_core_inputs
+
+bf16, f32 = jnp.bfloat16, jnp.float32
+
+# Shapes every kernel takes (head_dim 64, dk = dv = 128, Kc = 4).
+SUPPORTED = dataclasses.replace(jd.Config.from_preset("tiny"), vocab_size=512,
+                                linear_key_head_dim=128, linear_value_head_dim=128)
+CORE, RULE = choice.DELTANET_CORE_MAX_BATCH, choice.DELTA_RULE_MIN_BATCH
+
+
+@pytest.fixture(autouse=True)
+def _fresh_choices():
+    choice.choose_kernels.cache_clear()
+    yield
+    choice.choose_kernels.cache_clear()
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    monkeypatch.setattr(choice, "_compute_capability", lambda device: (9, 0))
+
+
+def fake_mesh(data: int, model: int) -> Mesh:
+    """A ("data", "model") mesh of the one CPU device repeated: enough for choose_kernels, which
+    reads only the mesh's shape and first device (never run on it)."""
+    devices = np.array([jax.devices()[0]] * (data * model), dtype=object).reshape(data, model)
+    return Mesh(devices, sharding.AXIS_NAMES, axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def kernels(attention="xla", deltanet="xla", delta_rule="xla", mesh=None):
+    """What choose_kernels returns: interpret=False (it compiles for the GPU it found)."""
+    return choice.Kernels(attention=attention, deltanet=deltanet, delta_rule=delta_rule,
+                          interpret=False, mesh=mesh)
+
+
+# ----- the value ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("field, value", [("attention", "triton"), ("deltanet", "bogus"),
+                                          ("delta_rule", "reference"), ("attention", "auto")])
+def test_kernels_rejects_unknown_choices(field, value):
+    with pytest.raises(ValueError, match=rf"Kernels.{field}='{value}' must be one of "
+                                         r"\('pallas', 'xla'\)"):
+        choice.Kernels(**{field: value})
+
+
+def test_kernels_rejects_the_one_kernel_core_on_a_mesh():
+    mesh = sharding.make_mesh(1, 1)
+    with pytest.raises(ValueError, match=r"Kernels\(deltanet='pallas'\) does not run on a mesh"):
+        choice.Kernels(deltanet="pallas", mesh=mesh)
+    # the per-device kernels do
+    k = choice.Kernels(attention="pallas", delta_rule="pallas", mesh=mesh)
+    assert k.mesh is mesh
+
+
+def test_kernels_is_a_frozen_hashable_static():
+    assert choice.XLA == choice.Kernels() == choice.Kernels("xla", "xla", "xla")
+    assert hash(choice.Kernels(attention="pallas")) == hash(choice.Kernels(attention="pallas"))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        choice.XLA.attention = "pallas"
+    # interpret: None means "not on a GPU", decided at construction
+    assert choice.Kernels().interpret is (jax.default_backend() != "gpu")
+    assert choice.Kernels(interpret=False).interpret is False
+    assert jd.Kernels is choice.Kernels and jd.choose_kernels is choice.choose_kernels
+
+
+# ----- choose_kernels -----------------------------------------------------------------------
+
+@pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the CPU decision")
+@pytest.mark.parametrize("batch", [1, 3, 4, 8, 64])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_runs_everything_in_xla_silently(batch, dtype):
+    assert choice._compute_capability(jax.devices()[0]) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = choice.choose_kernels(SUPPORTED, batch, dtype=dtype)
+        assert got == kernels()
+        assert choice.choose_kernels(SUPPORTED, batch, dtype=dtype,
+                                     mesh=sharding.make_mesh(1, 1)) == kernels(
+            mesh=sharding.make_mesh(1, 1))
+
+
+@pytest.mark.parametrize("batch", [1, 2, CORE - 1, CORE, RULE - 1, RULE, 64])
+def test_hopper_choice_by_batch(hopper, batch):
+    """Attention always Pallas; the one-kernel DeltaNet core below DELTANET_CORE_MAX_BATCH
+    rows; from there XLA's DeltaNet with the one-pass delta-rule kernel from
+    DELTA_RULE_MIN_BATCH rows."""
+    assert (CORE, RULE) == (4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every shape is supported: no warning
+        got = choice.choose_kernels(SUPPORTED, batch, dtype="bfloat16")
+    assert got == kernels(attention="pallas", deltanet="pallas" if batch < CORE else "xla",
+                          delta_rule="pallas" if batch >= RULE else "xla")
+    assert got.interpret is False
+
+
+@pytest.mark.parametrize("data, model, batch, rule", [
+    (1, 1, 1, "xla"), (2, 1, 2 * (RULE - 1), "xla"), (2, 1, 2 * RULE, "pallas"),
+    (4, 2, 4 * RULE, "pallas"), (8, 1, RULE, "xla"), (1, 2, RULE, "pallas")])
+def test_hopper_choice_on_a_mesh_is_per_device(hopper, data, model, batch, rule):
+    """On a mesh: never the one-kernel core (not even at one row per device), and the batch
+    threshold counts rows per device (batch / data)."""
+    mesh = fake_mesh(data, model)
+    config = dataclasses.replace(SUPPORTED, num_attention_heads=8, num_key_value_heads=4,
+                                 linear_num_key_heads=4, linear_num_value_heads=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = choice.choose_kernels(config, batch, dtype="bfloat16", mesh=mesh)
+    assert got == kernels(attention="pallas", deltanet="xla", delta_rule=rule, mesh=mesh)
+    assert got.mesh is mesh
+
+
+@pytest.mark.parametrize("change, batch, op, why, want", [
+    (dict(head_dim=32), 1, "decode attention", "head_dim=32",
+     kernels(deltanet="pallas")),
+    (dict(linear_key_head_dim=32), 1, "the Gated DeltaNet core", "not a multiple of 64",
+     kernels(attention="pallas")),
+    (dict(linear_key_head_dim=32), RULE, "the gated delta rule", "not a multiple of 64",
+     kernels(attention="pallas")),
+    (dict(linear_value_head_dim=44), RULE, "the gated delta rule", "not a multiple of 8",
+     kernels(attention="pallas")),
+], ids=["attention-head-dim", "core-dk", "delta-rule-dk", "delta-rule-dv"])
+def test_hopper_unsupported_shape_warns_once_and_falls_back(hopper, change, batch, op, why,
+                                                            want):
+    config = dataclasses.replace(SUPPORTED, **change)
+    with pytest.warns(UserWarning, match=rf"jaxdecode: {op} runs in XLA instead of its Pallas "
+                                         rf"kernel: .*{why}") as record:
+        got = choice.choose_kernels(config, batch, dtype="bfloat16")
+        again = choice.choose_kernels(config, batch, dtype="bfloat16")  # decided once
+    assert got == again == want
+    assert len(record) == 1, [str(w.message) for w in record]
+
+
+def test_hopper_unsupported_dtype_warns_and_falls_back(hopper):
+    with pytest.warns(UserWarning, match="the Gated DeltaNet core runs in XLA .*model dtype "
+                                         "float16"):
+        got = choice.choose_kernels(SUPPORTED, 1, dtype="float16")
+    assert got == kernels(attention="pallas")  # the attention kernel takes float16 caches
+
+
+def test_older_gpu_warns_and_runs_xla(monkeypatch):
+    monkeypatch.setattr(choice, "_compute_capability", lambda device: (8, 0))
+    with pytest.warns(UserWarning, match=r"compute capability 8.0\) is older than Hopper"):
+        got = choice.choose_kernels(SUPPORTED, 1, dtype="bfloat16")
+    assert got == kernels()
+
+
+@pytest.mark.parametrize("batch", [1, CORE - 1, CORE, RULE])
+def test_hopper_choice_lowers_to_what_it_says(hopper, batch):
+    """The chosen DeltaNet kernels, lowered for CUDA on CPU: the one-kernel core below CORE rows
+    (its L2 norms inside the kernel: no rsqrt outside); from CORE XLA's conv, norms and gating,
+    with the delta rule a kernel from RULE rows."""
+    k = choice.choose_kernels(SUPPORTED, batch, dtype="bfloat16")
+    c = SUPPORTED
+    args = random_core_inputs(4, batch, c.linear_num_key_heads, c.linear_num_value_heads,
+                              c.linear_key_head_dim, c.linear_value_head_dim,
+                              c.linear_conv_kernel_dim, [True] * batch, dtype=bf16)
+    specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args]
+    text = jax.jit(lambda *x: choice.deltanet_decode(
+        k, *x, num_key_heads=c.linear_num_key_heads)).trace(*specs).lower(
+        lowering_platforms=("cuda",)).as_text()
+    fused = batch < CORE
+    assert ("mosaic_gpu" in text) == (fused or batch >= RULE)
+    assert ("stablehlo.rsqrt" not in text) == fused, "norms outside the kernel: XLA's form"
+
+
+# ----- the call sites, with explicit Kernels ------------------------------------------------
+
+ATTENTION_KERNELS = {"xla": choice.XLA, "pallas": choice.Kernels(attention="pallas")}
+
+
+@pytest.mark.parametrize("name", ATTENTION_KERNELS)
+def test_decode_attention_runs_what_kernels_says(name):
+    """"xla" is decode_attention_reference bit for bit; "pallas" the kernel (the interpreter on
+    CPU); both against float64."""
+    from jaxdecode.kernels import decode_attention as da
+    k = ATTENTION_KERNELS[name]
+    q, kc, vc, kv_len = make_inputs(8, (8, 2), 64, 128, (100, 3), f32)
+    fn = jax.jit(lambda *a: choice.decode_attention(k, *a))
+    out = fn(q, kc, vc, kv_len)
+    assert_close(out, reference_f64(q, kc, vc, kv_len), kv_len, TOL[f32])
+    if name == "xla":
+        np.testing.assert_array_equal(out, jax.jit(da.decode_attention_reference)(q, kc, vc,
+                                                                                  kv_len))
+    text = fn.lower(q, kc, vc, kv_len).as_text()
+    assert ("mosaic_gpu" in text) == (name == "pallas" and not k.interpret)
+
+
+def test_decode_attention_kernel_per_device_on_a_mesh():
+    """With a mesh the kernel runs under shard_map (here a one-device mesh, interpreted)."""
+    mesh = sharding.make_mesh(1, 1)
+    k = choice.Kernels(attention="pallas", mesh=mesh)
+    q, kc, vc, kv_len = make_inputs(9, (8, 2), 64, 128, (65, 0), bf16)
+    out = jax.jit(lambda *a: choice.decode_attention(k, *a))(q, kc, vc, kv_len)
+    assert_close(out, reference_f64(q, kc, vc, kv_len), kv_len, TOL[bf16])
+
+
+DELTANET_KERNELS = {"xla": choice.XLA, "core-pallas": choice.Kernels(deltanet="pallas"),
+                    "delta-rule-pallas": choice.Kernels(delta_rule="pallas")}
+
+
+@pytest.mark.parametrize("name", DELTANET_KERNELS)
+def test_deltanet_decode_runs_what_kernels_says(name):
+    """Every choice against the float64 core, with an inactive row left untouched."""
+    k = DELTANET_KERNELS[name]
+    args = random_core_inputs(3, 2, 1, 2, 128, 128, 4, [True, False])
+    o, new_conv, new_state = jax.jit(lambda *x: choice.deltanet_decode(
+        k, *x, num_key_heads=1))(*args)
+    want_o, want_conv, want_state = numpy_core(*args, num_key_heads=1)
+    for got, want, what in ((o, want_o, "o"), (new_state, want_state, "recurrent_state")):
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        assert np.abs(got - want).max() <= 2e-5 * np.abs(want).max(), what
+    np.testing.assert_array_equal(np.asarray(new_conv), want_conv)
+    assert_inactive_rows_untouched(args, o, new_conv, new_state)
+
+
+def test_delta_rule_kernel_per_device_on_a_mesh():
+    mesh = sharding.make_mesh(1, 1)
+    k = choice.Kernels(delta_rule="pallas", mesh=mesh)
+    args = random_core_inputs(5, 2, 2, 4, 64, 64, 4, [False, True])
+    got = jax.jit(lambda *x: choice.deltanet_decode(k, *x, num_key_heads=2))(*args)
+    want = numpy_core(*args, num_key_heads=2)
+    for g, w in zip((got[0], got[2]), (want[0], want[2])):
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        assert np.abs(g - w).max() <= 2e-5 * np.abs(w).max()
+    np.testing.assert_array_equal(np.asarray(got[1]), want[1])
