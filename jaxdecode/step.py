@@ -213,6 +213,9 @@ def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
         return model.decode_step_fn(params, state, jnp.asarray(tokens, jnp.int32),
                                     None if active is None else jnp.asarray(active, bool),
                                     kernels)
+    if kernels is not None and not isinstance(kernels, Kernels):
+        raise ValueError(f"kernels={kernels!r} must be a jaxdecode.Kernels (or None: "
+                         "choose_kernels)")
     mesh = sharding.mesh_of(state)
     sharding.check_params_on(params, mesh)
     check_decode_step(params, state, tokens, active)

@@ -44,6 +44,8 @@ class Kernels:
     deltanet: str = "xla"  # the one-token DeltaNet core in one kernel, or XLA then delta_rule
     delta_rule: str = "xla"  # with deltanet="xla": the one-pass delta-rule kernel, or XLA
     interpret: bool | None = None  # Mosaic GPU interpreter (CPU); None: when not on a GPU
+    # (read when a step is traced, not at construction: importing jaxdecode must not start
+    # the backend, or jax.distributed.initialize could no longer run)
     mesh: Mesh | None = None  # a ("data", "model") mesh: Pallas kernels run under shard_map
 
     def __post_init__(self):
@@ -54,8 +56,6 @@ class Kernels:
         if self.mesh is not None and self.deltanet == "pallas":
             raise ValueError("Kernels(deltanet='pallas') does not run on a mesh; use 'xla' "
                              "(with delta_rule='pallas' for the per-device delta-rule kernel)")
-        if self.interpret is None:
-            object.__setattr__(self, "interpret", jax.default_backend() != "gpu")
 
 
 XLA = Kernels()  # every op in XLA: the reference path, any backend
@@ -126,12 +126,18 @@ def choose_kernels(config: Config, batch_size: int, *, dtype="bfloat16",
                    interpret=False, mesh=mesh)
 
 
+def _interpret(kernels: Kernels) -> bool:
+    if kernels.interpret is None:
+        return jax.default_backend() != "gpu"
+    return kernels.interpret
+
+
 def decode_attention(kernels: Kernels, q, k_cache, v_cache, kv_len):
     """GQA decode attention as ``kernels.attention`` says: q [B, Hq, D], caches [B, Hkv, S, D],
     kv_len [B] int32 valid keys per row. Returns [B, Hq, D] in q's dtype."""
     if kernels.attention == "xla":
         return attention_kernel.decode_attention_reference(q, k_cache, v_cache, kv_len)
-    attend = functools.partial(_attention_pallas, interpret=kernels.interpret)
+    attend = functools.partial(_attention_pallas, interpret=_interpret(kernels))
     if kernels.mesh is None:
         return attend(q, k_cache, v_cache, kv_len)
     heads, cache = P(DATA, MODEL, None), P(DATA, MODEL, None, None)
@@ -146,11 +152,11 @@ def deltanet_decode(kernels: Kernels, mixed_qkv, a, b, active, positions, conv_s
     args = (mixed_qkv, a, b, active, positions, conv_state, recurrent_state, conv_weight, A_log,
             dt_bias)
     if kernels.deltanet == "pallas":
-        return _deltanet_pallas(*args, num_key_heads=num_key_heads, interpret=kernels.interpret)
+        return _deltanet_pallas(*args, num_key_heads=num_key_heads, interpret=_interpret(kernels))
     if kernels.delta_rule == "xla":
         rule = delta_rule_kernel.gated_delta_decode_reference
     else:
-        rule = functools.partial(_delta_rule_pallas, interpret=kernels.interpret)
+        rule = functools.partial(_delta_rule_pallas, interpret=_interpret(kernels))
         if kernels.mesh is not None:
             heads, state = P(DATA, MODEL, None), P(DATA, MODEL, None, None)
             rule = jax.shard_map(rule, mesh=kernels.mesh,
