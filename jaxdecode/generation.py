@@ -1,20 +1,13 @@
 """Generation loops: prefill, then sample and decode until every row stops.
 
-:func:`generate` runs the whole loop on device in one jitted call (a ``lax.scan`` over chunks of
-``chunk_size`` tokens; a chunk in which every row has stopped is skipped by a ``lax.cond``).
-:func:`generate_stream` runs one jitted chunk at a time and yields its tokens to the host. Both
-share one step function, so they give the same tokens for the same key.
-
-A row stops after an ``eos_token_ids`` token or its budget; it is then inactive in
-:func:`jaxdecode.model.decode_step_fn` (its state no longer written) and padded with ``pad_id``.
-Row ``r`` draws its ``i``-th token with ``fold_in(row_keys(key, rows)[r], i)``, so its tokens do
-not depend on the chunking, the mode or the other rows.
-
-Compilation: prompts are padded to a power-of-two length (>= 16), the token buffer to a
-power-of-two budget, ``max_len`` to a multiple of 64, so few executables serve many requests.
-Sampling values, budgets, keys and up to 8 EOS ids are traced; turning a sampling step on or off
-for the whole batch recompiles (:class:`~jaxdecode.sampling.SamplingFeatures`: unused steps are
-left out, as a ``lax.cond`` waits for the device on a GPU; benchmarks/RESULTS.md).
+:func:`generate` runs the whole loop in one jitted call (a ``lax.scan`` over chunks of
+``chunk_size`` steps, each skipped by a ``lax.cond`` once every row has stopped),
+:func:`generate_stream` one jitted chunk at a time; same step, same tokens: row ``r`` draws its
+``i``-th token with ``fold_in(row_keys(key, R)[r], i)``. A stopped row (EOS id, stop sequence,
+budget) is inactive in ``decode_step_fn`` and padded with ``pad_id``. Prompts are padded to a
+power-of-two length (>= 16), the token buffer to a power of two, ``max_len`` to a multiple of 64;
+sampling values, budgets, keys, EOS ids and stop sequences are traced (8 ids, 8 sequences of 8
+ids per bucket); a sampling step on or off for the whole batch recompiles (``SamplingFeatures``).
 """
 
 from __future__ import annotations
@@ -35,29 +28,33 @@ from jaxdecode import sharding
 from jaxdecode.kernels.choice import Kernels, choose_kernels
 from jaxdecode.kernels.decode_attention import MAX_LEN_ALIGN
 from jaxdecode.model import decode_step_fn, prefill_fn
-from jaxdecode.step import COMPILER_OPTIONS
 from jaxdecode.params import Params
 from jaxdecode.sampling import SamplingFeatures, SamplingParams
 from jaxdecode.state import DecodeState, fork, init_state
+from jaxdecode.step import COMPILER_OPTIONS, check_state
 
 Array = jax.Array
 
 STOP_RUNNING = 0  # not stopped yet (only seen in streamed chunks)
 STOP_EOS = 1  # emitted one of the EOS ids (included in the output)
 STOP_LENGTH = 2  # reached its token budget
-STOP_REASONS = {STOP_RUNNING: "running", STOP_EOS: "eos", STOP_LENGTH: "length"}
+STOP_SEQUENCE = 3  # emitted the last token of a stop sequence (included in the output)
+STOP_REASONS = {STOP_RUNNING: "running", STOP_EOS: "eos", STOP_LENGTH: "length",
+                STOP_SEQUENCE: "stop"}
 
 MIN_PROMPT_BUCKET = 16
 MIN_TOKEN_BUCKET = 16
 MAX_EOS_IDS = 8  # EOS id arrays are padded to this many entries (-1 never matches)
+MAX_STOP = 8  # stop sequences: padded to >= 8 rows of >= 8 ids, right-aligned, -1 before
 
 
 @struct.dataclass
 class GenerateOutput:
     """Result of :func:`generate` (R = prompts × num_samples rows, N >= the largest budget)."""
     tokens: Array  # [R, N] int32 generated ids, pad_id after each row's last token
-    num_generated: Array  # [R] int32 tokens generated per row (an EOS token counts)
-    stop_reason: Array  # [R] int32, STOP_EOS or STOP_LENGTH
+    num_generated: Array  # [R] int32 tokens generated per row (EOS and stop tokens count)
+    stop_reason: Array  # [R] int32, STOP_EOS, STOP_SEQUENCE or STOP_LENGTH
+    state: DecodeState | None = None  # R rows: prompt + all generated (state= or return_state)
 
     def token_lists(self) -> list[list[int]]:
         """Each row's generated ids, without padding (a host sync)."""
@@ -65,7 +62,7 @@ class GenerateOutput:
         return [tokens[r, :counts[r]].tolist() for r in range(tokens.shape[0])]
 
     def stop_reasons(self) -> list[str]:
-        """Each row's stop reason as text ("eos" or "length")."""
+        """Each row's stop reason as text ("eos", "stop" or "length")."""
         return [STOP_REASONS[int(s)] for s in np.asarray(self.stop_reason)]
 
 
@@ -80,6 +77,7 @@ class LoopState:
     budgets: Array  # [R] int32 token budget per row
     keys: Array  # [R] per-row PRNG keys
     token_counts: Array | None  # [R, V] int32 generated-token counts (penalties), or None
+    recent: Array | None = None  # [R, L-1] int32 last generated ids (-1: none yet), or None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,25 +86,32 @@ class StreamChunk:
     tokens: np.ndarray  # [R, n] int32 new ids, pad_id where a row produced nothing
     num_generated: np.ndarray  # [R] int32 tokens generated per row so far
     stop_reason: np.ndarray  # [R] int32, STOP_RUNNING for rows still going
+    state: DecodeState | None = None  # the last chunk's: the final state, as GenerateOutput's
 
 
 def _record(loop: LoopState, state: DecodeState, token: Array, active: Array,
-            eos_token_ids: Array, pad_id: int) -> tuple[LoopState, Array]:
+            eos_token_ids: Array, stop_sequences: Array | None,
+            pad_id: int) -> tuple[LoopState, Array]:
     """Books one sampled token per active row; returns the new carry and the emitted ids."""
-    emitted = jnp.where(active, token, pad_id).astype(jnp.int32)
     num_generated = loop.num_generated + active.astype(jnp.int32)
     is_eos = active & jnp.any(token[:, None] == eos_token_ids[None, :], axis=-1)
+    is_stop, recent = jnp.zeros_like(active), loop.recent
+    if stop_sequences is not None:  # [S, L], right-aligned; -1 matches anything
+        window = jnp.concatenate([recent, token[:, None]], axis=1)  # [R, L], -1 before the first
+        hit = jnp.all((stop_sequences < 0) | (window[:, None] == stop_sequences[None]), axis=-1)
+        is_stop = active & jnp.any(hit & jnp.any(stop_sequences >= 0, axis=-1), axis=-1)
+        recent = jnp.where(active[:, None], window[:, 1:], recent)
     spent = active & (num_generated >= loop.budgets)
-    stop_reason = jnp.where(is_eos, STOP_EOS, jnp.where(spent, STOP_LENGTH, loop.stop_reason))
+    reason = jnp.select([is_eos, is_stop, spent], [STOP_EOS, STOP_SEQUENCE, STOP_LENGTH],
+                        loop.stop_reason)
     counts = loop.token_counts
     if counts is not None:
-        rows = jnp.arange(token.shape[0])
-        counts = counts.at[rows, jnp.where(active, token, 0)].add(active.astype(jnp.int32))
-    new = LoopState(state=state, last_token=jnp.where(active, token, loop.last_token),
-                    num_generated=num_generated, done=loop.done | is_eos | spent,
-                    stop_reason=stop_reason.astype(jnp.int32), budgets=loop.budgets,
-                    keys=loop.keys, token_counts=counts)
-    return new, emitted
+        counted = active & (token >= 0)  # sample gives -1 for a NaN row
+        counts = counts.at[jnp.arange(token.shape[0]), jnp.where(counted, token, 0)].add(counted)
+    new = loop.replace(state=state, last_token=jnp.where(active, token, loop.last_token),
+                       num_generated=num_generated, done=loop.done | is_eos | is_stop | spent,
+                       stop_reason=reason.astype(jnp.int32), token_counts=counts, recent=recent)
+    return new, jnp.where(active, token, pad_id).astype(jnp.int32)
 
 
 def _step_keys(keys: Array, num_generated: Array) -> Array:
@@ -115,24 +120,18 @@ def _step_keys(keys: Array, num_generated: Array) -> Array:
 
 def start_fn(params: Params, state: DecodeState, prompts: Array, prompt_lengths: Array,
              budgets: Array, sampling: SamplingParams, keys: Array, eos_token_ids: Array, *,
-             num_samples: int = 1, track_counts: bool | None = None,
-             features: SamplingFeatures | None = None,
+             stop_sequences: Array | None = None, num_samples: int = 1,
+             track_counts: bool | None = None, features: SamplingFeatures | None = None,
              pad_id: int = -1) -> tuple[LoopState, Array]:
-    """Prefill, fork, and sample each row's first token.
+    """Prefill, fork, and sample each row's first token. Returns (LoopState, tokens [R] int32).
 
-    Args:
-      state: an empty (or continued) state with P = ``prompts.shape[0]`` rows.
-      prompts: [P, T] int32, right-padded; prompt_lengths: [P] int32, >= 1.
-      budgets: [R] int32 (R = P × num_samples), token budget per output row, >= 1.
-      sampling: :class:`SamplingParams` with [R] leaves; keys: [R] per-row PRNG keys.
-      eos_token_ids: [E] int32 (entries -1 are ignored); pad_id: for rows that emit nothing.
-      num_samples: rows per prompt (``fork``); row ``p * num_samples + j`` continues prompt p.
-      track_counts: keep [R, V] generated-token counts for the penalties (else none applies);
-        None: ``features.penalties`` when ``features`` is given, else False.
-      features: ``features_of(sampling)`` (static): unused steps are left out; None: each step
-        is decided on the device by a ``lax.cond``.
-
-    Returns (LoopState, first tokens [R] int32).
+    ``state``: P = ``prompts.shape[0]`` rows (empty or not); ``prompts`` [P, T] int32, right-
+    padded; ``prompt_lengths`` [P] >= 1; ``budgets`` [R] >= 1 (R = P × num_samples); ``sampling``
+    [R] leaves; ``keys`` [R]; ``eos_token_ids`` [E] and ``stop_sequences`` [S, L] (right-aligned)
+    int32, -1 = no id; ``num_samples``: rows per prompt (``fork``), row ``p * num_samples + j``
+    continues prompt p; ``track_counts``: keep [R, V] token counts for the penalties (None:
+    ``features.penalties``, False without ``features``); ``features`` (static): sampling steps
+    compiled in (None: a ``lax.cond`` per step); ``pad_id``: emitted by stopped rows.
     """
     logits, state = prefill_fn(params, state, prompts, prompt_lengths)
     if num_samples > 1:
@@ -141,45 +140,43 @@ def start_fn(params: Params, state: DecodeState, prompts: Array, prompt_lengths:
     rows, vocab = logits.shape
     if track_counts is None:
         track_counts = features is not None and features.penalties
-    counts = jnp.zeros((rows, vocab), jnp.int32) if track_counts else None
-    loop = LoopState(state=state, last_token=jnp.zeros((rows,), jnp.int32),
-                     num_generated=jnp.zeros((rows,), jnp.int32),
-                     done=jnp.zeros((rows,), bool), stop_reason=jnp.zeros((rows,), jnp.int32),
-                     budgets=budgets.astype(jnp.int32), keys=keys, token_counts=counts)
-    token = sampling_lib.sample(logits, _step_keys(keys, loop.num_generated), sampling, counts,
+    zeros = jnp.zeros((rows,), jnp.int32)
+    loop = LoopState(state=state, last_token=zeros, num_generated=zeros,
+                     done=jnp.zeros((rows,), bool), stop_reason=zeros,
+                     budgets=budgets.astype(jnp.int32), keys=keys,
+                     token_counts=jnp.zeros((rows, vocab), jnp.int32) if track_counts else None,
+                     recent=None if stop_sequences is None else
+                     jnp.full((rows, stop_sequences.shape[1] - 1), -1, jnp.int32))
+    token = sampling_lib.sample(logits, _step_keys(keys, zeros), sampling, loop.token_counts,
                                 features=features)
-    return _record(loop, state, token, jnp.ones((rows,), bool), eos_token_ids, pad_id)
+    return _record(loop, state, token, jnp.ones((rows,), bool), eos_token_ids, stop_sequences,
+                   pad_id)
 
 
 def step_fn(params: Params, loop: LoopState, sampling: SamplingParams, eos_token_ids: Array, *,
-            pad_id: int = -1, kernels: Kernels | None = None,
+            stop_sequences: Array | None = None, pad_id: int = -1,
+            kernels: Kernels | None = None,
             features: SamplingFeatures | None = None) -> tuple[LoopState, Array]:
-    """One decode step for every row still running: feed the last token, sample the next.
-
-    ``features`` as in :func:`start_fn`. Returns (new LoopState, emitted ids [R] int32,
-    ``pad_id`` for stopped rows).
-    """
+    """One decode step of every running row: feed its last token, sample the next. Returns
+    (LoopState, emitted ids [R] int32, ``pad_id`` for stopped rows)."""
     active = ~loop.done
     logits, state = decode_step_fn(params, loop.state, loop.last_token, active, kernels)
     token = sampling_lib.sample(logits, _step_keys(loop.keys, loop.num_generated), sampling,
                                 loop.token_counts, features=features)
-    return _record(loop, state, token, active, eos_token_ids, pad_id)
+    return _record(loop, state, token, active, eos_token_ids, stop_sequences, pad_id)
 
 
 def chunk_fn(params: Params, loop: LoopState, sampling: SamplingParams, eos_token_ids: Array, *,
-             chunk_size: int, pad_id: int = -1, kernels: Kernels | None = None,
-             features: SamplingFeatures | None = None,
+             chunk_size: int, stop_sequences: Array | None = None, pad_id: int = -1,
+             kernels: Kernels | None = None, features: SamplingFeatures | None = None,
              progress: Callable[[np.ndarray], None] | None = None) -> tuple[LoopState, Array]:
-    """``chunk_size`` decode steps (a ``lax.scan``), skipped entirely once every row is done.
-
-    ``features`` as in :func:`start_fn`. Returns (new LoopState, emitted ids [R, chunk_size]
-    int32). With ``progress``, calls ``progress(num_generated [R])`` on the host after the chunk
-    (``jax.debug.callback``).
-    """
+    """``chunk_size`` steps (a ``lax.scan``), skipped once every row is done. Returns
+    (LoopState, emitted ids [R, chunk_size]); then ``progress(num_generated)`` on the host."""
     def run(loop):
         loop, emitted = lax.scan(
             lambda c, _: step_fn(params, c, sampling, eos_token_ids, pad_id=pad_id,
-                                 kernels=kernels, features=features),
+                                 stop_sequences=stop_sequences, kernels=kernels,
+                                 features=features),
             loop, None, length=chunk_size)
         return loop, emitted.T
 
@@ -192,36 +189,41 @@ def chunk_fn(params: Params, loop: LoopState, sampling: SamplingParams, eos_toke
     return loop, emitted
 
 
+def feed_last_fn(params: Params, state: DecodeState, last_token: Array,
+                 kernels: Kernels | None = None) -> DecodeState:
+    """Appends ``LoopState.last_token`` (after the loop, each row's one emitted token not in the
+    state yet), so the state holds every token; the logits are dropped."""
+    return decode_step_fn(params, state, last_token, None, kernels)[1]
+
+
 def generate_fn(params: Params, state: DecodeState, prompts: Array, prompt_lengths: Array,
                 budgets: Array, sampling: SamplingParams, keys: Array, eos_token_ids: Array, *,
                 max_new_tokens: int, chunk_size: int = 8, num_samples: int = 1,
                 track_counts: bool | None = None, features: SamplingFeatures | None = None,
                 pad_id: int = -1, kernels: Kernels | None = None,
-                progress: Callable[[np.ndarray], None] | None = None
-                ) -> tuple[GenerateOutput, LoopState]:
-    """The whole generation loop as one pure function (un-jitted, un-validated).
-
-    Args as :func:`start_fn`, plus ``max_new_tokens`` (static): the token buffer length N, at
-    least ``max(budgets)``; ``chunk_size`` (static): decode steps per scan iteration.
-    Returns (GenerateOutput with [R, N] tokens, final LoopState).
-    """
+                progress: Callable[[np.ndarray], None] | None = None,
+                stop_sequences: Array | None = None,
+                return_state: bool = False) -> tuple[GenerateOutput, LoopState]:
+    """The whole loop as one pure function (un-jitted, unvalidated); args as :func:`start_fn`,
+    and (static) ``max_new_tokens``: the token buffer N >= ``max(budgets)``; ``chunk_size``:
+    steps per scan iteration; ``return_state``: set ``.state`` (:func:`feed_last_fn`).
+    Returns (GenerateOutput with [R, N] tokens, final LoopState)."""
     loop, first = start_fn(params, state, prompts, prompt_lengths, budgets, sampling, keys,
-                           eos_token_ids, num_samples=num_samples, track_counts=track_counts,
-                           features=features, pad_id=pad_id)
-    rows = first.shape[0]
+                           eos_token_ids, stop_sequences=stop_sequences, num_samples=num_samples,
+                           track_counts=track_counts, features=features, pad_id=pad_id)
+    tokens = first[:, None]
     num_chunks = math.ceil((max_new_tokens - 1) / chunk_size)
     if num_chunks:
         loop, chunks = lax.scan(
             lambda c, _: chunk_fn(params, c, sampling, eos_token_ids, chunk_size=chunk_size,
-                                  pad_id=pad_id, kernels=kernels, features=features,
-                                  progress=progress),
+                                  stop_sequences=stop_sequences, pad_id=pad_id, kernels=kernels,
+                                  features=features, progress=progress),
             loop, None, length=num_chunks)
-        rest = jnp.transpose(chunks, (1, 0, 2)).reshape(rows, num_chunks * chunk_size)
-        tokens = jnp.concatenate([first[:, None], rest], axis=1)[:, :max_new_tokens]
-    else:
-        tokens = first[:, None]
+        rest = jnp.transpose(chunks, (1, 0, 2)).reshape(first.shape[0], -1)
+        tokens = jnp.concatenate([tokens, rest], axis=1)[:, :max_new_tokens]
+    final = feed_last_fn(params, loop.state, loop.last_token, kernels) if return_state else None
     return GenerateOutput(tokens=tokens, num_generated=loop.num_generated,
-                          stop_reason=loop.stop_reason), loop
+                          stop_reason=loop.stop_reason, state=final), loop
 
 
 def bucket(n: int, minimum: int) -> int:
@@ -238,6 +240,7 @@ class _Plan:
     sampling: SamplingParams  # [R] leaves
     keys: Array  # [R]
     eos_token_ids: np.ndarray  # [E] int32
+    stop_sequences: np.ndarray  # [S, L] int32
     max_len: int
     max_new_tokens: int  # token buffer N (bucketed)
     chunk_size: int
@@ -245,94 +248,83 @@ class _Plan:
     features: SamplingFeatures  # the sampling steps some row uses (static)
     pad_id: int
     kernels: Kernels
+    return_state: bool
+    fork_state: bool  # a given state is forked: the output cannot reuse (donated) its buffers
 
 
-def _as_prompt_list(prompts) -> list[list[int]]:
-    if isinstance(prompts, (np.ndarray, jax.Array)):
-        arr = np.asarray(prompts)
-        if arr.ndim == 1:
-            raise ValueError(f"prompts must be a batch: a list of token-id lists or a [B, T] "
-                             f"array; got a 1-D array of shape {arr.shape} (wrap it in a list)")
-        if arr.ndim != 2:
-            raise ValueError(f"prompts must be [B, T]; got shape {arr.shape}")
-        return [row.tolist() for row in arr]
-    if isinstance(prompts, (str, bytes)):
-        raise ValueError("prompts must be token ids (tokenize text first, see "
-                         "jaxdecode.tokenizer)")
-    out = []
-    for i, p in enumerate(prompts):
+def _token_lists(x, name: str, vocab: int) -> list[list[int]]:
+    """A list of token-id lists or a [B, T] array as lists, each non-empty and in the vocab."""
+    one, out = name.rstrip("s"), []
+    for i, p in enumerate(np.asarray(x) if isinstance(x, jax.Array) else x):
         if isinstance(p, (int, np.integer)):
-            raise ValueError("prompts must be a batch: a list of token-id lists; got a flat list "
+            raise ValueError(f"{name} must be a batch: a list of token-id lists; got a flat list "
                              "of ints (wrap it in a list)")
         arr = np.asarray(p)
-        if arr.ndim != 1:
-            raise ValueError(f"prompt {i} must be a 1-D sequence of token ids; got shape "
-                             f"{arr.shape}")
-        if arr.size and not np.issubdtype(arr.dtype, np.integer):
-            raise ValueError(f"prompt {i} must hold integer token ids; got dtype {arr.dtype}")
+        if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+            raise ValueError(f"{one} {i} must be a 1-D sequence of integer token ids (tokenize "
+                             f"text first); got shape {arr.shape}, dtype {arr.dtype}")
         out.append(arr.astype(np.int64).tolist())
+        bad = [t for t in out[-1] if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{one} {i} has token ids outside [0, vocab_size={vocab}): {bad[:8]}")
+    empty = [i for i, p in enumerate(out) if not p]
+    if empty:
+        raise ValueError(f"{one}(s) {empty} are empty: each needs at least one token")
     return out
 
 
-def _per_row(name: str, value, rows: int, dtype) -> np.ndarray:
-    arr = np.asarray(value)
-    if arr.ndim == 0:
-        return np.full((rows,), arr, dtype)
-    if arr.shape != (rows,):
-        raise ValueError(f"{name} must be a scalar or one value per prompt ({rows}); got shape "
-                         f"{arr.shape}")
-    return arr.astype(dtype)
-
-
 def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids, *, max_len,
-          num_samples, chunk_size, pad_id, kernels, features: SamplingFeatures | None = None
-          ) -> _Plan:
+          num_samples, chunk_size, pad_id, kernels, features: SamplingFeatures | None = None,
+          stop_sequences=None, state: DecodeState | None = None,
+          return_state: bool = False) -> _Plan:
     if kernels is not None and not isinstance(kernels, Kernels):
         raise ValueError(f"kernels={kernels!r} must be a jaxdecode.Kernels (or None)")
     config = params.config
-    vocab = config.vocab_size
-    prompt_list = _as_prompt_list(prompts)
+    vocab, limit = config.vocab_size, config.max_position_embeddings
+    prompt_list = _token_lists(prompts, "prompts", vocab)
     if not prompt_list:
         raise ValueError("prompts is empty: pass at least one prompt")
-    empty = [i for i, p in enumerate(prompt_list) if len(p) == 0]
-    if empty:
-        raise ValueError(f"prompt(s) {empty} are empty: every prompt needs at least one token")
-    for i, p in enumerate(prompt_list):
-        bad = [t for t in p if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt {i} has token ids outside [0, vocab_size={vocab}): "
-                             f"{bad[:8]}")
-    if not isinstance(num_samples, int) or num_samples < 1:
-        raise ValueError(f"{num_samples=} must be a positive int")
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"{chunk_size=} must be a positive int")
+    for name, value in (("num_samples", num_samples), ("chunk_size", chunk_size)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive int")
     if not isinstance(pad_id, (int, np.integer)) or not -2**31 <= pad_id < 2**31:
         raise ValueError(f"{pad_id=} must be an int32")
     num_prompts = len(prompt_list)
     rows = num_prompts * num_samples
     budgets = np.asarray(max_new_tokens)
-    if budgets.size == 0 or not np.issubdtype(budgets.dtype, np.integer):
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int or one int per prompt")
-    budgets = _per_row("max_new_tokens", budgets, num_prompts, np.int32)
+    if not np.issubdtype(budgets.dtype, np.integer) or budgets.shape not in ((), (num_prompts,)):
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int or one value per "
+                         f"prompt ({num_prompts})")
+    budgets = np.broadcast_to(budgets, (num_prompts,)).astype(np.int32)
     if (budgets < 1).any():
         raise ValueError(f"max_new_tokens must be >= 1; got {budgets.tolist()}")
     prompt_lengths = np.array([len(p) for p in prompt_list], np.int32)
-    need = prompt_lengths + budgets
-    limit = config.max_position_embeddings
-    if (need > limit).any():
-        i = int(np.argmax(need > limit))
-        raise ValueError(f"prompt {i}: {prompt_lengths[i]} prompt tokens + max_new_tokens="
-                         f"{budgets[i]} exceeds the model's max_position_embeddings={limit}")
-    if max_len is not None:
+    cached = np.zeros(num_prompts, np.int64)
+    if state is not None:
+        if not isinstance(state, DecodeState):
+            raise ValueError(f"state must be a jaxdecode.DecodeState; got {type(state).__name__}")
+        check_state(config, state, params.dtype)
+        sharding.check_params_on(params, sharding.mesh_of(state))
+        if state.batch_size != num_prompts:
+            raise ValueError(f"state has {state.batch_size} rows but there are {num_prompts} "
+                             "prompts (the new tokens of each row)")
+        if max_len is not None:
+            raise ValueError("pass max_len or state, not both (state.max_len is the capacity)")
+        if state.lengths.is_fully_addressable:  # else over several processes: unread, as prefill
+            cached = np.asarray(jnp.copy(state.lengths)).astype(np.int64)  # a copy: it is donated
+        max_len = state.max_len
+    elif max_len is not None:
         if isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len < 1:
             raise ValueError(f"{max_len=} must be a positive int")
-        max_len = int(max_len)
         if max_len > limit:
             raise ValueError(f"{max_len=} exceeds the model's max_position_embeddings={limit}")
-        if (need > max_len).any():
-            i = int(np.argmax(need > max_len))
-            raise ValueError(f"prompt {i}: {prompt_lengths[i]} prompt tokens + max_new_tokens="
-                             f"{budgets[i]} exceeds {max_len=}")
+    need = cached + prompt_lengths + budgets
+    for cap, what in ((limit, "the model's max_position_embeddings"), (max_len, "max_len")):
+        if cap is not None and (need > cap).any():
+            i = int(np.argmax(need > cap))
+            pre = f"{cached[i]} cached + " if state is not None else ""
+            raise ValueError(f"prompt {i}: {pre}{prompt_lengths[i]} prompt tokens + "
+                             f"max_new_tokens={budgets[i]} exceeds {what}={cap}")
     t_bucket = bucket(int(prompt_lengths.max()), MIN_PROMPT_BUCKET)
     n_bucket = bucket(int(budgets.max()), MIN_TOKEN_BUCKET)
     if max_len is None:  # a multiple of the decode kernel's block, so it never pads the cache
@@ -341,124 +333,113 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
     for i, p in enumerate(prompt_list):
         padded[i, :len(p)] = p
 
-    if sampling is None:
-        sampling = sampling_lib.greedy()
-    if _leaf_rows(sampling) == rows != num_prompts:  # already one value per output row
+    sampling = sampling_lib.greedy() if sampling is None else sampling
+    firsts = {np.shape(x)[:1] for x in jax.tree.leaves(sampling)} - {()}
+    if firsts == {(rows,)} and rows != num_prompts:  # already one value per output row
         sampling = sampling.broadcast(rows)
     else:
         sampling = sampling.broadcast(num_prompts).repeat(num_samples)
     sampling = jax.tree.map(np.asarray, sampling)
     sampling_lib.validate(sampling)
     used = sampling_lib.features_of(sampling)
-    if features is None:
-        features = used
-    elif not isinstance(features, SamplingFeatures):
+    if features is not None and not isinstance(features, SamplingFeatures):
         raise ValueError(f"features={features!r} must be a jaxdecode.sampling.SamplingFeatures")
-    else:
-        left_out = [f.name for f in dataclasses.fields(used)
-                    if getattr(used, f.name) and not getattr(features, f.name)]
-        if left_out:
-            raise ValueError(f"features={features} leaves out {left_out}, which the sampling "
-                             "values use (pass jaxdecode.sampling.ALL_FEATURES or None)")
+    features = features or used
+    left_out = [f.name for f in dataclasses.fields(used)
+                if getattr(used, f.name) and not getattr(features, f.name)]
+    if left_out:
+        raise ValueError(f"features={features} leaves out {left_out}, which the sampling values "
+                         "use (pass jaxdecode.sampling.ALL_FEATURES or None)")
 
-    if eos_token_ids is None:
-        eos_token_ids = config.eos_token_id
-    eos = np.atleast_1d(np.asarray(eos_token_ids, np.int64)).ravel()  # an int or a sequence
+    eos = np.atleast_1d(np.asarray(config.eos_token_id if eos_token_ids is None
+                                   else eos_token_ids, np.int64)).ravel()  # int or sequence
     bad = eos[(eos < 0) | (eos >= vocab)]
     if bad.size:
         raise ValueError(f"eos_token_ids {bad.tolist()} are outside [0, vocab_size={vocab})")
     eos_padded = np.full((max(MAX_EOS_IDS, bucket(eos.size, 1)),), -1, np.int32)
     eos_padded[:eos.size] = eos
+    stops = _token_lists(() if stop_sequences is None else stop_sequences, "stop_sequences",
+                         vocab)
+    width = max([MAX_STOP] + [bucket(len(s), 1) for s in stops])
+    stop_padded = np.full((max(MAX_STOP, bucket(len(stops), 1)), width), -1, np.int32)
+    for i, s in enumerate(stops):
+        stop_padded[i, width - len(s):] = s
 
-    if key is None:
-        key = jax.random.key(0)
-    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
-    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
-    if key.ndim == (0 if typed else 1):
-        keys = sampling_lib.row_keys(key, rows)
-    elif key.shape[0] == rows:
-        keys = key
-    else:
+    key = jax.random.key(0) if key is None else key
+    key = key if isinstance(key, jax.Array) else jnp.asarray(key)
+    if key.ndim == (0 if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else 1):
+        key = sampling_lib.row_keys(key, rows)
+    elif key.shape[0] != rows:
         raise ValueError(f"key must be one PRNG key or one per output row ({rows}); got "
                          f"{key.shape=}")
     return _Plan(prompts=padded, prompt_lengths=prompt_lengths,
-                 budgets=np.repeat(budgets, num_samples), sampling=sampling, keys=keys,
-                 eos_token_ids=eos_padded, max_len=int(max_len), max_new_tokens=n_bucket,
-                 chunk_size=min(chunk_size, max(n_bucket - 1, 1)), num_samples=num_samples,
-                 features=features, pad_id=pad_id,
+                 budgets=np.repeat(budgets, num_samples), sampling=sampling, keys=key,
+                 eos_token_ids=eos_padded, stop_sequences=stop_padded, max_len=int(max_len),
+                 max_new_tokens=n_bucket, chunk_size=min(chunk_size, max(n_bucket - 1, 1)),
+                 num_samples=num_samples, features=features, pad_id=pad_id,
                  kernels=kernels or choose_kernels(config, rows, dtype=params.dtype,
-                                                   mesh=sharding.mesh_of(params)))
+                                                   mesh=sharding.mesh_of(params)),
+                 return_state=bool(return_state) or state is not None,
+                 fork_state=state is not None and num_samples > 1)
 
 
-def _leaf_rows(sampling: SamplingParams) -> int | None:
-    shapes = {np.shape(x) for x in jax.tree.leaves(sampling)}
-    if shapes == {()}:
-        return None
-    sizes = {s[0] for s in shapes if s}
-    return sizes.pop() if len(sizes) == 1 else -1
+def _run(params, state, prompts, prompt_lengths, budgets, sampling, keys, eos_token_ids,
+         stop_sequences, pad_id, *, max_len, num_samples, features, **loop):
+    """:func:`start_fn`, or with ``loop``'s statics :func:`generate_fn`, on ``state`` or a new one
+    (None). Dynamic arguments positional, static ones keywords; pad_id is traced (a fill value)."""
+    if state is None:
+        state = init_state(params.config, prompts.shape[0], max_len, params.dtype)
+    args = (params, state, prompts, prompt_lengths, budgets, sampling, keys, eos_token_ids)
+    kw = dict(stop_sequences=stop_sequences, num_samples=num_samples, features=features,
+              pad_id=pad_id)
+    return generate_fn(*args, **kw, **loop)[0] if loop else start_fn(*args, **kw)
 
 
-# Dynamic arguments are positional, static ones keywords. pad_id is traced (a fill value), so
-# changing it does not recompile.
-@functools.partial(jax.jit, static_argnames=("max_len", "max_new_tokens", "chunk_size",
-                                             "num_samples", "features", "kernels", "progress"),
-                   compiler_options=COMPILER_OPTIONS)
-def _generate_jit(params, prompts, prompt_lengths, budgets, sampling, keys, eos_token_ids, pad_id,
-                  *, max_len, max_new_tokens, chunk_size, num_samples, features,
-                  kernels, progress):
-    state = init_state(params.config, prompts.shape[0], max_len, dtype=params.dtype)
-    out, _ = generate_fn(params, state, prompts, prompt_lengths, budgets, sampling, keys,
-                         eos_token_ids, max_new_tokens=max_new_tokens, chunk_size=chunk_size,
-                         num_samples=num_samples, features=features, pad_id=pad_id,
-                         kernels=kernels, progress=progress)
-    return out
-
-
-@functools.partial(jax.jit, static_argnames=("max_len", "num_samples", "features"),
-                   compiler_options=COMPILER_OPTIONS)
-def _start_jit(params, prompts, prompt_lengths, budgets, sampling, keys, eos_token_ids, pad_id,
-               *, max_len, num_samples, features):
-    state = init_state(params.config, prompts.shape[0], max_len, dtype=params.dtype)
-    return start_fn(params, state, prompts, prompt_lengths, budgets, sampling, keys,
-                    eos_token_ids, num_samples=num_samples, features=features, pad_id=pad_id)
+# Two of each: one donating the state, one not, for a forked state (jit would warn).
+_STATIC = ("max_len", "num_samples", "features", "max_new_tokens", "chunk_size", "kernels",
+           "progress", "return_state")
+_generate_jit, _fork_jit = (jax.jit(_run, static_argnames=_STATIC, donate_argnames=donate,
+                                    compiler_options=COMPILER_OPTIONS)
+                            for donate in (("state",), ()))
+_start_jit = _generate_jit  # called without the loop's statics: start_fn
 
 
 @functools.partial(jax.jit, static_argnames=("chunk_size", "kernels", "features"),
                    donate_argnames=("loop",), compiler_options=COMPILER_OPTIONS)
-def _chunk_jit(params, loop, sampling, eos_token_ids, pad_id, *, chunk_size, kernels,
-               features):
+def _chunk_jit(params, loop, sampling, eos_token_ids, stop_sequences, pad_id, *, chunk_size,
+               kernels, features):
     return chunk_fn(params, loop, sampling, eos_token_ids, chunk_size=chunk_size, pad_id=pad_id,
-                    kernels=kernels, features=features)
+                    stop_sequences=stop_sequences, kernels=kernels, features=features)
 
 
-def _start_args(params: Params, plan: _Plan):
-    args = (params, plan.prompts, plan.prompt_lengths, plan.budgets, plan.sampling, plan.keys,
-            plan.eos_token_ids, np.int32(plan.pad_id))
+_feed_last_jit = jax.jit(feed_last_fn, static_argnames=("kernels",), donate_argnames=("state",),
+                         compiler_options=COMPILER_OPTIONS)
+
+
+def _start_args(params: Params, plan: _Plan, state: DecodeState | None = None):
+    args = (params, state, plan.prompts, plan.prompt_lengths, plan.budgets, plan.sampling,
+            plan.keys, plan.eos_token_ids, plan.stop_sequences, np.int32(plan.pad_id))
     return args, dict(max_len=plan.max_len, num_samples=plan.num_samples, features=plan.features)
 
 
-def _generate_args(params: Params, plan: _Plan, progress):
-    args, static = _start_args(params, plan)
+def _generate_args(params: Params, plan: _Plan, progress, state: DecodeState | None = None):
+    args, static = _start_args(params, plan, state)
     return args, dict(static, max_new_tokens=plan.max_new_tokens, chunk_size=plan.chunk_size,
-                      kernels=plan.kernels, progress=progress)
+                      kernels=plan.kernels, progress=progress, return_state=plan.return_state)
 
 
 def _chunk_args(params: Params, plan: _Plan, loop):
-    args = (params, loop, plan.sampling, plan.eos_token_ids, np.int32(plan.pad_id))
+    args = (params, loop, plan.sampling, plan.eos_token_ids, plan.stop_sequences,
+            np.int32(plan.pad_id))
     return args, dict(chunk_size=plan.chunk_size, kernels=plan.kernels, features=plan.features)
 
 
 @dataclasses.dataclass(frozen=True)
 class Executables:
-    """Executables compiled ahead of time by :func:`precompile`, keyed by everything ``jit``
-    keys on. Passed as ``executables=`` to :func:`generate` / :func:`generate_stream`, a call
-    whose signature matches runs them directly, so no tracing or lowering lands in its prefill
-    or time to first token; any other call goes through ``jit`` as usual."""
+    """Executables compiled by :func:`precompile`, keyed by what ``jit`` keys on. A call given
+    them (``executables=``) runs the one matching its signature directly, with no tracing or
+    lowering in its time to first token; any other goes through ``jit``."""
     by_signature: tuple[tuple[tuple, Callable], ...] = ()
-
-    def get(self, signature: tuple):
-        """The executable compiled for ``signature``, or None."""
-        return dict(self.by_signature).get(signature)
 
 
 def _signature(fn, args, static) -> tuple:
@@ -472,17 +453,9 @@ def _compile(fn, args, static) -> tuple[tuple, Callable]:
     return _signature(fn, args, static), fn.lower(*args, **static).compile()
 
 
-def _params_sharding(params: Params):
-    """Where jit puts outputs computed from single-device params: the params' device."""
-    sharding = jax.tree.leaves(params)[0].sharding
-    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
-        return sharding
-    return None  # sharded params: the chunk signature will not match; jit compiles on first call
-
-
 def _call(fn, args, static, executables: Executables | None):
-    executable = executables.get(_signature(fn, args, static)) if executables else None
-    return executable(*args) if executable is not None else fn(*args, **static)
+    found = executables and dict(executables.by_signature).get(_signature(fn, args, static))
+    return found(*args) if found else fn(*args, **static)
 
 
 _DOC_ARGS = """
@@ -493,6 +466,17 @@ _DOC_ARGS = """
         leaves; None = greedy.
       key: one PRNG key (row r uses ``fold_in(key, r)``) or one per output row; None = key(0).
       eos_token_ids: ids that stop a row; None = ``params.config.eos_token_id``; () = none.
+      stop_sequences: id sequences (``[[13, 198], [151645]]``): a row stops right after it
+        generates one (only tokens it generated in this call match), kept in its output, reason
+        "stop" (an EOS id ending it: "eos").
+      state: a :class:`~jaxdecode.DecodeState` with P rows to continue (from ``jd.prefill`` or
+        an earlier ``.state``), donated: the prompts are appended to its rows (>= 1 token each;
+        it holds no logits), its ``max_len`` is the capacity; forked after them for
+        ``num_samples``. None: a new state.
+      return_state: return the final state (``.state``) also without ``state=``. It holds each
+        output row's prompt and every token it generated, the last included (one extra decode
+        step): ``lengths = lengths before + prompt lengths + num_generated``; to continue pass
+        the next tokens only, and a new key (each call draws from token 0 of its key).
       max_len: state capacity per row; None = prompt bucket + budget bucket, rounded up to a
         multiple of 64 and capped at ``max_position_embeddings``.
       num_samples: continuations per prompt; row ``p * num_samples + j`` continues prompt ``p``.
@@ -503,17 +487,22 @@ _DOC_ARGS = """
       executables: from :func:`precompile` for the same arguments (optional).
 
     Raises:
-      ValueError: before any device work, for empty prompts, ids outside ``[0, vocab_size)``,
-        a budget < 1, prompt + budget over ``max_len`` or ``max_position_embeddings``, invalid
-        sampling values (see :func:`jaxdecode.sampling.validate`), ``features`` leaving out a
-        step the sampling values use, a mis-shaped key, or ``kernels`` not a ``Kernels``.
+      ValueError: before any device work, for empty prompts or stop sequences, ids outside
+        ``[0, vocab_size)``, a budget < 1, (cached +) prompt + budget over ``max_len`` or
+        ``max_position_embeddings``, invalid sampling values (:func:`~jaxdecode.sampling.
+        validate`), ``features`` leaving out a step they use, a mis-shaped key, ``kernels`` not
+        a ``Kernels``, a state of another config, dtype, mesh or row count (``state.lengths`` is
+        read once), or both ``state`` and ``max_len``.
 """
 
 
 def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParams | None = None,
-             key=None, eos_token_ids: Sequence[int] | None = None, *, max_len: int | None = None,
-             num_samples: int = 1, chunk_size: int = 8, pad_id: int = -1,
-             kernels: Kernels | None = None, features: SamplingFeatures | None = None,
+             key=None, eos_token_ids: Sequence[int] | None = None, *,
+             stop_sequences: Sequence[Sequence[int]] | None = None,
+             state: DecodeState | None = None, return_state: bool = False,
+             max_len: int | None = None, num_samples: int = 1, chunk_size: int = 8,
+             pad_id: int = -1, kernels: Kernels | None = None,
+             features: SamplingFeatures | None = None,
              progress: Callable[[np.ndarray], None] | None = None,
              executables: Executables | None = None) -> GenerateOutput:
     """Generates continuations with the whole loop on device (one jitted call, no per-token sync).
@@ -522,39 +511,48 @@ def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParam
     host after every chunk with ``num_generated [R]`` (a new function object compiles anew).
     """
     plan = _plan(params, prompts, max_new_tokens, sampling, key, eos_token_ids, max_len=max_len,
-                 num_samples=num_samples, chunk_size=chunk_size, pad_id=pad_id,
-                 kernels=kernels, features=features)
-    args, static = _generate_args(params, plan, progress)
-    return _call(_generate_jit, args, static, executables)
+                 num_samples=num_samples, chunk_size=chunk_size, pad_id=pad_id, kernels=kernels,
+                 features=features, stop_sequences=stop_sequences, state=state,
+                 return_state=return_state)
+    fn = _fork_jit if plan.fork_state else _generate_jit
+    return _call(fn, *_generate_args(params, plan, progress, state), executables)
 
 
 def generate_stream(params: Params, prompts, max_new_tokens=64,
                     sampling: SamplingParams | None = None, key=None,
-                    eos_token_ids: Sequence[int] | None = None, *, max_len: int | None = None,
-                    num_samples: int = 1, chunk_size: int = 1, pad_id: int = -1,
-                    kernels: Kernels | None = None, features: SamplingFeatures | None = None,
+                    eos_token_ids: Sequence[int] | None = None, *,
+                    stop_sequences: Sequence[Sequence[int]] | None = None,
+                    state: DecodeState | None = None, return_state: bool = False,
+                    max_len: int | None = None, num_samples: int = 1, chunk_size: int = 1,
+                    pad_id: int = -1, kernels: Kernels | None = None,
+                    features: SamplingFeatures | None = None,
                     executables: Executables | None = None) -> Iterator[StreamChunk]:
     """Generates continuations, yielding a :class:`StreamChunk` to the host per jitted chunk.
 
     The first chunk holds each row's first token (prefill + one sample: the time to first token),
     each later one ``chunk_size`` decode steps, until every row has stopped; the same tokens as
-    :func:`generate`. Validation happens on the first ``next()``.
+    :func:`generate`. The last chunk carries ``.state`` (with ``state`` or ``return_state``; lost
+    if the iteration stops early). Validation happens on the first ``next()``.
     """
     plan = _plan(params, prompts, max_new_tokens, sampling, key, eos_token_ids, max_len=max_len,
-                 num_samples=num_samples, chunk_size=chunk_size, pad_id=pad_id,
-                 kernels=kernels, features=features)
-    args, static = _start_args(params, plan)
-    loop, first = _call(_start_jit, args, static, executables)
-    yield _stream_chunk(first[:, None], loop)
-    while not bool(np.all(np.asarray(loop.done))):
+                 num_samples=num_samples, chunk_size=chunk_size, pad_id=pad_id, kernels=kernels,
+                 features=features, stop_sequences=stop_sequences, state=state,
+                 return_state=return_state)
+    fn = _fork_jit if plan.fork_state else _start_jit
+    loop, emitted = _call(fn, *_start_args(params, plan, state), executables)
+    emitted = emitted[:, None]
+    while True:
+        chunk = StreamChunk(*map(np.asarray, jax.device_get(
+            (emitted, loop.num_generated, loop.stop_reason))))
+        done = bool((chunk.stop_reason != STOP_RUNNING).all())
+        if done and plan.return_state:
+            chunk = dataclasses.replace(chunk, state=_call(
+                _feed_last_jit, (params, loop.state, loop.last_token),
+                dict(kernels=plan.kernels), executables))
+        yield chunk
+        if done:
+            return
         loop, emitted = _call(_chunk_jit, *_chunk_args(params, plan, loop), executables)
-        yield _stream_chunk(emitted, loop)
-
-
-def _stream_chunk(emitted, loop: LoopState) -> StreamChunk:
-    emitted, counts, stop = jax.device_get((emitted, loop.num_generated, loop.stop_reason))
-    return StreamChunk(tokens=np.asarray(emitted), num_generated=np.asarray(counts),
-                       stop_reason=np.asarray(stop))
 
 
 generate.__doc__ += _DOC_ARGS
@@ -563,26 +561,28 @@ generate_stream.__doc__ += _DOC_ARGS
 
 def precompile(params: Params, prompts, max_new_tokens=64, sampling: SamplingParams | None = None,
                key=None, eos_token_ids: Sequence[int] | None = None, *, stream: bool = False,
-               max_len: int | None = None, num_samples: int = 1, chunk_size: int | None = None,
-               pad_id: int = -1, kernels: Kernels | None = None,
-               features: SamplingFeatures | None = None,
-               progress: Callable[[np.ndarray], None] | None = None) -> Executables:
+               chunk_size: int | None = None, progress: Callable[[np.ndarray], None] | None = None,
+               state: DecodeState | None = None, **kwargs) -> Executables:
     """Compiles (without running) what :func:`generate` (or, with ``stream``,
-    :func:`generate_stream`) will run for these arguments, so compile time can be timed apart.
-    Arguments as those functions; returns :class:`Executables` for their ``executables=``."""
-    if chunk_size is None:
-        chunk_size = 1 if stream else 8
-    plan = _plan(params, prompts, max_new_tokens, sampling, key, eos_token_ids, max_len=max_len,
-                 num_samples=num_samples, chunk_size=chunk_size, pad_id=pad_id,
-                 kernels=kernels, features=features)
+    :func:`generate_stream`) runs for these arguments (the same keywords; ``state`` is read, not
+    donated), so compile time can be timed apart; pass the result as their ``executables=``."""
+    chunk_size = chunk_size or (1 if stream else 8)
+    plan = _plan(params, prompts, max_new_tokens, sampling, key, eos_token_ids, state=state,
+                 chunk_size=chunk_size, **{"max_len": None, "num_samples": 1, "pad_id": -1,
+                                           "kernels": None, **kwargs})
+    fn = _fork_jit if plan.fork_state else _generate_jit
     if not stream:
-        return Executables((_compile(_generate_jit, *_generate_args(params, plan, progress)),))
-    args, static = _start_args(params, plan)
-    start = _compile(_start_jit, args, static)
-    loop_shape = _start_jit.eval_shape(*args, **static)[0]  # top-level: it has compiler_options
-    # The chunk's signature is that of the loop _start_jit returns (device arrays).
-    loop_like = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type,
-                                       sharding=_params_sharding(params)), loop_shape)
-    chunk_args, chunk_static = _chunk_args(params, plan, loop_like)
-    return Executables((start, _compile(_chunk_jit, chunk_args, chunk_static)))
+        return Executables((_compile(fn, *_generate_args(params, plan, progress, state)),))
+    args, static = _start_args(params, plan, state)
+    loop = fn.eval_shape(*args, **static)[0]  # top-level: it has compiler_options
+    # The chunk's signature is that of the loop the start returns: on the params' device (with
+    # sharded params it will not match: jit compiles the chunk on its first call).
+    where = jax.tree.leaves(params)[0].sharding
+    where = where if isinstance(where, jax.sharding.SingleDeviceSharding) else None
+    loop = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type,
+                                                       sharding=where), loop)
+    compiled = [_compile(fn, args, static), _compile(_chunk_jit, *_chunk_args(params, plan, loop))]
+    if plan.return_state:
+        compiled.append(_compile(_feed_last_jit, (params, loop.state, loop.last_token),
+                                 dict(kernels=plan.kernels)))
+    return Executables(tuple(compiled))
