@@ -43,8 +43,14 @@ def _default_cache_dir() -> str:
     return os.path.join(base, "jaxdecode", "xla")
 
 
+def _version() -> str:
+    from importlib.metadata import version
+    return version("jaxdecode")
+
+
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
     arg = p.add_argument
+    arg("--version", action="version", version=f"%(prog)s {_version()}")
     arg("--checkpoint", metavar="DIR", help="Hugging Face checkpoint directory (config.json + "
         "safetensors); default: the embedded random-weight model")
     arg("--prompt", help=f"prompt text (default: {EXAMPLE_PROMPT!r})")
@@ -66,7 +72,8 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
         help="continuations of the prompt (the state is forked after the prefill)")
     arg("--stream", action="store_true", help="print text as it is produced; report prefill, "
         "time to first token and decode speed")
-    arg("--dtype", choices=("float32", "bfloat16"), default="float32", help="model dtype")
+    arg("--dtype", choices=("float32", "bfloat16", "fp32", "bf16"), default="float32",
+        help="model dtype")
     arg("--chunk-size", type=_int_in(1), default=None, metavar="N",
         help="decode steps per device call (default: 1 with --stream, else 8)")
     arg("--compile-cache", metavar="DIR", default=_default_cache_dir(),
@@ -78,6 +85,7 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The ``jaxdecode`` parser (one subcommand, ``generate``)."""
     parser = _Parser(prog="jaxdecode", description="Decode Qwen3.5 hybrid models with JAX.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_generate_args(sub.add_parser("generate", help="generate text from a prompt"))
     return parser
@@ -85,7 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``jaxdecode`` console script. Returns the exit status."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):
+        parser.print_help(sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     return _run_generate(args, prog="jaxdecode generate")  # argparse requires the subcommand
 
 
@@ -100,7 +112,7 @@ def _run_generate(args, prog: str) -> int:
     try:
         return _generate(args)
     except (UsageError, ValueError, FileNotFoundError, NotADirectoryError) as e:
-        print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)  # one line
+        print(f"{prog}: error: {e}", file=sys.stderr)  # a checkpoint report keeps its lines
         return 2
 
 
@@ -147,9 +159,15 @@ def _generate(args) -> int:
     if args.compile_cache:  # every executable: on CPU init_params' small ones add up to seconds
         jax.config.update("jax_compilation_cache_dir", args.compile_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    config = (jd.Config.from_preset("tiny") if args.checkpoint is None else
+              jd.Config.from_json_file(os.path.join(args.checkpoint, "config.json")))
+    tokenizer = tok_lib.load_tokenizer(args.checkpoint, config.vocab_size)
+    if tokenizer is None and (prompt_ids is None or args.stop):  # before loading any weights
+        raise UsageError(f"{'--stop needs' if args.stop else 'a text prompt needs'} a "
+                         f"tokenizer; this checkpoint has none (no tokenizer.json, vocab_size="
+                         f"{config.vocab_size}): pass --prompt-ids / --stop-ids")
     t0 = time.perf_counter()
     if args.checkpoint is None:
-        config = jd.Config.from_preset("tiny")
         params = jd.init_params(config, jax.random.key(0), dtype=args.dtype)
         what = (f'embedded default (preset "tiny", init_params(key(0)), '
                 f"{jd.num_params(params) / 1e6:.1f}M params, {args.dtype}) -- "
@@ -162,14 +180,9 @@ def _generate(args) -> int:
         eos = tok_lib.eos_token_ids(args.checkpoint) or tuple(config.eos_token_id)
     jax.block_until_ready(params)
     _say(f"model: {what}\nloaded in {time.perf_counter() - t0:.2f} s")
-    tokenizer = tok_lib.load_tokenizer(args.checkpoint, config.vocab_size)
     _say(f"tokenizer: {tokenizer.name if tokenizer else 'none (token ids only)'}")
     _say(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}, "
          f"{os.cpu_count()} host cores)")
-    if tokenizer is None and (prompt_ids is None or args.stop):
-        raise UsageError(f"{'--stop needs' if args.stop else 'a text prompt needs'} a "
-                         f"tokenizer; this checkpoint has none (no tokenizer.json, vocab_size="
-                         f"{config.vocab_size}): pass --prompt-ids / --stop-ids")
     if prompt_ids is None:
         text = EXAMPLE_PROMPT if args.prompt is None else args.prompt
         if args.chat:
