@@ -228,8 +228,8 @@ def _generate(args) -> int:
 
 
 def _compile_line(seconds: float, cache: str | None) -> str:
-    where = f"persistent cache {cache}" if cache else "no persistent cache"
-    return f"compile: {seconds:.2f} s (apart, not in the numbers below; {where})"
+    return (f"compile: {seconds:.2f} s (apart, not in the numbers below; "
+            f"{f'persistent cache {cache}' if cache else 'no persistent cache'})")
 
 
 def _describe(args) -> str:

@@ -233,26 +233,18 @@ class Config:
         return d
 
 
-MODEL_DTYPE_NAMES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32",
-                     "fp32": "float32", "f32": "float32"}
+MODEL_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "bf16": ml_dtypes.bfloat16,
+                "float32": np.float32, "fp32": np.float32, "f32": np.float32}
 
 
 def model_dtype(dtype) -> np.dtype:
-    """The model dtype named by ``dtype`` ("bfloat16"/"bf16", "float32"/"fp32", or a dtype).
-
-    Raises:
-      ValueError: any other value.
-    """
-    name = MODEL_DTYPE_NAMES.get(dtype) if isinstance(dtype, str) else None
-    if name is None and not isinstance(dtype, str):
-        try:
-            name = MODEL_DTYPE_NAMES.get(np.dtype(dtype).name)
-        except TypeError:
-            name = None
-    if name is None:
+    """The model dtype named by ``dtype`` ("bfloat16"/"bf16", "float32"/"fp32", or a dtype);
+    ValueError for anything else."""
+    try:
+        return np.dtype(MODEL_DTYPES[dtype if isinstance(dtype, str) else np.dtype(dtype).name])
+    except (KeyError, TypeError):
         raise ValueError(f"dtype={dtype!r} must be 'bfloat16' (or 'bf16') or 'float32' (or "
-                         "'fp32')")
-    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(np.float32)
+                         "'fp32')") from None
 
 
 def _schedule(num_layers: int, interval: int = 4) -> tuple[str, ...]:
