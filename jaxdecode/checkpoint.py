@@ -161,13 +161,13 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
     place = place or (lambda name, x: jnp.asarray(x))
     flat = {}
     for name, array in _iter_tensors(found):
-        if check_finite and not np.isfinite(array).all():
+        array = array.astype(leaf_dtype(specs[name], dtype), copy=False)
+        if check_finite and not np.isfinite(array).all():  # after the cast: overflow counts
             path, stored = found[name][:2]
             raise ValueError(f"tensor {stored} in {path!r} has {int((~np.isfinite(array)).sum())} "
-                             "NaN or inf values (a damaged file?); check_finite=False loads it "
-                             "anyway")
-        target = leaf_dtype(specs[name], dtype)
-        array = hf_to_internal(config, name, array.astype(target, copy=False))
+                             f"NaN or inf values as {array.dtype} (a damaged file?); "
+                             "check_finite=False loads it anyway")
+        array = hf_to_internal(config, name, array)
         flat[name] = place(name, array)
     return params_from_flat(config, flat)
 

@@ -95,10 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``jaxdecode`` console script. Returns the exit status."""
     parser = build_parser()
     if not (sys.argv[1:] if argv is None else argv):
-        parser.print_help(sys.stderr)
-        return 2
-    args = parser.parse_args(argv)
-    return _run_generate(args, prog="jaxdecode generate")  # argparse requires the subcommand
+        return parser.print_help(sys.stderr) or 2
+    return _run_generate(parser.parse_args(argv), prog="jaxdecode generate")
 
 
 def generate_main(argv: list[str] | None = None, prog: str = "generate.py") -> int:
@@ -138,6 +136,8 @@ def _generate(args) -> int:
         raise UsageError("--stream prints one sample; use --num-samples 1 with --stream")
     if args.chat and args.prompt_ids is not None:
         raise UsageError("--chat needs --prompt text, not --prompt-ids")
+    if args.checkpoint is not None and args.checkpoint.endswith(".safetensors"):
+        args.checkpoint = os.path.dirname(args.checkpoint) or "."  # a file: its directory
     if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
         raise UsageError(f"--checkpoint {args.checkpoint!r} is not a directory")
     prompt_ids = None if args.prompt_ids is None else _ids("--prompt-ids", args.prompt_ids)

@@ -367,7 +367,11 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
 
     key = jax.random.key(0) if key is None else key
     key = key if isinstance(key, jax.Array) else jnp.asarray(key)
-    if key.ndim == (0 if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else 1):
+    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    if not typed and (key.dtype != jnp.uint32 or key.ndim not in (1, 2) or key.shape[-1] != 2):
+        raise ValueError(f"key must be a PRNG key (jax.random.key(seed)) or one per output row "
+                         f"({rows}); got {key.dtype} {key.shape}")
+    if key.ndim == (0 if typed else 1):
         key = sampling_lib.row_keys(key, rows)
     elif key.shape[0] != rows:
         raise ValueError(f"key must be one PRNG key or one per output row ({rows}); got "
@@ -460,7 +464,8 @@ def _call(fn, args, static, executables: Executables | None):
 
 _DOC_ARGS = """
     Args:
-      prompts: a list of token-id lists (ragged) or a [P, T] int array; every prompt non-empty.
+      prompts: a list of token-id lists (ragged) or a [P, T] int array whose rows are taken
+        whole (no padding: pass a list for ragged prompts); every prompt non-empty.
       max_new_tokens: token budget (>= 1), an int or one per prompt.
       sampling: :class:`~jaxdecode.sampling.SamplingParams`, scalar, [P] or [P × num_samples]
         leaves; None = greedy.

@@ -78,11 +78,6 @@ def _check_token_ids(config: Config, tokens: np.ndarray, real: np.ndarray) -> No
                          f"{ids[bad][:8].tolist()} ({int(bad.sum())} out of range)")
 
 
-def _on_host(x) -> bool:
-    """Whether reading ``x``'s values costs no device sync (a list, scalar or numpy array)."""
-    return not isinstance(x, jax.Array)
-
-
 def check_prefill(params: Params, state: DecodeState, tokens, num_new) -> None:
     """Validates a prefill on the host, reading ``state.lengths`` back (one device sync; skipped
     for a state spread over several processes). ValueError: a state that does not fit the params
@@ -124,9 +119,11 @@ def check_decode_step(params: Params, state: DecodeState, tokens, active=None) -
                          f"size); got shape {np.shape(tokens)}")
     if active is not None and tuple(np.shape(active)) != (state.batch_size,):
         raise ValueError(f"active must be [B] like tokens; got shape {np.shape(active)}")
-    if _on_host(tokens):
-        real = (np.ones(state.batch_size, bool) if active is None or not _on_host(active)
-                else np.asarray(active, bool))
+    if not np.issubdtype(np.result_type(tokens), np.integer):  # metadata only, no device read
+        raise ValueError(f"token ids must be integers, got dtype {np.result_type(tokens)}")
+    if not isinstance(tokens, jax.Array):  # host values: reading them costs no device sync
+        real = (np.asarray(active, bool) if active is not None
+                and not isinstance(active, jax.Array) else np.ones(state.batch_size, bool))
         _check_token_ids(params.config, np.asarray(tokens), real)
 
 
