@@ -1,4 +1,5 @@
-"""Hugging Face greedy ``generate`` on a checkpoint directory (the reference for test_generate.py).
+"""Hugging Face greedy ``generate`` on a checkpoint directory (the reference for
+test_generation.py).
 
 Runs in the Python that has torch + transformers 5.24.0 (``JAXDECODE_HF_PYTHON``):
 

@@ -22,6 +22,13 @@ REQUESTS.json is a list of actions, run in order (one torch start-up for all of 
       Writes N/prefill_logits [T, V], N/decode_tokens [K] (the token fed at each step) and
       N/decode_logits [K, V] (float32).
 
+  {"action": "hidden_states", "dir": D, "out": F.npz, "prompt": [ids], "decode_token": id}
+      Loads D as "run" does and runs the prompt, then one cached decode step of decode_token,
+      with output_hidden_states=True. Writes prefill/hidden_states [L+1, T, H] and
+      decode/hidden_states [L+1, 1, H] (float32; entry 0 the embeddings, entry i the output of
+      decoder layer i-1, except the last entry, which HF ties to last_hidden_state: the last
+      layer's output after the final norm), and prefill/logits [T, V], decode/logits [1, V].
+
   {"action": "activations", "in": X.npy, "out": F.npz}
       torch's silu and sigmoid of X (float32 values exact in bfloat16) as bfloat16 tensors,
       and the MLP's silu(gate) * up with gate, up = the two halves of X, written as float32
@@ -104,13 +111,19 @@ def make(req):
     model.save_pretrained(req["dir"], **kwargs)
 
 
-def run(req):
+def load(directory):
+    """The checkpoint in ``directory`` in float32 with eager attention, in eval mode."""
     tf = check_transformers()
-    with open(f"{req['dir']}/config.json") as f:
+    with open(f"{directory}/config.json") as f:
         arch = json.load(f)["architectures"][0]
     cls = tf.Qwen3_5ForConditionalGeneration if "Conditional" in arch else tf.Qwen3_5ForCausalLM
-    model = cls.from_pretrained(req["dir"], dtype=torch.float32, attn_implementation="eager")
+    model = cls.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager")
     model.eval()
+    return model
+
+
+def run(req):
+    model = load(req["dir"])
     out = {}
     with torch.no_grad():
         for case in req["cases"]:
@@ -133,6 +146,23 @@ def run(req):
     np.savez(req["out"], **out)
 
 
+def hidden_states(req):
+    model = load(req["dir"])
+    num_layers = model.config.get_text_config().num_hidden_layers
+    out = {}
+    with torch.no_grad():
+        res = model(input_ids=torch.tensor([req["prompt"]]), use_cache=True,
+                    output_hidden_states=True)
+        step = model(input_ids=torch.tensor([[req["decode_token"]]]),
+                     past_key_values=res.past_key_values, use_cache=True,
+                     output_hidden_states=True)
+    for name, r in (("prefill", res), ("decode", step)):
+        assert len(r.hidden_states) == num_layers + 1, len(r.hidden_states)
+        out[name + "/hidden_states"] = np.stack([h[0].float().numpy() for h in r.hidden_states])
+        out[name + "/logits"] = r.logits[0].float().numpy()
+    np.savez(req["out"], **out)
+
+
 def activations(req):
     x = torch.from_numpy(np.load(req["in"])).to(torch.bfloat16)
     gate, up = x.chunk(2)
@@ -146,7 +176,8 @@ def main():
     with open(sys.argv[1]) as f:
         requests = json.load(f)
     for req in requests:
-        {"make": make, "run": run, "activations": activations}[req["action"]](req)
+        {"make": make, "run": run, "hidden_states": hidden_states,
+         "activations": activations}[req["action"]](req)
 
 
 if __name__ == "__main__":

@@ -26,27 +26,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-if MODE == "process":
-    # First, as the sharding docs say. (Before importing jaxdecode, which initializes the XLA
-    # backend when imported: tests/test_sharding.py::test_importing_jaxdecode_leaves_the_backend
-    # _uninitialized.)
-    jax.distributed.initialize(f"127.0.0.1:{sys.argv[3]}", num_processes=2,
-                               process_id=int(sys.argv[2]), initialization_timeout=60,
-                               heartbeat_timeout_seconds=30, shutdown_timeout_seconds=30)
-
 import jaxdecode as jd  # noqa: E402
+from conftest import aliased_parameters, tiny  # noqa: E402 (float32 "highest" matmuls too)
 from jaxdecode import model, sharding, step  # noqa: E402
 
-jax.config.update("jax_default_matmul_precision", "highest")
-
-LIN, FULL = "linear_attention", "full_attention"
 # Every head count (Hq 16, Hkv 8, Hk 8, Hv 16), the intermediate size and the vocabulary divide
 # 8, so all four meshes are valid; GQA group 2, r = Hv/Hk = 2, dk != dv, untied LM head.
-CONFIG = dataclasses.replace(
-    jd.Config.from_preset("tiny"), vocab_size=1024, hidden_size=64, intermediate_size=128,
-    num_hidden_layers=4, layer_types=(LIN, LIN, LIN, FULL), num_attention_heads=16,
-    num_key_value_heads=8, head_dim=32, linear_num_key_heads=8, linear_num_value_heads=16,
-    linear_key_head_dim=16, linear_value_head_dim=8, tie_word_embeddings=False)
+CONFIG = tiny(vocab_size=1024, num_attention_heads=16, num_key_value_heads=8,
+              linear_num_key_heads=8, linear_num_value_heads=16, linear_value_head_dim=8)
 MESHES = ((1, 8), (2, 4), (4, 2), (8, 1))
 PROCESS_MESHES = ((2, 2), (1, 4))
 BATCH, MAX_LEN, DECODE_STEPS = 8, 32, 8
@@ -83,14 +70,6 @@ def spec_mismatches(tree, specs, mesh) -> list[str]:
         if not leaf.sharding.is_equivalent_to(want, leaf.ndim):
             bad.append(f"{jax.tree_util.keystr(path)}: {leaf.sharding} != {spec}")
     return bad
-
-
-def aliased_parameters(hlo_text: str) -> set[int]:
-    start = hlo_text.find("input_output_alias={")
-    if start < 0:
-        return set()
-    segment = hlo_text[start:hlo_text.find("entry_computation_layout", start)]
-    return {int(m) for m in re.findall(r"\{\d*\}:\s*\((\d+),", segment)}
 
 
 def collectives(hlo_text: str) -> dict[str, int]:
@@ -242,9 +221,13 @@ def check_public_decode_step_routes(params, tokens) -> dict:
     return out
 
 
-def run_process() -> dict:
-    """Process ``sys.argv[2]`` of 2 (jax.distributed initialized above)."""
+def run_process(process_id: int, port: int) -> dict:
+    """Process ``process_id`` of 2. jax.distributed is initialized here, after importing
+    jaxdecode (and conftest) as a user's script would: the import must not start the backend."""
     from jax.experimental import multihost_utils
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
+                               initialization_timeout=60, heartbeat_timeout_seconds=30,
+                               shutdown_timeout_seconds=30)
     params, tokens = inputs()
     out = {"process_index": jax.process_index(), "num_devices": jax.device_count(), "tokens": {}}
     for shape in PROCESS_MESHES:
@@ -283,7 +266,7 @@ if __name__ == "__main__":
     if MODE == "meshes":
         result = run_meshes()
     elif MODE == "process":
-        result = run_process()
+        result = run_process(int(sys.argv[2]), int(sys.argv[3]))
     else:
         raise SystemExit(f"unknown mode {MODE!r}")
     print("RESULT " + json.dumps(result), flush=True)

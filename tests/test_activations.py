@@ -8,11 +8,14 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import pytest
 
 from conftest import run_hf
 from jaxdecode import activations
 
 
+@pytest.mark.hf
+@pytest.mark.slow
 def test_silu_and_sigmoid_match_torch_on_bfloat16(tmp_path):
     rng = np.random.default_rng()  # fresh inputs each run
     x = (rng.standard_normal(50_000) * rng.choice([0.1, 1.0, 4.0, 30.0], 50_000))

@@ -18,16 +18,16 @@ import pytest
 from jax.sharding import AxisType, Mesh
 
 import jaxdecode as jd
+from conftest import (ATTENTION_TOL, assert_attention_close, assert_inactive_rows_untouched,
+                      assert_rel_close, attention_inputs, attention_reference_f64,
+                      lower_for_cuda_text, numpy_core, random_core_inputs, tiny)
 from jaxdecode import sharding
 from jaxdecode.kernels import choice
-from test_decode_attention import TOL, assert_close, make_inputs, reference_f64
-from test_deltanet_decode import assert_inactive_rows_untouched, numpy_core, random_core_inputs
 
 bf16, f32 = jnp.bfloat16, jnp.float32
 
 # Shapes every kernel takes (head_dim 64, dk = dv = 128, Kc = 4).
-SUPPORTED = dataclasses.replace(jd.Config.from_preset("tiny"), vocab_size=512,
-                                linear_key_head_dim=128, linear_value_head_dim=128)
+SUPPORTED = tiny(head_dim=64, linear_key_head_dim=128, linear_value_head_dim=128)
 CORE, RULE = choice.DELTANET_CORE_MAX_BATCH, choice.DELTA_RULE_MIN_BATCH
 
 
@@ -80,9 +80,12 @@ def test_kernels_is_a_frozen_hashable_static():
     assert hash(choice.Kernels(attention="pallas")) == hash(choice.Kernels(attention="pallas"))
     with pytest.raises(dataclasses.FrozenInstanceError):
         choice.XLA.attention = "pallas"
-    # interpret: None means "not on a GPU", decided at construction
-    assert choice.Kernels().interpret is (jax.default_backend() != "gpu")
-    assert choice.Kernels(interpret=False).interpret is False
+    # interpret: None means "not on a GPU", decided when a step is traced (constructing a
+    # Kernels, as importing jaxdecode does, must not start the backend: test_import_graph.py)
+    assert choice.Kernels().interpret is None
+    assert choice._interpret(choice.Kernels()) is (jax.default_backend() != "gpu")
+    assert choice._interpret(choice.Kernels(interpret=False)) is False
+    assert choice._interpret(choice.Kernels(interpret=True)) is True
     assert jd.Kernels is choice.Kernels and jd.choose_kernels is choice.choose_kernels
 
 
@@ -167,6 +170,7 @@ def test_older_gpu_warns_and_runs_xla(monkeypatch):
     assert got == kernels()
 
 
+@pytest.mark.perf
 @pytest.mark.parametrize("batch", [1, CORE - 1, CORE, RULE])
 def test_hopper_choice_lowers_to_what_it_says(hopper, batch):
     """The chosen DeltaNet kernels, lowered for CUDA on CPU: the one-kernel core below CORE rows
@@ -178,9 +182,8 @@ def test_hopper_choice_lowers_to_what_it_says(hopper, batch):
                               c.linear_key_head_dim, c.linear_value_head_dim,
                               c.linear_conv_kernel_dim, [True] * batch, dtype=bf16)
     specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args]
-    text = jax.jit(lambda *x: choice.deltanet_decode(
-        k, *x, num_key_heads=c.linear_num_key_heads)).trace(*specs).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text = lower_for_cuda_text(
+        lambda *x: choice.deltanet_decode(k, *x, num_key_heads=c.linear_num_key_heads), *specs)
     fused = batch < CORE
     assert ("mosaic_gpu" in text) == (fused or batch >= RULE)
     assert ("stablehlo.rsqrt" not in text) == fused, "norms outside the kernel: XLA's form"
@@ -189,39 +192,45 @@ def test_hopper_choice_lowers_to_what_it_says(hopper, batch):
 # ----- the call sites, with explicit Kernels ------------------------------------------------
 
 ATTENTION_KERNELS = {"xla": choice.XLA, "pallas": choice.Kernels(attention="pallas")}
+INTERPRETED = pytest.mark.slow  # the Pallas kernels in the Mosaic GPU interpreter
 
 
-@pytest.mark.parametrize("name", ATTENTION_KERNELS)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[INTERPRETED] if n != "xla" else [])
+                                  for n in ATTENTION_KERNELS])
 def test_decode_attention_runs_what_kernels_says(name):
     """"xla" is decode_attention_reference bit for bit; "pallas" the kernel (the interpreter on
     CPU); both against float64."""
     from jaxdecode.kernels import decode_attention as da
     k = ATTENTION_KERNELS[name]
-    q, kc, vc, kv_len = make_inputs(8, (8, 2), 64, 128, (100, 3), f32)
+    q, kc, vc, kv_len = attention_inputs(8, (8, 2), 64, 128, (100, 3), f32)
     fn = jax.jit(lambda *a: choice.decode_attention(k, *a))
     out = fn(q, kc, vc, kv_len)
-    assert_close(out, reference_f64(q, kc, vc, kv_len), kv_len, TOL[f32])
+    assert_attention_close(out, attention_reference_f64(q, kc, vc, kv_len), kv_len,
+                           ATTENTION_TOL[f32])
     if name == "xla":
         np.testing.assert_array_equal(out, jax.jit(da.decode_attention_reference)(q, kc, vc,
                                                                                   kv_len))
     text = fn.lower(q, kc, vc, kv_len).as_text()
-    assert ("mosaic_gpu" in text) == (name == "pallas" and not k.interpret)
+    assert ("mosaic_gpu" in text) == (name == "pallas" and not choice._interpret(k))
 
 
+@INTERPRETED
 def test_decode_attention_kernel_per_device_on_a_mesh():
     """With a mesh the kernel runs under shard_map (here a one-device mesh, interpreted)."""
     mesh = sharding.make_mesh(1, 1)
     k = choice.Kernels(attention="pallas", mesh=mesh)
-    q, kc, vc, kv_len = make_inputs(9, (8, 2), 64, 128, (65, 0), bf16)
+    q, kc, vc, kv_len = attention_inputs(9, (8, 2), 64, 128, (65, 0), bf16)
     out = jax.jit(lambda *a: choice.decode_attention(k, *a))(q, kc, vc, kv_len)
-    assert_close(out, reference_f64(q, kc, vc, kv_len), kv_len, TOL[bf16])
+    assert_attention_close(out, attention_reference_f64(q, kc, vc, kv_len), kv_len,
+                           ATTENTION_TOL[bf16])
 
 
 DELTANET_KERNELS = {"xla": choice.XLA, "core-pallas": choice.Kernels(deltanet="pallas"),
                     "delta-rule-pallas": choice.Kernels(delta_rule="pallas")}
 
 
-@pytest.mark.parametrize("name", DELTANET_KERNELS)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[INTERPRETED] if n != "xla" else [])
+                                  for n in DELTANET_KERNELS])
 def test_deltanet_decode_runs_what_kernels_says(name):
     """Every choice against the float64 core, with an inactive row left untouched."""
     k = DELTANET_KERNELS[name]
@@ -229,20 +238,19 @@ def test_deltanet_decode_runs_what_kernels_says(name):
     o, new_conv, new_state = jax.jit(lambda *x: choice.deltanet_decode(
         k, *x, num_key_heads=1))(*args)
     want_o, want_conv, want_state = numpy_core(*args, num_key_heads=1)
-    for got, want, what in ((o, want_o, "o"), (new_state, want_state, "recurrent_state")):
-        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-        assert np.abs(got - want).max() <= 2e-5 * np.abs(want).max(), what
+    assert_rel_close(o, want_o, 2e-5, "o")
+    assert_rel_close(new_state, want_state, 2e-5, "recurrent_state")
     np.testing.assert_array_equal(np.asarray(new_conv), want_conv)
     assert_inactive_rows_untouched(args, o, new_conv, new_state)
 
 
+@INTERPRETED
 def test_delta_rule_kernel_per_device_on_a_mesh():
     mesh = sharding.make_mesh(1, 1)
     k = choice.Kernels(delta_rule="pallas", mesh=mesh)
     args = random_core_inputs(5, 2, 2, 4, 64, 64, 4, [False, True])
     got = jax.jit(lambda *x: choice.deltanet_decode(k, *x, num_key_heads=2))(*args)
     want = numpy_core(*args, num_key_heads=2)
-    for g, w in zip((got[0], got[2]), (want[0], want[2])):
-        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
-        assert np.abs(g - w).max() <= 2e-5 * np.abs(w).max()
+    assert_rel_close(got[0], want[0], 2e-5, "o")
+    assert_rel_close(got[2], want[2], 2e-5, "recurrent_state")
     np.testing.assert_array_equal(np.asarray(got[1]), want[1])

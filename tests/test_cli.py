@@ -11,10 +11,8 @@ import pytest
 
 from jaxdecode import cli
 
-from conftest import HERE, text_config
-from test_tokenizer import _write_hf_tokenizer
+from conftest import ROOT, hf_text_config, write_hf_tokenizer
 
-ROOT = HERE.parent
 EXAMPLE = ROOT / "examples" / "generate.py"
 
 
@@ -33,6 +31,7 @@ def _run(*args, timeout=300):
                           cwd=ROOT, env=env, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_example_runs_on_the_embedded_default():
     proc = _run()
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -48,13 +47,14 @@ def test_example_runs_on_the_embedded_default():
 @pytest.fixture(scope="module")
 def checkpoint(hf_checkpoints, tmp_path_factory):
     """A random HF checkpoint (save_pretrained) plus a small tokenizer.json and chat template."""
-    src = hf_checkpoints.make("cli_tiny", text_config(), seed=5)
+    src = hf_checkpoints.make("cli_tiny", hf_text_config(), seed=5)
     dst = tmp_path_factory.mktemp("cli") / "ckpt"
     shutil.copytree(src, dst)
-    _write_hf_tokenizer(dst)
+    write_hf_tokenizer(dst)
     return dst
 
 
+@pytest.mark.slow
 @pytest.mark.hf
 def test_example_streams_chat_on_a_checkpoint_directory(checkpoint):
     proc = _run("--checkpoint", str(checkpoint), "--prompt", "hello world", "--chat",
@@ -68,6 +68,7 @@ def test_example_streams_chat_on_a_checkpoint_directory(checkpoint):
     assert 1 <= len(ids) <= 6
 
 
+@pytest.mark.slow
 @pytest.mark.hf
 def test_example_samples_several_continuations_from_ids(checkpoint):
     proc = _run("--checkpoint", str(checkpoint), "--prompt-ids", "1,2,3", "--num-samples", "2",

@@ -1,4 +1,5 @@
-"""The chunked gated delta rule and the one-token step against a float64 numpy recurrence."""
+"""jaxdecode.gated_delta: the chunked gated delta rule and the one-token step against a float64
+numpy recurrence (conftest.numpy_recurrence)."""
 
 from __future__ import annotations
 
@@ -7,34 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxdecode.gated_delta import chunk_gated_delta_rule, gated_delta_rule_step, naive_gated_delta_rule
-
-
-def numpy_recurrence(q, k, v, g, beta, state):
-    """Float64 token-by-token gated delta rule (Yang et al. 2025, eq. 10; HF recurrent kernel)."""
-    q, k, v, g, beta, s = (np.asarray(x, np.float64) for x in (q, k, v, g, beta, state))
-    s = s.copy()
-    out = np.zeros(v.shape)
-    for t in range(q.shape[1]):
-        s *= np.exp(g[:, t])[..., None, None]
-        delta = beta[:, t, :, None] * (v[:, t] - np.einsum("bhkv,bhk->bhv", s, k[:, t]))
-        s += k[:, t, :, :, None] * delta[:, :, None, :]
-        out[:, t] = np.einsum("bhkv,bhk->bhv", s, q[:, t])
-    return out, s
-
-
-def random_inputs(seed, batch, length, heads, dk, dv, *, decay_scale):
-    rng = np.random.default_rng(seed)
-    def unit(shape):
-        x = rng.standard_normal(shape)
-        return x / np.linalg.norm(x, axis=-1, keepdims=True)
-    q = unit((batch, length, heads, dk)) * dk ** -0.5
-    k = unit((batch, length, heads, dk))
-    v = rng.standard_normal((batch, length, heads, dv))
-    g = -decay_scale * rng.uniform(0.0, 1.0, (batch, length, heads))
-    beta = rng.uniform(0.0, 1.0, (batch, length, heads))
-    state = rng.standard_normal((batch, heads, dk, dv))
-    return [np.asarray(x, np.float32) for x in (q, k, v, g, beta, state)]
+from conftest import numpy_recurrence, random_inputs
+from jaxdecode.gated_delta import (chunk_gated_delta_rule, gated_delta_rule_step,
+                                   naive_gated_delta_rule)
 
 
 CASES = {

@@ -10,18 +10,14 @@ import numpy as np
 import pytest
 
 import jaxdecode as jd
+from conftest import FULL, LIN, tiny
 from jaxdecode import cli
 from jaxdecode import generation as gen
 from jaxdecode.sampling import SamplingParams
 
-LIN, FULL = "linear_attention", "full_attention"
 VOCAB = 384
-CONFIG = jd.Config(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
-    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=24,
-    linear_conv_kernel_dim=4, layer_types=(LIN, FULL, LIN, FULL), max_position_embeddings=512,
-    eos_token_id=(VOCAB - 1,))
+CONFIG = tiny(vocab_size=VOCAB, layer_types=(LIN, FULL, LIN, FULL), max_position_embeddings=512,
+              eos_token_id=(VOCAB - 1,), rope_theta=10_000_000.0)
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +39,7 @@ def _close(a, b, rtol=5e-6):
 
 # ----- continuing from a state --------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_two_turn_chat_from_the_returned_state_equals_one_long_prefill(params):
     """Turn 1 with return_state, turn 2 from that state with new tokens only == one generate
     over [turn 1 prompt + turn 1 output + turn 2 prompt]: same tokens, same lengths, same next
@@ -91,6 +88,7 @@ def test_two_turn_chat_from_the_returned_state_equals_one_long_prefill(params):
     _close(_probe_logits(params, ref.state), want)
 
 
+@pytest.mark.slow
 def test_continuing_a_prefilled_state_with_num_samples_forks_after_the_new_tokens(params):
     """A state from jd.prefill (all but each prompt's last token) continued with that token and
     num_samples=3 == a fresh generate of the whole prompts; the returned state has 6 rows."""
@@ -109,6 +107,7 @@ def test_continuing_a_prefilled_state_with_num_samples_forks_after_the_new_token
     np.testing.assert_array_equal(np.asarray(out.state.lengths), [5 + 8] * 3 + [2 + 8] * 3)
 
 
+@pytest.mark.slow
 def test_stream_returns_the_final_state_on_its_last_chunk(params):
     prompts = [[5, 17, 33, 2, 9], [100, 7]]
     eos = (gen.generate(params, prompts, 12, eos_token_ids=()).token_lists()[1][4],)
@@ -178,7 +177,7 @@ def _stops_from(free, prompts):
     return [free[0][9:10], free[1][4:6], free[2][2:5], [prompts[3][-1], free[3][0]], never]
 
 
-@pytest.mark.parametrize("num_samples", [1, 2])
+@pytest.mark.parametrize("num_samples", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_stop_sequences_stop_where_a_host_scan_of_the_free_output_does(params, num_samples):
     sp = SamplingParams.create(temperature=1.0)
     kw = dict(sampling=sp, key=jax.random.key(5), eos_token_ids=(), num_samples=num_samples)
@@ -202,6 +201,7 @@ def test_stop_sequences_stop_where_a_host_scan_of_the_free_output_does(params, n
     assert [gen.STOP_REASONS[int(s)] for s in chunks[-1].stop_reason] == out.stop_reasons()
 
 
+@pytest.mark.slow
 def test_stop_reason_precedence_and_the_prompt_tail(params):
     """EOS wins over a stop sequence ending on the same token; a stop sequence that the
     prompt's tail would complete with the first generated token does not match."""
@@ -224,6 +224,7 @@ def test_a_stop_sequence_ending_on_the_budget_gives_stop(params):
     assert out.token_lists() == [free[:budget]] and out.stop_reasons() == ["stop"]
 
 
+@pytest.mark.slow
 def test_long_and_many_stop_sequences_use_a_larger_bucket(params):
     """Over 8 sequences or 8 ids the arrays grow to the next power of two (a new executable);
     matching is unchanged."""
@@ -257,6 +258,7 @@ def _cli(capsys, *argv):
     return status, out.out, out.err
 
 
+@pytest.mark.slow
 def test_cli_stop_ids_and_stop_text(capsys):
     status, out, _ = _cli(capsys, "--max-new-tokens", "12")
     assert status == 0

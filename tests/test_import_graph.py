@@ -175,3 +175,14 @@ def test_importing_sharding_through_the_package_does_not_load_the_model():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_importing_jaxdecode_leaves_the_backend_uninitialized():
+    """So that ``jax.distributed.initialize()`` still works after ``import jaxdecode`` (every
+    process of a multi-host run does that; tests/sharding_worker.py's two processes too)."""
+    code = ("import jaxdecode\n"
+            "from jax._src import xla_bridge\n"
+            "assert not xla_bridge.backends_are_initialized(), 'initialized by the import'\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]

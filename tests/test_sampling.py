@@ -67,10 +67,11 @@ def np_processed(x, counts, sp):
 
 # ----- masks ----------------------------------------------------------------------------------------
 
-@pytest.fixture(params=[1, 2, 4], ids=lambda b: f"{b}-bit")
+@pytest.fixture(params=[1, pytest.param(2, marks=pytest.mark.slow), 4],
+                ids=lambda b: f"{b}-bit")
 def radix_bits(request, monkeypatch):
-    """Every width of the cut-off search (1: what CPUs run; 4: what GPUs run). The width is read
-    at trace time, so each test traces afresh."""
+    """Every width of the cut-off search (1: what CPUs run; 4: what GPUs run; 2 only in the full
+    run). The width is read at trace time, so each test traces afresh."""
     monkeypatch.setattr(sampling, "_radix_bits", lambda: request.param)
     jax.clear_caches()
     return request.param
@@ -230,6 +231,7 @@ def test_rows_are_independent_of_the_batch():
         assert alone[0] == batch[i]
 
 
+@pytest.mark.perf
 def test_changing_values_does_not_recompile():
     f = jax.jit(lambda *args: sampling.sample(*args))  # a fresh cache, unshared with other tests
     x = _random_logits(2, 64, seed=9)
@@ -296,7 +298,8 @@ def test_features_of():
                                                .replace(temperature=t)).sampled)(1.0)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow),
+                                  pytest.param(2, marks=pytest.mark.slow)])
 def test_host_decided_steps_sample_the_same_tokens(seed):
     """features_of(params), ALL_FEATURES and the lax.cond path (features=None) give identical
     processed logits and tokens on random logits, counts and per-row settings."""
@@ -327,6 +330,7 @@ def test_host_decided_steps_sample_the_same_tokens(seed):
     np.testing.assert_allclose(logits[1][finite], want[finite], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.perf
 @pytest.mark.parametrize("settings", [dict(), dict(temperature=0.8, top_p=0.9)])
 def test_host_decided_steps_leave_no_conditional_in_the_program(settings):
     """With features the program has no lax.cond (each one a device-to-host wait on a GPU);

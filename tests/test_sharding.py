@@ -1,4 +1,5 @@
-"""Sharded decoding equals the single-device run, keeps its layout, donates, and fails clearly.
+"""jaxdecode.sharding: sharded decoding equals the single-device run, keeps its layout, donates,
+and fails clearly.
 
 The rest of the suite runs with one CPU device, and XLA's device count is fixed when jax is
 imported, so the sharded runs happen in subprocesses (``tests/sharding_worker.py``: 8 virtual
@@ -21,6 +22,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxdecode as jd
+from conftest import TINY
 from jaxdecode import sharding
 
 HERE = Path(__file__).resolve().parent
@@ -80,7 +82,7 @@ def two_processes():
 # ----- in-process: the spec tables -------------------------------------------------------------
 
 def test_specs_mirror_the_pytrees_and_match_leaf_ranks():
-    config = jd.Config.from_preset("tiny")
+    config = TINY
     for tied in (True, False):
         c = dataclasses.replace(config, tie_word_embeddings=tied)
         shapes = jax.eval_shape(lambda c=c: jd.init_params(c, jax.random.key(0)))
@@ -110,7 +112,7 @@ def test_one_device_mesh_runs_in_process():
     """jd.prefill / jd.decode_step on a state placed on a (1, 1) mesh run on that mesh (the
     mesh's kernels, outputs in the mesh layout) and refuse params that are not on it."""
     from jaxdecode import step
-    config = jd.Config.from_preset("tiny")
+    config = TINY
     mesh = sharding.make_mesh(1, 1)
     plain = jd.init_params(config, jax.random.key(0))
     params = sharding.shard_params(plain, mesh)
@@ -136,7 +138,7 @@ def test_one_device_mesh_runs_in_process():
 
 
 def test_mesh_of():
-    config = jd.Config.from_preset("tiny")
+    config = TINY
     mesh = sharding.make_mesh(1, 1)
     assert sharding.mesh_of(jd.init_state(config, 1, 8)) is None  # one device
     assert sharding.mesh_of(sharding.init_state_sharded(config, mesh, 1, 8)) == mesh
@@ -152,6 +154,7 @@ def test_mesh_of():
 
 # ----- 8 virtual devices: every mesh against one device ---------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES)
 def test_sharded_logits_equal_single_device(meshes, mesh):
     errors = meshes["meshes"][mesh]["rel_errors"]
@@ -159,6 +162,7 @@ def test_sharded_logits_equal_single_device(meshes, mesh):
     assert max(errors) <= REL_TOL, f"mesh {mesh}: max relative error per call {errors}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES)
 def test_shardings_are_the_specified_ones_before_and_after_each_step(meshes, mesh):
     res = meshes["meshes"][mesh]
@@ -169,6 +173,8 @@ def test_shardings_are_the_specified_ones_before_and_after_each_step(meshes, mes
     assert res["logits_sharding_ok"]
 
 
+@pytest.mark.slow
+@pytest.mark.perf
 @pytest.mark.parametrize("mesh", MESHES)
 def test_donation_aliases_every_state_buffer(meshes, mesh):
     res = meshes["meshes"][mesh]
@@ -176,6 +182,8 @@ def test_donation_aliases_every_state_buffer(meshes, mesh):
     assert all(res["donated"]), f"old state buffers still alive after steps: {res['donated']}"
 
 
+@pytest.mark.slow
+@pytest.mark.perf
 def test_tensor_parallel_step_moves_activations_only(meshes):
     """Per decode step: one all-reduce per mixer and per MLP (+ the embedding lookup); no
     weight is ever gathered (every collective is on [B, ·] activations, see sharding.py)."""
@@ -187,11 +195,13 @@ def test_tensor_parallel_step_moves_activations_only(meshes):
     assert meshes["meshes"]["8,1"]["collectives"] == {}
 
 
+@pytest.mark.slow
 def test_unpinned_jit_of_the_model_step_keeps_the_layout_too(meshes):
     """A user's own jax.jit of model.decode_step_fn (no out_shardings) also keeps the layout."""
     assert meshes["unpinned_decode_mismatches"] == []
 
 
+@pytest.mark.slow
 def test_public_decode_step_on_a_sharded_state_runs_on_its_mesh(meshes):
     """jd.decode_step on a sharded state runs step.jit_decode_step with choose_kernels(...,
     mesh=mesh) (its one builder call, the entry for those kernels), keeps the layout and gives
@@ -206,10 +216,12 @@ def test_public_decode_step_on_a_sharded_state_runs_on_its_mesh(meshes):
                                     for e in errors), errors
 
 
+@pytest.mark.slow
 def test_load_checkpoint_places_each_tensor_in_its_sharding(meshes):
     assert meshes["checkpoint"] == {"mismatches": [], "values_equal": True}
 
 
+@pytest.mark.slow
 def test_errors_name_the_sizes(meshes):
     errors = meshes["errors"]
     assert "num_key_value_heads=2 must be divisible by the 'model' mesh axis size 8" in (
@@ -225,6 +237,7 @@ def test_errors_name_the_sizes(meshes):
 
 # ----- two processes (jax.distributed on 127.0.0.1) -------------------------------------------
 
+@pytest.mark.slow
 def test_two_processes_give_the_single_process_greedy_tokens(meshes, two_processes):
     want = meshes["greedy_tokens"]
     assert sorted(r["process_index"] for r in two_processes) == [0, 1]
@@ -234,6 +247,7 @@ def test_two_processes_give_the_single_process_greedy_tokens(meshes, two_process
             assert tokens == want, f"process {r['process_index']}, mesh {mesh}"
 
 
+@pytest.mark.slow
 def test_eager_sample_on_arrays_spanning_both_processes(two_processes):
     """jd.sample on global arrays no process can read whole (its host-side features check must
     not fetch them) draws the tokens of the same values as local arrays."""
@@ -241,10 +255,6 @@ def test_eager_sample_on_arrays_spanning_both_processes(two_processes):
         assert r["sample"]["global"] == r["sample"]["local"], f"process {r['process_index']}"
 
 
-@pytest.mark.xfail(strict=True, reason="library: importing jaxdecode initializes the XLA backend "
-                   "(jaxdecode.kernels.choice.XLA = Kernels() reads jax.default_backend() at "
-                   "import), so jax.distributed.initialize() after `import jaxdecode` raises "
-                   "(examples/sharded.py does that)")
 def test_importing_jaxdecode_leaves_the_backend_uninitialized():
     code = ("import jaxdecode\n"
             "from jax._src import xla_bridge\n"
@@ -254,6 +264,7 @@ def test_importing_jaxdecode_leaves_the_backend_uninitialized():
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_example_runs_and_matches_one_device():
     proc = subprocess.run(
         [sys.executable, str(HERE.parent / "examples" / "sharded.py"), "--mesh", "2,4",

@@ -6,6 +6,7 @@ import json
 import pytest
 
 import jaxdecode as jd
+from conftest import write_hf_tokenizer
 from jaxdecode import tokenizer as tl
 
 
@@ -61,40 +62,9 @@ def test_stream_decoder_holds_back_partial_characters(qwen):
 
 # ----- tokenizer.json directories -----------------------------------------------------------------
 
-TEMPLATE = (
-    "{% for m in messages %}"
-    "{% if m['role'] not in ['user', 'assistant', 'system'] %}"
-    "{{ raise_exception('bad role ' + m['role']) }}{% endif %}"
-    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def _write_hf_tokenizer(directory, template_in="config"):
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>",
-                                                                  "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["hello world, the quick brown fox jumps over the lazy dog"] * 50,
-                            trainer)
-    tok.save(str(directory / "tokenizer.json"))
-    cfg = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None}
-    if template_in == "config":
-        cfg["chat_template"] = TEMPLATE
-    else:
-        (directory / "chat_template.jinja").write_text(TEMPLATE)
-    (directory / "tokenizer_config.json").write_text(json.dumps(cfg))
-    return tok
-
-
 @pytest.mark.parametrize("template_in", ["config", "jinja_file"])
 def test_hf_tokenizer_directory(tmp_path, template_in):
-    raw = _write_hf_tokenizer(tmp_path, template_in)
+    raw = write_hf_tokenizer(tmp_path, template_in)
     tok = tl.load_tokenizer(str(tmp_path), vocab_size=512)
     assert tok is not None and "tokenizer.json" in tok.name
     ids = tok.encode("hello world")

@@ -1,0 +1,126 @@
+"""jaxdecode.checkpoint: HF-layout safetensors directories load (prefixes, extra tensors,
+dtypes) and are validated whole, every problem listed in one ValueError. The checkpoints here are
+written with numpy/safetensors only (no jaxdecode code); HF-written ones are in test_model.py."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from conftest import tiny
+from jaxdecode.checkpoint import load_checkpoint
+from jaxdecode.params import params_to_hf
+import jaxdecode as jd
+
+CONFIG = tiny(vocab_size=300, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return jd.init_params(CONFIG, jax.random.key(0))
+
+
+def write_checkpoint(path, params, *, prefix="", drop=(), extra=None, reshape=None):
+    """Writes params as an HF-style directory with numpy/safetensors only (no jaxdecode code)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(params.config.to_hf_config()))
+    leaves = params_to_hf(params)
+    tensors = {}
+    for name in leaves:
+        if name in drop:
+            continue
+        value = np.asarray(leaves[name], np.float32)
+        if reshape and name in reshape:
+            value = np.zeros(reshape[name], np.float32)
+        stored = name.replace("model.", prefix, 1) if prefix else name
+        tensors[stored] = value
+    tensors.update(extra or {})
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+def test_hf_layout_round_trip(params):
+    from jaxdecode.params import params_from_flat, params_from_hf, params_to_flat
+    for back in (params_from_hf(params.config, params_to_hf(params)),
+                 params_from_flat(params.config, params_to_flat(params))):
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(back)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    qkv = "model.layers.0.linear_attn.in_proj_qkv.weight"
+    assert not np.array_equal(np.asarray(params_to_hf(params)[qkv]),
+                              np.asarray(params_to_flat(params)[qkv]))  # the layouts differ
+
+
+def test_checkpoint_round_trip_skips_mtp_and_vision(tmp_path, params):
+    extra = {"mtp.fc.weight": np.ones((4, 4), np.float32),
+             "model.visual.patch_embed.weight": np.ones((2, 2), np.float32)}
+    path = write_checkpoint(tmp_path / "ck", params, prefix="model.language_model.", extra=extra)
+    loaded = load_checkpoint(path, dtype="float32")
+    assert loaded.config == params.config
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    bf16 = load_checkpoint(path, dtype="bfloat16")
+    assert bf16.dtype == np.dtype("bfloat16")
+    assert bf16.layers[0].linear_attn.A_log.dtype == np.float32  # kept float32
+
+
+def test_checkpoint_problems_are_listed_together(tmp_path, params):
+    a = "model.layers.0.linear_attn.A_log"
+    q = "model.layers.3.self_attn.q_proj.weight"
+    path = write_checkpoint(tmp_path / "bad", params, drop=(a,), reshape={q: (7, 5)},
+                            extra={"model.layers.0.mlp.bias": np.ones(3, np.float32)})
+    with pytest.raises(ValueError) as err:
+        load_checkpoint(path)
+    msg = str(err.value)
+    assert "3 problems" in msg
+    assert f"missing tensor {a} (expected shape (4,))" in msg
+    assert f"tensor {q} has shape (7, 5), expected (256, 64)" in msg
+    assert "unexpected tensor model.layers.0.mlp.bias with shape (3,)" in msg
+
+
+def test_checkpoint_duplicates_and_non_float_tensors(tmp_path, params):
+    emb = "model.embed_tokens.weight"
+    extra = {"model.language_model.embed_tokens.weight": np.zeros((300, 64), np.float32)}
+    path = write_checkpoint(tmp_path / "dup", params, extra=extra)
+    with pytest.raises(ValueError, match=rf"tensor {emb} is stored twice"):
+        load_checkpoint(path)
+    a = "model.layers.0.linear_attn.A_log"
+    path = write_checkpoint(tmp_path / "int", params, extra={a: np.ones(4, np.int32)})
+    with pytest.raises(ValueError, match=rf"tensor {a} has dtype I32, expected a float type"):
+        load_checkpoint(path)
+
+
+def test_checkpoint_tied_lm_head_of_the_wrong_shape(tmp_path, params):
+    assert params.config.tie_word_embeddings
+    path = write_checkpoint(tmp_path / "tied", params,
+                            extra={"lm_head.weight": np.ones((3, 3), np.float32)})
+    with pytest.raises(ValueError, match=r"tensor lm_head.weight has shape \(3, 3\), expected "
+                                         r"\(300, 64\)"):
+        load_checkpoint(path)
+
+
+def test_checkpoint_malformed_files(tmp_path, params):
+    path = write_checkpoint(tmp_path / "cfg", params)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "hidden_size": "128"}))
+    with pytest.raises(ValueError, match=r"wrong type"):
+        load_checkpoint(path)
+    (path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"config.json' is not valid JSON"):
+        load_checkpoint(path)
+    path = write_checkpoint(tmp_path / "idx", params)
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(ValueError, match=r"is not a safetensors index with a 'weight_map'"):
+        load_checkpoint(path)
+
+
+def test_checkpoint_missing_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG.to_hf_config()))
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        load_checkpoint(tmp_path)
+

@@ -1,0 +1,387 @@
+"""jaxdecode.model: parity with Hugging Face transformers 5.24.0 on random checkpoints written by
+save_pretrained, layer by layer and end to end; and the model's own consistency (decode == prefill
+of the whole sequence, decode branch == one-token prefill branch, query-blocked attention, the
+in-graph guard of the unvalidated pure functions).
+
+Every HF checkpoint has all parameters randomised (tests/hf_reference.py). Both sides run float32
+("highest" matmuls here, CPU torch there). Tolerance: max |Δlogit| <= 1e-4 · max|logit| and the
+same argmax wherever the reference's top-2 margin is not a near-tie.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxdecode as jd
+from conftest import FULL, LIN, assert_logits_close, assert_rel_close, hf_text_config, tiny
+from jaxdecode import model
+from jaxdecode.kernels import choice
+from jaxdecode.kernels.deltanet_decode import deltanet_decode_xla
+from jaxdecode.kernels.gated_delta_decode import gated_delta_decode_reference
+from jaxdecode.state import DecodeState
+
+f32 = jnp.float32
+CONFIG = tiny(vocab_size=1000)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return jd.init_params(CONFIG, jax.random.key(1))
+
+
+# ----- the model's own consistency ------------------------------------------------------------
+
+def test_decode_equals_prefill_of_the_whole_sequence(params):
+    """Cached decoding == a prefill of the whole sequence (last-token logits)."""
+    rng = np.random.default_rng(5)
+    seq = rng.integers(0, CONFIG.vocab_size, 12).astype(np.int32)
+    state = jd.init_state(CONFIG, batch_size=1, max_len=32)
+    logits, state = jd.prefill(params, state, seq[None, :5], np.array([5]))
+    for t in range(5, 12):
+        logits, state = jd.decode_step(params, state, seq[t:t + 1])
+    full = jd.init_state(CONFIG, batch_size=1, max_len=32)
+    want, _ = jd.prefill(params, full, seq[None], np.array([12]))
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(want), rtol=1e-4,
+                               atol=1e-4 * np.abs(np.asarray(want)).max())
+
+
+def test_models_decode_equals_its_one_token_prefill():
+    """The model's decode branch (kernels=XLA: deltanet_decode_xla with the callable delta rule
+    gated_delta_decode_reference, the default and an explicit one) against the model's prefill
+    path for the same one token: its own conv, ring update (take_along_axis), masking and
+    chunked delta rule (float32), at positions on both sides of the ring's wrap."""
+    config = tiny(linear_key_head_dim=32, linear_value_head_dim=48)
+    params = jd.init_params(config, jax.random.key(0))
+    p = next(layer.linear_attn for layer in params.layers if layer.linear_attn is not None)
+    c = config
+    batch, kc = 3, c.linear_conv_kernel_dim
+    channels = p.in_proj_qkv.shape[0]
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((batch, 1, c.hidden_size)), f32)
+    conv_state = jnp.asarray(rng.standard_normal((batch, kc, channels)), f32)
+    start = jnp.asarray([2, 9, kc], jnp.int32)
+    state = jnp.asarray(rng.standard_normal((batch, c.linear_num_value_heads,
+                                             c.linear_key_head_dim, c.linear_value_head_dim)),
+                        f32)
+    n_new = jnp.asarray([1, 0, 1], jnp.int32)
+    valid = model.token_mask(1, n_new)
+    want = jax.jit(lambda *xs: model.gated_delta_net(p, *xs, c, decode=False))(
+        x, conv_state, state, start, n_new, valid)
+    assert deltanet_decode_xla.__kwdefaults__["delta_rule"] is gated_delta_decode_reference
+    for impl in ("default", "kernels.XLA"):
+        kw = {} if impl == "default" else dict(kernels=choice.XLA)
+        got = jax.jit(lambda *xs: model.gated_delta_net(p, *xs, c, decode=True, **kw))(
+            x, conv_state, state, start, n_new, valid)
+        for g, w, what in zip(got, want, ("out", "conv_state", "recurrent_state"), strict=True):
+            assert g.dtype == w.dtype and g.shape == w.shape, what
+            assert_rel_close(g, w, 1e-5, f"{what} ({impl})")
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))  # the ring
+        # the inactive row: ring and state untouched, output 0
+        np.testing.assert_array_equal(np.asarray(got[2])[1], np.asarray(state)[1])
+        np.testing.assert_array_equal(np.asarray(got[1])[1], np.asarray(conv_state)[1])
+        assert (np.asarray(got[0])[1] == 0).all()
+    assert not np.array_equal(np.asarray(want[2]), np.asarray(state))  # the step did something
+
+
+def test_query_blocked_prefill_attention_equals_one_block():
+    """Long prompts attend in query blocks (bounded score memory); same result as one block."""
+    rng = np.random.default_rng(3)
+    b, t, hq, hkv, s, d = 2, 37, 4, 2, 48, 8
+    q = jnp.asarray(rng.standard_normal((b, t, hq, d)), jnp.float32)
+    k = rng.standard_normal((b, hkv, s, d)).astype(np.float32)
+    k[:, :, 45:] = np.nan  # unwritten slots
+    v = rng.standard_normal((b, hkv, s, d)).astype(np.float32)
+    v[:, :, 45:] = np.nan
+    start = np.array([3, 8])
+    positions = jnp.asarray(start[:, None] + np.arange(t)[None], jnp.int32)
+    end = jnp.asarray(start + np.array([37, 30]), jnp.int32)
+    one = model.causal_attention(q, jnp.asarray(k), jnp.asarray(v), positions, end,
+                                 query_block=64)
+    blocked = model.causal_attention(q, jnp.asarray(k), jnp.asarray(v), positions, end,
+                                     query_block=8)
+    assert np.isfinite(np.asarray(one)[1, :30]).all()
+    np.testing.assert_allclose(np.asarray(blocked), np.asarray(one), rtol=1e-6, atol=1e-6)
+
+
+def test_unchecked_prefill_lengths_outside_the_tokens_are_rejected_in_graph(params):
+    """model.prefill_fn unvalidated (inside a user's jit): a row asking for num_new outside
+    [0, T] is left untouched and gets NaN logits, the others run."""
+    state = jd.init_state(CONFIG, batch_size=3, max_len=16)
+    logits, state = jax.jit(model.prefill_fn)(params, state, np.ones((3, 4), np.int32),
+                                              np.array([6, -2, 4], np.int32))
+    logits = np.asarray(logits)
+    assert np.isnan(logits[:2]).all() and np.isfinite(logits[2]).all()
+    np.testing.assert_array_equal(np.asarray(state.lengths), [0, 0, 4])
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state))
+
+
+# ----- end to end against HF --------------------------------------------------------------------
+
+DECODE_STEPS = 16
+PROMPT_LENGTHS = (1, 2, 3, 63, 64, 65, 150)  # shorter than the conv window, chunk edges, 3 chunks
+OTHER_PROMPT = 70
+
+
+def _prompt(seed: int, length: int, vocab: int = 512) -> list[int]:
+    return np.random.default_rng(seed).integers(0, vocab, size=length).tolist()
+
+
+CHECKPOINTS = {
+    # untied; r = Hv/Hk = 2; dk=16 != dv=24; 2 query heads per KV head
+    "base": dict(text_config=hf_text_config(), seed=1),
+    # tied; r = 3; 4 query heads per KV head; 8 layers (2 attention layers)
+    "tied_r3_g4": dict(seed=2, text_config=hf_text_config(
+        tie_word_embeddings=True, linear_num_value_heads=6, num_attention_heads=8,
+        num_key_value_heads=2, num_hidden_layers=8, layer_types=(LIN, LIN, LIN, FULL) * 2)),
+    # r = 1, MHA (1 query head per KV head), dk > dv
+    "r1_mha": dict(seed=3, text_config=hf_text_config(
+        linear_num_value_heads=2, num_attention_heads=2, num_key_value_heads=2,
+        linear_key_head_dim=24, linear_value_head_dim=16)),
+    # the published layout: Qwen3_5ForConditionalGeneration (model.language_model.*, visual)
+    "multimodal": dict(seed=4, layout="conditional_generation",
+                       text_config=hf_text_config(tie_word_embeddings=True)),
+    # several safetensors shards + index
+    "sharded": dict(seed=5, max_shard_size="60KB", text_config=hf_text_config()),
+    # bf16 on disk with A_log / linear_attn.norm.weight float32 (loaded into float32 here)
+    "bf16_f32_A_log": dict(seed=6, dtype="bfloat16", text_config=hf_text_config()),
+}
+
+CASES = {key: [{"name": "p", "prompt": _prompt(100 + i, OTHER_PROMPT),
+                "decode_steps": DECODE_STEPS}]
+         for i, key in enumerate(CHECKPOINTS) if key != "base"}
+CASES["base"] = [{"name": f"len{n}", "prompt": _prompt(n, n), "decode_steps": DECODE_STEPS}
+                 for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def hf(hf_checkpoints):
+    """{key: (checkpoint dir, reference arrays)} built in one transformers subprocess."""
+    return hf_checkpoints.build(CHECKPOINTS, CASES)
+
+
+@pytest.fixture(scope="module")
+def loaded(hf):
+    return {key: jd.load_checkpoint(path, dtype="float32") for key, (path, _) in hf.items()}
+
+
+def _run_case(params, prompt, ref, name, *, pad_to=None, max_len=256):
+    """Prefill (all logits) then decode following the reference's tokens; compare each."""
+    t = pad_to or len(prompt)
+    tokens = np.full((1, t), 7, np.int32)  # padding holds a real-looking id on purpose
+    tokens[0, :len(prompt)] = prompt
+    state = jd.init_state(params.config, batch_size=1, max_len=max_len)
+    logits, state = jd.prefill(params, state, tokens, np.array([len(prompt)]),
+                               return_all_logits=True)
+    worst = assert_logits_close(np.asarray(logits)[0, :len(prompt)], ref[f"{name}/prefill_logits"],
+                                what=f"{name} prefill")
+    for i, tok in enumerate(ref[f"{name}/decode_tokens"]):
+        logits, state = jd.decode_step(params, state, np.array([tok], np.int32))
+        worst = max(worst, assert_logits_close(np.asarray(logits)[0],
+                                               ref[f"{name}/decode_logits"][i],
+                                               what=f"{name} decode step {i}"))
+    assert int(state.lengths[0]) == len(prompt) + DECODE_STEPS
+    return worst
+
+
+@pytest.mark.slow
+@pytest.mark.hf
+@pytest.mark.parametrize("length", PROMPT_LENGTHS)
+def test_prompt_lengths_match_hf(hf, loaded, length):
+    _, ref = hf["base"]
+    # Short prompts also go through a padded prefill (right padding must be inert).
+    pad_to = 8 if length < 8 else None
+    worst = _run_case(loaded["base"], _prompt(length, length), ref, f"len{length}", pad_to=pad_to)
+    print(f"base len{length}: worst relative error {worst:.2e}")
+
+
+@pytest.mark.slow
+@pytest.mark.hf
+@pytest.mark.parametrize("key", [k for k in CHECKPOINTS if k != "base"])
+def test_configs_and_layouts_match_hf(hf, loaded, key):
+    _, ref = hf[key]
+    worst = _run_case(loaded[key], CASES[key][0]["prompt"], ref, "p")
+    print(f"{key}: worst relative error {worst:.2e}")
+
+
+@pytest.mark.slow
+@pytest.mark.hf
+def test_sharded_and_multimodal_checkpoints_are_what_they_claim(hf):
+    from safetensors import safe_open
+    from jaxdecode.checkpoint import checkpoint_files
+    assert len(checkpoint_files(hf["sharded"][0])) > 1
+    keys = []
+    for f in checkpoint_files(hf["multimodal"][0]):
+        with safe_open(f, "np") as fh:
+            keys += list(fh.keys())
+    assert any(k.startswith("model.language_model.") for k in keys)
+    assert any(k.startswith("model.visual.") for k in keys)
+    with safe_open(checkpoint_files(hf["bf16_f32_A_log"][0])[0], "np") as fh:
+        assert fh.get_slice("model.layers.0.linear_attn.A_log").get_dtype() == "F32"
+        assert fh.get_slice("model.layers.0.linear_attn.in_proj_qkv.weight").get_dtype() == "BF16"
+
+
+@pytest.mark.slow
+@pytest.mark.hf
+def test_config_variants_are_what_they_claim(loaded):
+    c = {k: p.config for k, p in loaded.items()}
+    assert c["base"].linear_num_value_heads_per_key_head == 2
+    assert c["base"].linear_key_head_dim != c["base"].linear_value_head_dim
+    assert c["tied_r3_g4"].linear_num_value_heads_per_key_head == 3
+    assert c["tied_r3_g4"].num_key_value_groups == 4 and c["tied_r3_g4"].tie_word_embeddings
+    assert loaded["tied_r3_g4"].lm_head is None and loaded["base"].lm_head is not None
+    assert c["r1_mha"].num_key_value_groups == 1
+    assert c["multimodal"].tie_word_embeddings
+
+
+@pytest.mark.slow
+@pytest.mark.hf
+def test_ragged_batch_matches_each_prompt_alone(hf, loaded):
+    """Rows of different lengths in one right-padded batch == each prompt run alone (HF)."""
+    params, (_, ref) = loaded["base"], hf["base"]
+    names = ["len150", "len3", "len64", "len1"]
+    prompts = [_prompt(int(n[3:]), int(n[3:])) for n in names]
+    t = max(map(len, prompts))
+    tokens = np.zeros((len(prompts), t), np.int32)
+    for b, p in enumerate(prompts):
+        tokens[b, :len(p)] = p
+    state = jd.init_state(params.config, batch_size=len(prompts), max_len=256)
+    logits, state = jd.prefill(params, state, tokens, np.array([len(p) for p in prompts]))
+    for b, n in enumerate(names):
+        assert_logits_close(np.asarray(logits)[b], ref[f"{n}/prefill_logits"][-1],
+                            what=f"row {b} ({n}) prefill")
+    for i in range(DECODE_STEPS):
+        toks = np.array([ref[f"{n}/decode_tokens"][i] for n in names], np.int32)
+        logits, state = jd.decode_step(params, state, toks)
+        for b, n in enumerate(names):
+            assert_logits_close(np.asarray(logits)[b], ref[f"{n}/decode_logits"][i],
+                                what=f"row {b} ({n}) decode step {i}")
+    np.testing.assert_array_equal(np.asarray(state.lengths),
+                                  [len(p) + DECODE_STEPS for p in prompts])
+
+
+@pytest.mark.slow
+@pytest.mark.hf
+@pytest.mark.parametrize("split", [1, 64, 97])
+def test_prefill_in_two_calls_matches_one_call(hf, loaded, split):
+    """A prompt prefilled in two calls (continuation from the state) == HF on the whole prompt,
+    and == one jaxdecode call, including the state left behind."""
+    params, (_, ref) = loaded["base"], hf["base"]
+    prompt = np.array(_prompt(150, 150), np.int32)
+    one = jd.init_state(params.config, batch_size=1, max_len=256)
+    logits_one, one = jd.prefill(params, one, prompt[None], np.array([150]))
+    two = jd.init_state(params.config, batch_size=1, max_len=256)
+    _, two = jd.prefill(params, two, prompt[None, :split], np.array([split]))
+    logits_two, two = jd.prefill(params, two, prompt[None, split:], np.array([150 - split]))
+    assert_logits_close(np.asarray(logits_two)[0], ref["len150/prefill_logits"][-1],
+                        what="two-call prefill vs HF")
+    assert_logits_close(np.asarray(logits_two), np.asarray(logits_one), rel=2e-5,
+                        what="two calls vs one call")
+    for a, b in zip(jax_leaves(one), jax_leaves(two)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * max(1.0, np.abs(a).max()))
+    tok = ref["len150/decode_tokens"][0]
+    logits, _ = jd.decode_step(params, two, np.array([tok], np.int32))
+    assert_logits_close(np.asarray(logits)[0], ref["len150/decode_logits"][0],
+                        what="decode after two-call prefill")
+
+
+def jax_leaves(state):
+    return [np.asarray(x, np.float64) for x in jax.tree.leaves(state)]
+
+
+# ----- layer by layer ---------------------------------------------------------------------------
+
+LAYER_PROMPT = 70  # crosses one chunk (64) of the chunked delta rule
+
+
+@jax.jit
+def layer_by_layer(params, state, tokens, num_new):
+    """model._forward's layer loop run from the model's pieces, keeping every hidden state:
+    returns ([L+1, B, T, H] the embeddings and each decoder layer's output, the final-normed
+    last output, the logits [B, T, V] and the new state). T == 1 runs the decode branch. Its
+    logits are checked against jd.prefill / jd.decode_step, so this is the library's loop."""
+    c = params.config
+    batch, length = tokens.shape
+    decode = length == 1
+    start = state.lengths
+    valid = model.token_mask(length, num_new)
+    x = jnp.where(valid[..., None], jnp.take(params.embed_tokens, tokens, axis=0), 0)
+    x = x.astype(params.dtype)
+    hidden = [x]
+    conv, rec, kv = list(state.conv_state), list(state.recurrent_state), list(state.kv_cache)
+    lin = full = 0
+    for layer, kind in zip(params.layers, c.layer_types):
+        h = model.rms_norm(x, layer.input_layernorm, c.rms_norm_eps)
+        if kind == FULL:
+            h, kv[full] = model.gated_attention(layer.self_attn, h, kv[full], start, num_new,
+                                                valid, c, decode=decode)
+            full += 1
+        else:
+            h, conv[lin], rec[lin] = model.gated_delta_net(
+                layer.linear_attn, h, conv[lin], rec[lin], start, num_new, valid, c,
+                decode=decode)
+            lin += 1
+        x = x + h
+        x = x + model.mlp(layer.mlp, model.rms_norm(x, layer.post_attention_layernorm,
+                                                    c.rms_norm_eps))
+        hidden.append(x)
+    normed = model.rms_norm(x, params.norm, c.rms_norm_eps)
+    logits = jnp.einsum("bti,vi->btv", normed, params.lm_head_weight, preferred_element_type=f32)
+    new_state = DecodeState(conv_state=tuple(conv), recurrent_state=tuple(rec),
+                            kv_cache=tuple(kv), lengths=start + num_new)
+    return jnp.stack(hidden), normed, logits, new_state
+
+
+def first_divergence(ours, normed, theirs, layer_types, rel=1e-4):
+    """Compares each hidden state with HF's (``theirs`` [L+1, T, H]: HF's last entry is after
+    the final norm). Returns (name of the first entry whose max |Δ| exceeds rel · max|HF|, or
+    None; every entry's relative error)."""
+    names = ["embedding"] + [f"layer {i} ({kind})" for i, kind in enumerate(layer_types)]
+    names[-1] += " + final norm"
+    ours = list(np.asarray(ours, np.float64)[:-1]) + [np.asarray(normed, np.float64)]
+    errors = {}
+    for name, a, b in zip(names, ours, np.asarray(theirs, np.float64), strict=True):
+        errors[name] = float(np.abs(a - b).max() / np.abs(b).max())
+    bad = [name for name, e in errors.items() if e > rel]
+    return (bad[0] if bad else None), errors
+
+
+@pytest.mark.slow
+@pytest.mark.hf
+def test_layer_by_layer_matches_hf(hf, loaded, hf_checkpoints):
+    """Every decoder layer's output against HF's (output_hidden_states), for a prefill and the
+    decode step after it: a parity failure names the first layer that diverges."""
+    params, (path, _) = loaded["base"], hf["base"]
+    prompt = _prompt(7, LAYER_PROMPT)
+    ref = hf_checkpoints.hidden_states(path, prompt, decode_token=11)
+    kinds = params.config.layer_types
+    state = jd.init_state(params.config, batch_size=1, max_len=128)
+    tokens, num_new = jnp.asarray([prompt], jnp.int32), jnp.asarray([LAYER_PROMPT], jnp.int32)
+    hidden, normed, logits, state = layer_by_layer(params, state, tokens, num_new)
+    where, errors = first_divergence(hidden[:, 0], normed[0], ref["prefill/hidden_states"], kinds)
+    assert where is None, f"prefill: first divergence at {where}; relative errors {errors}"
+    # this is the library's loop: its logits are jd.prefill's
+    want, _ = jd.prefill(params, jd.init_state(params.config, 1, 128), tokens, num_new,
+                         return_all_logits=True)
+    assert_logits_close(logits, want, rel=1e-5, what="layer loop vs jd.prefill")
+    assert_logits_close(logits[0], ref["prefill/logits"], what="prefill logits")
+
+    twin = jax.tree.map(jnp.copy, state)
+    hidden, normed, logits, _ = layer_by_layer(params, state, jnp.asarray([[11]], jnp.int32),
+                                               jnp.asarray([1], jnp.int32))
+    where, errors = first_divergence(hidden[:, 0], normed[0], ref["decode/hidden_states"], kinds)
+    assert where is None, f"decode: first divergence at {where}; relative errors {errors}"
+    want, _ = jd.decode_step(params, twin, np.array([11], np.int32), kernels=choice.XLA)
+    assert_logits_close(logits[:, 0], want, rel=1e-5, what="layer loop vs jd.decode_step")
+    assert_logits_close(logits[0], ref["decode/logits"], what="decode logits")
+
+    # the check names the right layer: scale one MLP of layer 2 and layer 2 is the first
+    bent = params.replace(layers=tuple(
+        layer.replace(mlp=layer.mlp.replace(down_proj=layer.mlp.down_proj * 1.01)) if i == 2
+        else layer for i, layer in enumerate(params.layers)))
+    hidden, normed, _, _ = layer_by_layer(bent, jd.init_state(params.config, 1, 128), tokens,
+                                          num_new)
+    where, _ = first_divergence(hidden[:, 0], normed[0], ref["prefill/hidden_states"], kinds)
+    assert where == f"layer 2 ({kinds[2]})", where

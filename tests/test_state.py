@@ -1,0 +1,108 @@
+"""jaxdecode.state: the documented layout, init_state's checks, fork, and the conv ring's slot
+arithmetic."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxdecode as jd
+from conftest import FULL, LIN, TINY, tiny
+from jaxdecode.state import state_bytes
+
+
+def test_state_layout_is_as_documented():
+    c = tiny(num_hidden_layers=8, layer_types=(LIN, LIN, LIN, FULL) * 2)
+    state = jd.init_state(c, batch_size=3, max_len=40)
+    assert len(state.conv_state) == len(state.recurrent_state) == 6
+    assert len(state.kv_cache) == 2
+    assert state.conv_state[0].shape == (3, c.linear_conv_kernel_dim, c.linear_conv_dim)
+    assert state.recurrent_state[0].shape == (3, c.linear_num_value_heads, c.linear_key_head_dim,
+                                              c.linear_value_head_dim)
+    assert state.recurrent_state[0].dtype == jnp.float32
+    assert state.kv_cache[0].k.shape == (3, c.num_key_value_heads, 40, c.head_dim)
+    assert state.lengths.shape == (3,) and state.lengths.dtype == jnp.int32
+    assert state.max_len == 40 and state.batch_size == 3
+
+
+def random_state(batch=2, max_len=16, seed=0):
+    """A state of TINY whose every leaf holds random values (lengths in [0, max_len])."""
+    state = jd.init_state(TINY, batch_size=batch, max_len=max_len)
+    keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(state))))
+    return jax.tree.map(
+        lambda x: (jax.random.randint(next(keys), x.shape, 0, max_len + 1, x.dtype)
+                   if x.dtype == jnp.int32 else jax.random.normal(next(keys), x.shape, x.dtype)),
+        state)
+
+
+def test_fork_repeats_rows():
+    state = random_state(batch=2)
+    forked = jd.fork(state, 3)
+    assert forked.batch_size == 6
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(forked)):
+        np.testing.assert_array_equal(np.repeat(np.asarray(a), 3, axis=0), np.asarray(b))
+    assert not any(x.is_deleted() for x in jax.tree.leaves(state))  # not donated
+    with pytest.raises(ValueError, match=r"n=0 must be a positive int"):
+        jd.fork(state, 0)
+
+
+def test_state_bytes():
+    state = jd.init_state(TINY, batch_size=2, max_len=16, dtype="bfloat16")
+    c = TINY
+    conv = 2 * c.linear_conv_kernel_dim * c.linear_conv_dim * 2
+    rec = 2 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+    kv = 2 * (2 * c.num_key_value_heads * 16 * c.head_dim * 2)
+    assert state_bytes(state) == 3 * (conv + rec) + kv + 2 * 4
+
+
+def test_init_state_errors():
+    with pytest.raises(ValueError, match=r"max_len=0 must be a positive int"):
+        jd.init_state(TINY, batch_size=1, max_len=0)
+    with pytest.raises(ValueError, match=r"exceeds the model's max_position_embeddings"):
+        jd.init_state(TINY, batch_size=1, max_len=TINY.max_position_embeddings + 1)
+
+
+def test_init_state_dtypes_and_integer_types():
+    with pytest.raises(ValueError, match=r"dtype='int32' must be 'bfloat16' \(or 'bf16'\) or "
+                                         r"'float32'"):
+        jd.init_state(TINY, batch_size=2, max_len=16, dtype="int32")
+    assert jd.init_state(TINY, 1, 8, dtype="bf16").conv_state[0].dtype == jnp.bfloat16
+    bf16 = jd.init_state(TINY, batch_size=2, max_len=16, dtype="bfloat16")
+    assert {x.dtype for x in bf16.conv_state} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in bf16.recurrent_state} == {jnp.dtype(jnp.float32)}
+    # numpy integers are integers
+    assert jd.init_state(TINY, np.int64(2), np.int32(8)).max_len == 8
+    assert jd.fork(jd.init_state(TINY, 2, 16), np.int64(2)).batch_size == 4
+    with pytest.raises(ValueError, match=r"batch_size=2.0 must be a positive int"):
+        jd.init_state(TINY, 2.0, 8)
+
+
+@pytest.mark.parametrize("kernel_size", [2, 4, 7])
+def test_conv_window_slots_at_every_position(kernel_size):
+    """The window of the token at position n is positions n-Kc+1 .. n-1, at slots p mod Kc (also
+    for positions before 0, and without int32 overflow near 2**31)."""
+    from jaxdecode.state import conv_window_slots
+    lengths = [0, 1, kernel_size - 1, kernel_size, 37, 2**31 - 2, 2**31 - 1]
+    got = np.asarray(conv_window_slots(jnp.asarray(lengths, jnp.int32), kernel_size))
+    want = [[(n - kernel_size + 1 + t) % kernel_size for t in range(kernel_size - 1)]
+            for n in lengths]
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("kernel_size", [2, 4, 7])
+def test_conv_slot_position_inverts_conv_slot(kernel_size):
+    """conv_slot_position(end, s) is the last position before end in ring slot s (searched
+    downward in Python), also below 0 and near 2**31; and conv_slot maps it back to s."""
+    from jaxdecode.state import conv_slot, conv_slot_position
+    ends = [0, 1, kernel_size - 1, kernel_size, 38, 2**31 - 1]
+    slots = np.arange(kernel_size, dtype=np.int32)
+    got = np.asarray(conv_slot_position(jnp.asarray(ends, jnp.int32)[:, None],
+                                        jnp.asarray(slots)[None, :], kernel_size))
+    want = [[next(p for p in range(end - 1, end - 1 - kernel_size, -1) if p % kernel_size == s)
+             for s in slots] for end in ends]
+    np.testing.assert_array_equal(got, want)
+    nonneg = got >= 0
+    back = np.asarray(conv_slot(jnp.asarray(np.maximum(got, 0)), 0, kernel_size))
+    np.testing.assert_array_equal(back[nonneg], np.broadcast_to(slots, got.shape)[nonneg])
