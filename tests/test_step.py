@@ -340,8 +340,9 @@ def test_decode_rejects_host_token_ids_and_shapes(params):
     for bad in (np.array([0, 300]), [0, -1], (0, 10**6)):  # host ids (numpy, list, tuple)
         with pytest.raises(ValueError, match=r"token ids must be in \[0, vocab_size=300\)"):
             jd.decode_step(params, state, bad)
-    with pytest.raises(ValueError, match=r"token ids must be integers"):
-        jd.decode_step(params, state, np.array([0.0, 1.0]))
+    for floats in (np.array([0.0, 1.0]), jnp.asarray([0.0, 1.0])):  # host or device: metadata
+        with pytest.raises(ValueError, match=r"token ids must be integers, got dtype float"):
+            jd.decode_step(params, state, floats)
     with pytest.raises(ValueError, match=r"tokens must be \[B\] with B = 2"):
         jd.decode_step(params, state, np.array([0, 1, 2]))
     with pytest.raises(ValueError, match=r"tokens must be \[B\] with B = 2"):
@@ -352,6 +353,18 @@ def test_decode_rejects_host_token_ids_and_shapes(params):
     # an inactive row's id is padding: not checked
     _, state = jd.decode_step(params, state, np.array([300, 1]), active=np.array([False, True]))
     np.testing.assert_array_equal(np.asarray(state.lengths), [4, 2])
+
+
+def test_decode_step_takes_host_token_ids_as_lists_and_tuples(params):
+    """Token ids as a list, a tuple, numpy or a device array: the same step."""
+    _, state = _prefilled(params)
+    results = []
+    for tokens in ([3, 7], (3, 7), np.array([3, 7]), jnp.asarray([3, 7], jnp.int32)):
+        logits, new = jd.decode_step(params, _copy(state), tokens)
+        results.append(np.asarray(logits))
+        np.testing.assert_array_equal(np.asarray(new.lengths), [10, 5])
+    for got in results[1:]:
+        np.testing.assert_array_equal(got, results[0])
 
 
 def _snapshot(state):
