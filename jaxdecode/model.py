@@ -267,7 +267,7 @@ def _forward(params: Params, state: DecodeState, tokens: Array, num_new: Array |
     in_vocab = (tokens >= 0) & (tokens < c.vocab_size)
     if decode:
         # Masks stay boolean, from active: num_new > 0 masks (or an any() over the size-1 token
-        # axis) fail to compile on XLA GPU in one-row loops (tests/test_gpu_compile.py).
+        # axis) fail to compile on XLA GPU in one-row loops (tests/test_step.py, GPU cases).
         rejected = (active & (start >= state.max_len)) | (active & ~in_vocab[:, 0])
         valid = (active & ~rejected)[:, None]  # [B, 1]
         num_new = valid[:, 0].astype(jnp.int32)

@@ -119,8 +119,9 @@ def check_decode_step(params: Params, state: DecodeState, tokens, active=None) -
                          f"size); got shape {np.shape(tokens)}")
     if active is not None and tuple(np.shape(active)) != (state.batch_size,):
         raise ValueError(f"active must be [B] like tokens; got shape {np.shape(active)}")
-    if not np.issubdtype(np.result_type(tokens), np.integer):  # metadata only, no device read
-        raise ValueError(f"token ids must be integers, got dtype {np.result_type(tokens)}")
+    dtype = tokens.dtype if isinstance(tokens, jax.Array) else np.asarray(tokens).dtype
+    if not np.issubdtype(dtype, np.integer):  # a device array's dtype: no device read
+        raise ValueError(f"token ids must be integers, got dtype {dtype}")
     if not isinstance(tokens, jax.Array):  # host values: reading them costs no device sync
         real = (np.asarray(active, bool) if active is not None
                 and not isinstance(active, jax.Array) else np.ones(state.batch_size, bool))
