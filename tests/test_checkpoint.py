@@ -124,3 +124,73 @@ def test_checkpoint_missing_files(tmp_path):
     with pytest.raises(FileNotFoundError, match="no model.safetensors"):
         load_checkpoint(tmp_path)
 
+
+# ----- damaged files (issue 22): a ValueError naming the file or tensor
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """A tiny float32 checkpoint as numpy tensors (HF names) and a writer for variants of it."""
+    config = jd.Config.from_preset("tiny")
+    params = jd.init_params(config, jax.random.key(3), "float32")
+    flat = {k: np.asarray(v) for k, v in params_to_hf(params).items()}
+    root = tmp_path_factory.mktemp("ckpt")
+
+    def write(name, tensors=None, raw: bytes | None = None):
+        path = root / name
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(config.to_hf_config()))
+        if raw is None:
+            save_file(tensors if tensors is not None else flat, str(path / "model.safetensors"))
+        else:
+            (path / "model.safetensors").write_bytes(raw)
+        return path
+
+    return params, flat, write
+
+
+def test_single_file_path_loads(written):
+    params, _, write = written
+    path = write("single")
+    got = jd.load_checkpoint(path / "model.safetensors", "fp32")
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((np.asarray(a) == np.asarray(b)).all()),
+                                     got, params))
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_non_finite_tensor_is_named(written, value):
+    _, flat, write = written
+    name = "model.layers.1.mlp.down_proj.weight"
+    bad = dict(flat)
+    bad[name] = flat[name].copy()
+    bad[name].flat[[5, 17]] = value
+    path = write(f"nonfinite_{value}", bad)
+    with pytest.raises(ValueError, match=rf"tensor {name} in .*model\.safetensors.* has 2 NaN or inf"):
+        jd.load_checkpoint(path, "float32")
+    # check_finite=False is the explicit way to load it anyway
+    loaded = jd.load_checkpoint(path, "float32", check_finite=False)
+    assert not np.isfinite(np.asarray(loaded.layers[1].mlp.down_proj)).all()
+
+
+@pytest.mark.parametrize("kind", ["truncated", "empty", "garbage"])
+def test_unreadable_file_is_named(written, kind, tmp_path):
+    _, _, write = written
+    good = write(f"good_for_{kind}") / "model.safetensors"
+    data = good.read_bytes()
+    raw = {"truncated": data[: len(data) // 2], "empty": b"",
+           "garbage": np.random.default_rng(0).bytes(4096)}[kind]
+    path = write(kind, raw=raw)
+    with pytest.raises(ValueError, match=r"model\.safetensors' is not a readable safetensors file"):
+        jd.load_checkpoint(path)
+
+
+def test_values_that_overflow_the_model_dtype_are_caught(written):
+    """A float32 value above bfloat16's range becomes inf when cast: the check runs after it."""
+    _, flat, write = written
+    name = "model.layers.2.mlp.up_proj.weight"
+    big = dict(flat)
+    big[name] = flat[name].copy()
+    big[name].flat[0] = 3.4e38
+    path = write("overflow", big)
+    jd.load_checkpoint(path, "float32")  # finite in float32
+    with pytest.raises(ValueError, match=rf"tensor {name} .* has 1 NaN or inf values as bfloat16"):
+        jd.load_checkpoint(path, "bfloat16")

@@ -1,5 +1,6 @@
 """The command line: examples/generate.py and ``jaxdecode generate`` (jaxdecode.cli)."""
 
+import json
 import os
 import re
 import shutil
@@ -7,9 +8,14 @@ import subprocess
 import sys
 import tomllib
 
+import jax
+import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
+import jaxdecode as jd
 from jaxdecode import cli
+from jaxdecode.params import params_to_hf
 
 from conftest import ROOT, hf_text_config, write_hf_tokenizer
 
@@ -115,3 +121,41 @@ def test_console_script_is_declared():
     with pytest.raises(SystemExit) as e:
         cli.main(["generate", "--help"])
     assert e.value.code == 0
+
+
+# ----- what a new user meets (issue 22)
+
+def test_version_and_usage(capsys):
+    for argv in (["--version"], ["generate", "--version"]):
+        try:
+            cli.main(argv)
+        except SystemExit as e:
+            assert e.code == 0
+        assert capsys.readouterr().out.strip() == f"jaxdecode{' generate' * (len(argv) == 2)} {jd.__version__}"
+    assert cli.main([]) == 2
+    assert "usage: jaxdecode" in capsys.readouterr().err
+
+
+def test_a_mismatched_checkpoint_report_keeps_one_line_per_problem(tmp_path, capsys):
+    config = jd.Config.from_preset("tiny")
+    params = jd.init_params(config, jax.random.key(0), "float32")
+    save_file({k: np.asarray(v) for k, v in params_to_hf(params).items()},
+              str(tmp_path / "model.safetensors"))
+    wrong = dict(config.to_hf_config(), hidden_size=256)
+    (tmp_path / "config.json").write_text(json.dumps(wrong))
+    assert cli.main(["generate", "--checkpoint", str(tmp_path), "--prompt-ids", "1,2",
+                     "--no-compile-cache"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("jaxdecode generate: error: checkpoint ")
+    assert len(err) > 10 and all(line.startswith("  tensor ") for line in err[1:])
+
+
+def test_checkpoint_may_be_the_safetensors_file(tmp_path, capsys):
+    config = jd.Config.from_preset("tiny")
+    params = jd.init_params(config, jax.random.key(0), "float32")
+    save_file({k: np.asarray(v) for k, v in params_to_hf(params).items()},
+              str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(config.to_hf_config()))
+    assert cli.main(["generate", "--checkpoint", str(tmp_path / "model.safetensors"),
+                     "--prompt-ids", "1,2", "--max-new-tokens", "2", "--no-compile-cache"]) == 0
+    assert "2 tokens" in capsys.readouterr().out

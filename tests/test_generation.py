@@ -387,3 +387,16 @@ def test_gpu_compiles_generate(_, params, rows):
     streamed = np.concatenate([c.tokens for c in jd.generate_stream(
         params, prompts, 12, eos_token_ids=(), chunk_size=4)], axis=1)
     np.testing.assert_array_equal(streamed[:, :12], np.asarray(out.tokens)[:, :12])
+
+
+# ----- key errors (issue 22)
+
+@pytest.fixture(scope="module")
+def gen_params():
+    return jd.init_params(jd.Config.from_preset("tiny"), jax.random.key(0), "float32")
+
+
+@pytest.mark.parametrize("key", [0, np.zeros((2, 3), np.uint32), np.zeros((5,), np.float32)])
+def test_generate_names_a_bad_key(gen_params, key):
+    with pytest.raises(ValueError, match="key must be a PRNG key"):
+        jd.generate(gen_params, [[1, 2]], 2, key=key)

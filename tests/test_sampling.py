@@ -350,3 +350,19 @@ def test_host_decided_steps_leave_no_conditional_in_the_program(settings):
         # concrete values closed over: numpy [B] leaves, device scalars
         closed_over = jax.jit(lambda x, key: sampling.sample(x, key, values, counts))
         assert closed_over.lower(x, jax.random.key(0)).as_text().count("stablehlo.case") == 0
+
+
+# ----- bounds and NaN rows (issue 22)
+
+def test_top_k_beyond_int32_is_a_value_error():
+    with pytest.raises(ValueError, match="top_k=.* must be below 2\\*\\*31"):
+        SamplingParams.create(top_k=10**12)
+
+
+def test_sample_marks_nan_rows_with_minus_one():
+    logits = jnp.array([[0.0, 3.0, 1.0], [jnp.nan, 0.0, 9.0], [1.0, 0.0, 0.0]])
+    for settings in (SamplingParams.create(), SamplingParams.create(temperature=1.0)):
+        tokens = sampling.sample(logits, jax.random.key(0), settings)
+        assert int(tokens[1]) == -1
+        assert int(tokens[0]) in (0, 1, 2) and int(tokens[2]) in (0, 1, 2)
+    assert sampling.sample(logits, jax.random.key(0), SamplingParams.create()).tolist() == [1, -1, 0]

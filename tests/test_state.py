@@ -106,3 +106,19 @@ def test_conv_slot_position_inverts_conv_slot(kernel_size):
     nonneg = got >= 0
     back = np.asarray(conv_slot(jnp.asarray(np.maximum(got, 0)), 0, kernel_size))
     np.testing.assert_array_equal(back[nonneg], np.broadcast_to(slots, got.shape)[nonneg])
+
+
+# ----- dtype names (issue 22)
+
+@pytest.mark.parametrize("name,dtype", [("bf16", jnp.bfloat16), ("bfloat16", jnp.bfloat16),
+                                        ("fp32", jnp.float32), ("float32", jnp.float32),
+                                        (jnp.bfloat16, jnp.bfloat16)])
+def test_dtype_names(name, dtype):
+    assert jd.init_state(TINY, 1, 8, dtype=name).kv_cache[0].k.dtype == dtype
+    assert jd.init_params(jd.Config.from_preset("tiny"), jax.random.key(0), name).dtype == dtype
+
+
+@pytest.mark.parametrize("name", ["fp16", "float16", "int8", "bf", 3])
+def test_bad_dtype_names_say_which(name):
+    with pytest.raises(ValueError, match="must be 'bfloat16' .* or 'float32'"):
+        jd.init_state(TINY, 1, 8, dtype=name)

@@ -482,3 +482,48 @@ def test_gpu_compiles_a_decode_step_with_an_active_mask(_, rows):
     assert masked_len[0] == 6 and plain_len[0] == 6
     if rows == 2:
         assert masked_len[1] == 5 and not masked[1].any()
+
+
+# ----- what a new user meets (issue 22)
+
+@pytest.fixture(scope="module")
+def user_params():
+    return jd.init_params(jd.Config.from_preset("tiny"), jax.random.key(0), "float32")
+
+
+DONATED = "was donated to an earlier prefill, decode_step or generate call"
+
+
+def test_a_donated_state_is_named(user_params):
+    state = jd.init_state(user_params.config, 1, 64, dtype=user_params.dtype)
+    logits, new_state = jd.prefill(user_params, state, np.array([[5, 6]]), np.array([2]))
+    for call in (lambda: jd.decode_step(user_params, state, np.array([1])),
+                 lambda: jd.prefill(user_params, state, np.array([[1]]), np.array([1])),
+                 lambda: jd.fork(state, 2)):
+        with pytest.raises(ValueError, match=DONATED):
+            call()
+    logits, new_state = jd.decode_step(user_params, new_state, np.array([1]))  # the returned one works
+    assert int(new_state.lengths[0]) == 3
+
+
+def test_full_cache_row_gives_nan_then_minus_one_and_stays_put(user_params):
+    """A step past the cache: NaN logits for that row only, its state untouched; the sampler
+    turns the row into -1, which the next step rejects again (no silent token 0)."""
+    state = jd.init_state(user_params.config, 2, 4, dtype=user_params.dtype)
+    logits, state = jd.prefill(user_params, state, np.array([[1, 2, 3, 4], [1, 2, 0, 0]]),
+                               np.array([4, 2]))
+    logits, state = jd.decode_step(user_params, state, jnp.array([7, 7]))
+    assert np.isnan(np.asarray(logits[0])).all() and np.isfinite(np.asarray(logits[1])).all()
+    assert np.asarray(state.lengths).tolist() == [4, 3]
+    token = jd.sample(logits, jax.random.key(0), jd.SamplingParams.create())
+    assert int(token[0]) == -1
+    logits, state = jd.decode_step(user_params, state, token)
+    assert np.isnan(np.asarray(logits[0])).all() and np.asarray(state.lengths).tolist() == [4, 4]
+
+
+def test_float_token_ids_on_the_device_are_rejected(user_params):
+    state = jd.init_state(user_params.config, 2, 16, dtype=user_params.dtype)
+    with pytest.raises(ValueError, match="token ids must be integers, got dtype float32"):
+        jd.decode_step(user_params, state, jnp.array([1.5, 2.0]))
+    logits, state = jd.decode_step(user_params, state, jnp.array([1, 2]))  # not donated by the error
+    assert logits.shape == (2, user_params.config.vocab_size)
