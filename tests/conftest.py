@@ -431,3 +431,11 @@ def write_hf_tokenizer(directory, template_in="config"):
 
 if sys.version_info < (3, 12):  # pragma: no cover
     raise RuntimeError("jaxdecode's tests need Python >= 3.12 (JAX 0.11)")
+
+
+def host_stop(tokens, budget, stops):
+    """Where each row stops, scanning its stop-free tokens on the host: (tokens, reason)."""
+    for end in range(1, budget + 1):
+        if any(end >= len(s) and tokens[end - len(s):end] == list(s) for s in stops):
+            return tokens[:end], "stop"
+    return tokens[:budget], "length"

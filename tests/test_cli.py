@@ -17,7 +17,7 @@ import jaxdecode as jd
 from jaxdecode import cli
 from jaxdecode.params import params_to_hf
 
-from conftest import ROOT, hf_text_config, write_hf_tokenizer
+from conftest import ROOT, hf_text_config, host_stop, write_hf_tokenizer
 
 EXAMPLE = ROOT / "examples" / "generate.py"
 
@@ -159,3 +159,46 @@ def test_checkpoint_may_be_the_safetensors_file(tmp_path, capsys):
     assert cli.main(["generate", "--checkpoint", str(tmp_path / "model.safetensors"),
                      "--prompt-ids", "1,2", "--max-new-tokens", "2", "--no-compile-cache"]) == 0
     assert "2 tokens" in capsys.readouterr().out
+
+
+# ----- stop sequences: --stop / --stop-ids (issue 22) ----------------------------------------
+
+def _cli(capsys, *argv):
+    status = cli.main(["generate", "--prompt-ids", "1,2,3", "--no-compile-cache", *argv])
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+@pytest.mark.slow
+def test_cli_stop_ids_and_stop_text(capsys):
+    status, out, _ = _cli(capsys, "--max-new-tokens", "12")
+    assert status == 0
+    free = [int(i) for i in re.search(r"^ids: \[(.*)\]$", out, re.M).group(1).split(", ")]
+    stop = free[4:6]
+    status, out, _ = _cli(capsys, "--max-new-tokens", "12", "--stop-ids",
+                          ",".join(map(str, stop)), "--stop-ids", "0")
+    assert status == 0
+    got = [int(i) for i in re.search(r"^ids: \[(.*)\]$", out, re.M).group(1).split(", ")]
+    assert got == host_stop(free, 12, [stop, [0]])[0]
+    assert "stopped by stop" in out and f"stop sequences: [{stop}, [0]]" in out
+    status, out, _ = _cli(capsys, "--max-new-tokens", "2", "--stop", "Hello world")
+    tok = jd.load_tokenizer(None, jd.Config.from_preset("tiny").vocab_size)
+    assert status == 0 and f"stop sequences: [{tok.encode('Hello world')}]" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--stop-ids", "1,x"], "--stop-ids '1,x' must be comma-separated integers"),
+    (["--stop-ids", ""], "--stop-ids is empty"),
+    (["--stop", ""], "--stop is empty"),
+    (["--stop-ids", "999999999"], "stop_sequence 0 has token ids outside"),
+])
+def test_cli_bad_stop_arguments_exit_with_one_line(capsys, argv, message):
+    status, _, err = _cli(capsys, "--max-new-tokens", "2", *argv)
+    assert status == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_cli_stop_text_without_a_tokenizer_is_a_clear_error(capsys, monkeypatch):
+    from jaxdecode import tokenizer
+    monkeypatch.setattr(tokenizer, "load_tokenizer", lambda *a: None)
+    status, _, err = _cli(capsys, "--max-new-tokens", "2", "--stop", "x")
+    assert status == 2 and "--stop needs a tokenizer" in err and "--stop-ids" in err, err
