@@ -324,9 +324,8 @@ def sample(logits: Array, key: Array, params: SamplingParams,
         (a device wait on a GPU): under ``jit`` pass ``features_of(host_params)``.
 
     Returns [B] int32 ids: the argmax of the penalised logits where temperature is 0, else a
-    draw from ``softmax(processed_logits(...))``; -1 for a row whose logits hold NaN (a decode
-    step's signal for a rejected row: a full cache or an id outside the vocabulary), which the
-    next decode step rejects in turn, so the row never silently continues from token 0.
+    draw from ``softmax(processed_logits(...))``; -1 for a row with NaN logits (a decode step's
+    rejected row: full cache, id outside the vocabulary) or all -inf, which the next step rejects.
     """
     logits = jnp.asarray(logits, jnp.float32)
     if logits.ndim != 2:
@@ -353,4 +352,4 @@ def sample(logits: Array, key: Array, params: SamplingParams,
         tokens = lax.cond(jnp.any(sampled), draw, lambda x: greedy_tokens, x)
     else:
         tokens = draw(x) if features.sampled else greedy_tokens
-    return jnp.where(jnp.isnan(logits).any(axis=-1), -1, tokens)
+    return jnp.where(jnp.isnan(logits).any(-1) | (logits == -jnp.inf).all(-1), -1, tokens)

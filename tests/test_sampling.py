@@ -366,3 +366,11 @@ def test_sample_marks_nan_rows_with_minus_one():
         assert int(tokens[1]) == -1
         assert int(tokens[0]) in (0, 1, 2) and int(tokens[2]) in (0, 1, 2)
     assert sampling.sample(logits, jax.random.key(0), SamplingParams.create()).tolist() == [1, -1, 0]
+
+
+def test_a_row_with_no_possible_token_samples_minus_one():
+    """Every logit -inf (every token masked): no token to draw, so -1, as for NaN rows."""
+    logits = jnp.array([[-jnp.inf] * 3, [0.0, -jnp.inf, 1.0]])
+    for settings in (SamplingParams.create(), SamplingParams.create(temperature=0.7, top_p=0.5)):
+        tokens = sampling.sample(logits, jax.random.key(0), settings)
+        assert int(tokens[0]) == -1 and int(tokens[1]) in (0, 2)
