@@ -114,9 +114,10 @@ def fork(state: DecodeState, n: int) -> DecodeState:
 
 
 def check_not_donated(state: DecodeState) -> None:
-    """Raises ValueError if ``state`` was donated to an earlier call (its buffers deleted)."""
-    if any(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted()
-           for x in jax.tree.leaves(state)):
+    """Raises ValueError if ``state`` was donated to an earlier call (its buffers deleted;
+    ``lengths`` stands for all: the library's jits donate every leaf together)."""
+    x = state.lengths
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted():
         raise ValueError("this DecodeState was donated to an earlier prefill, decode_step or "
                          "generate call, which reused its buffers in place; pass the state that "
                          "call returned (logits, state = jd.decode_step(params, state, tokens))")
