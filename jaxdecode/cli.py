@@ -64,8 +64,14 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     arg("--temperature", type=float, default=0.0, help="0 = greedy (default), > 0 samples")
     arg("--top-k", type=_int_in(0), default=0, help="keep the k most likely (0 = off)")
     arg("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (1 = off)")
+    arg("--top-p-keep-ties", action=argparse.BooleanOptionalAction, default=True,
+        help="top-p keeps every token tied with the cut-off (default); --no-top-p-keep-ties: "
+        "the smallest sorted prefix, as Hugging Face and vLLM")
     arg("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
     arg("--repetition-penalty", type=float, default=1.0, help="CTRL penalty (1 = off)")
+    arg("--penalize-prompt", action=argparse.BooleanOptionalAction, default=True,
+        help="the repetition penalty also counts the prompt's tokens, as Hugging Face and vLLM "
+        "(default); --no-penalize-prompt: generated tokens only")
     arg("--presence-penalty", type=float, default=0.0, help="OpenAI presence penalty (0 = off)")
     arg("--seed", type=_int_in(0, 2**63 - 1), default=0, help="sampling PRNG seed (default: 0)")
     arg("--num-samples", type=_int_in(1), default=1, metavar="N",
@@ -155,7 +161,8 @@ def _generate(args) -> int:
 
     sampling = jd.SamplingParams.create(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty)
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        penalize_prompt=args.penalize_prompt, top_p_keep_ties=args.top_p_keep_ties)
     if args.compile_cache:  # every executable: on CPU init_params' small ones add up to seconds
         jax.config.update("jax_compilation_cache_dir", args.compile_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -234,7 +241,7 @@ def _compile_line(seconds: float, cache: str | None) -> str:
 
 def _describe(args) -> str:
     off = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
-               presence_penalty=0.0)
+               presence_penalty=0.0, penalize_prompt=True, top_p_keep_ties=True)
     parts = [f"{k}={getattr(args, k)}" for k, v in off.items() if getattr(args, k) != v]
     return ", ".join(parts + [f"seed={args.seed}"] if args.temperature else ["greedy"] + parts)
 

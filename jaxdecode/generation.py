@@ -78,6 +78,7 @@ class LoopState:
     keys: Array  # [R] per-row PRNG keys
     token_counts: Array | None  # [R, V] int32 generated-token counts (penalties), or None
     recent: Array | None = None  # [R, L-1] int32 last generated ids (-1: none yet), or None
+    prompt_mask: Array | None = None  # [R, V] bool: ids in this call's prompt (penalties)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,9 +130,10 @@ def start_fn(params: Params, state: DecodeState, prompts: Array, prompt_lengths:
     padded; ``prompt_lengths`` [P] >= 1; ``budgets`` [R] >= 1 (R = P × num_samples); ``sampling``
     [R] leaves; ``keys`` [R]; ``eos_token_ids`` [E] and ``stop_sequences`` [S, L] (right-aligned)
     int32, -1 = no id; ``num_samples``: rows per prompt (``fork``), row ``p * num_samples + j``
-    continues prompt p; ``track_counts``: keep [R, V] token counts for the penalties (None:
-    ``features.penalties``, False without ``features``); ``features`` (static): sampling steps
-    compiled in (None: a ``lax.cond`` per step); ``pad_id``: emitted by stopped rows.
+    continues prompt p; ``track_counts``: keep [R, V] token counts and the prompt's ids for the
+    penalties (None: ``features.penalties``, False without ``features``); ``features``
+    (static): sampling steps compiled in (None: a ``lax.cond`` per step); ``pad_id``: emitted by
+    stopped rows.
     """
     logits, state = prefill_fn(params, state, prompts, prompt_lengths)
     if num_samples > 1:
@@ -141,14 +143,19 @@ def start_fn(params: Params, state: DecodeState, prompts: Array, prompt_lengths:
     if track_counts is None:
         track_counts = features is not None and features.penalties
     zeros = jnp.zeros((rows,), jnp.int32)
+    prompt_mask = None
+    if track_counts:
+        prompt_mask = sampling_lib.prompt_mask_of(prompts, prompt_lengths, vocab)
+        prompt_mask = jnp.repeat(prompt_mask, num_samples, axis=0)
     loop = LoopState(state=state, last_token=zeros, num_generated=zeros,
                      done=jnp.zeros((rows,), bool), stop_reason=zeros,
                      budgets=budgets.astype(jnp.int32), keys=keys,
                      token_counts=jnp.zeros((rows, vocab), jnp.int32) if track_counts else None,
                      recent=None if stop_sequences is None else
-                     jnp.full((rows, stop_sequences.shape[1] - 1), -1, jnp.int32))
+                     jnp.full((rows, stop_sequences.shape[1] - 1), -1, jnp.int32),
+                     prompt_mask=prompt_mask)
     token = sampling_lib.sample(logits, _step_keys(keys, zeros), sampling, loop.token_counts,
-                                features=features)
+                                prompt_mask=prompt_mask, features=features)
     return _record(loop, state, token, jnp.ones((rows,), bool), eos_token_ids, stop_sequences,
                    pad_id)
 
@@ -162,7 +169,8 @@ def step_fn(params: Params, loop: LoopState, sampling: SamplingParams, eos_token
     active = ~loop.done
     logits, state = decode_step_fn(params, loop.state, loop.last_token, active, kernels)
     token = sampling_lib.sample(logits, _step_keys(loop.keys, loop.num_generated), sampling,
-                                loop.token_counts, features=features)
+                                loop.token_counts, prompt_mask=loop.prompt_mask,
+                                features=features)
     return _record(loop, state, token, active, eos_token_ids, stop_sequences, pad_id)
 
 
@@ -468,7 +476,8 @@ _DOC_ARGS = """
         whole (no padding: pass a list for ragged prompts); every prompt non-empty.
       max_new_tokens: token budget (>= 1), an int or one per prompt.
       sampling: :class:`~jaxdecode.sampling.SamplingParams`, scalar, [P] or [P × num_samples]
-        leaves; None = greedy.
+        leaves; None = greedy. The repetition penalty's prompt (``penalize_prompt``) is the
+        prompt of this call: with ``state=``, the new tokens (the state holds no ids).
       key: one PRNG key (row r uses ``fold_in(key, r)``) or one per output row; None = key(0).
       eos_token_ids: ids that stop a row; None = ``params.config.eos_token_id``; () = none.
       stop_sequences: id sequences (``[[13, 198], [151645]]``): a row stops right after it

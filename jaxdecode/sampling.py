@@ -5,21 +5,24 @@ traced values never recompile) and each row draws from its own key (independent 
 
 Order of operations, as HF ``GenerationMixin._get_logits_processor`` (transformers 5.24.0):
 
-  1. penalties over the generated tokens (``token_counts``): repetition (CTRL, Keskar et al.
-     2019: a seen token's logit divided by the penalty if positive, multiplied if negative), then
-     presence and frequency (OpenAI: ``logit -= presence * (count > 0) + frequency * count``);
+  1. penalties: repetition (CTRL, Keskar et al. 2019; HF ``RepetitionPenaltyLogitsProcessor``: a
+     seen token's logit divided by the penalty if positive, multiplied if negative) over the
+     prompt's tokens (``prompt_mask``, rows with ``penalize_prompt``, as HF and vLLM) and the
+     generated ones (``token_counts``); then presence and frequency over the generated tokens
+     only (OpenAI, vLLM: ``logit -= presence * (count > 0) + frequency * count``);
   2. temperature (``logits / T``; ``T = 0``: argmax of the penalised logits);
   3. top-k: keep the ``k`` largest logits;
-  4. top-p (Holtzman et al. 2020): keep the smallest set of most likely tokens whose
-     probability (after 2-3) sums to at least ``p``;
+  4. top-p (Holtzman et al. 2020): keep the most likely tokens whose probability (after 2-3)
+     reaches ``p``: with ``top_p_keep_ties`` every token tied with the cut-off probability,
+     else the smallest such prefix of the tokens sorted by probability (HF
+     ``TopPLogitsWarper``, vLLM), ties broken toward higher ids;
   5. min-p (Nguyen et al. 2024): drop tokens below ``min_p`` times the top probability;
   6. one categorical draw per row (Gumbel-max, ``jax.random.categorical``).
 
 Top-k and top-p find their cut-off by an exact radix search on the float32 bits, not a sort of
-the vocabulary (far slower on CPU); ties with the cut-off are kept. A step no row uses is left
-out of the program (:class:`SamplingFeatures`, read on the host by :func:`features_of`); with
-traced values and no ``features`` each runs under a ``lax.cond``, a device wait on a GPU
-(benchmarks/RESULTS.md).
+the vocabulary (far slower on CPU). A step no row uses is left out of the program
+(:class:`SamplingFeatures`, read on the host by :func:`features_of`); with traced values and no
+``features`` each runs under a ``lax.cond``, a device wait on a GPU (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ from jax import lax
 Array = jax.Array
 
 _FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-           "frequency_penalty")
-_DTYPES = {"top_k": np.int32}
+           "frequency_penalty", "penalize_prompt", "top_p_keep_ties")
+_DTYPES = {"top_k": np.int32, "penalize_prompt": np.bool_, "top_p_keep_ties": np.bool_}
 
 
 @struct.dataclass
@@ -47,14 +50,21 @@ class SamplingParams:
     top_k: Array  # int32 >= 0; 0 = off
     top_p: Array  # float32 in (0, 1]; 1 = off
     min_p: Array  # float32 in [0, 1]; 0 = off
-    repetition_penalty: Array  # float32 > 0, on tokens generated so far; 1 = off
+    repetition_penalty: Array  # float32 > 0, on seen tokens (penalize_prompt says which); 1 = off
     presence_penalty: Array  # float32, subtracted once from a generated token's logit; 0 = off
     frequency_penalty: Array  # float32, subtracted per occurrence of a generated token; 0 = off
+    # bool: the repetition penalty also counts the prompt's tokens (HF, vLLM); False: only the
+    # generated ones. Presence and frequency always count generated tokens only (vLLM).
+    penalize_prompt: Array = True
+    # bool: top-p keeps every token tied with the cut-off probability; False: the smallest sorted
+    # prefix, as HF and vLLM (ties broken toward higher ids; costs a second, shorter search).
+    top_p_keep_ties: Array = True
 
     @classmethod
     def create(cls, batch_size: int | None = None, *, temperature=0.0, top_k=0, top_p=1.0,
                min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
-               frequency_penalty=0.0) -> "SamplingParams":
+               frequency_penalty=0.0, penalize_prompt=True,
+               top_p_keep_ties=True) -> "SamplingParams":
         """Validated settings as numpy arrays. Each argument is a scalar or a ``[batch_size]``
         sequence; with ``batch_size``, every leaf is broadcast to ``[batch_size]``.
 
@@ -63,10 +73,16 @@ class SamplingParams:
         """
         values = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                       repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                      frequency_penalty=frequency_penalty)
+                      frequency_penalty=frequency_penalty, penalize_prompt=penalize_prompt,
+                      top_p_keep_ties=top_p_keep_ties)
         leaves = {}
         for name, value in values.items():
             dtype = _DTYPES.get(name, np.float32)
+            if dtype == np.bool_:
+                arr = np.asarray(value)
+                if arr.dtype != np.bool_ and not (arr.dtype.kind in "iu"
+                                                  and np.isin(arr, (0, 1)).all()):
+                    raise ValueError(f"{name}={value!r} must be a bool (or one per row)")
             if name == "top_k":
                 arr = np.asarray(value)
                 if arr.dtype.kind not in "iu" and not np.all(np.mod(arr, 1) == 0):
@@ -146,6 +162,7 @@ class SamplingFeatures:
     top_k: bool = True  # some sampled row uses that filter (also top_p, min_p)
     top_p: bool = True
     min_p: bool = True
+    top_p_prefix: bool = True  # some sampled row uses top-p with top_p_keep_ties False
 
 
 ALL_FEATURES = SamplingFeatures()
@@ -172,7 +189,8 @@ def features_of(params: SamplingParams) -> SamplingFeatures:
         sampled=bool(np.any(sampled)),
         top_k=bool(np.any(sampled & (v["top_k"] > 0))),
         top_p=bool(np.any(sampled & (v["top_p"] < 1))),
-        min_p=bool(np.any(sampled & (v["min_p"] > 0))))
+        min_p=bool(np.any(sampled & (v["min_p"] > 0))),
+        top_p_prefix=bool(np.any(sampled & (v["top_p"] < 1) & ~v["top_p_keep_ties"])))
 
 
 def _features_if_concrete(params: SamplingParams) -> SamplingFeatures | None:
@@ -202,18 +220,20 @@ def _radix_bits() -> int:
     return 4 if jax.default_backend() == "gpu" else 1
 
 
-def _largest_key_where(u: Array, weights: Array, target: Array) -> Array:
-    """Per row, the largest uint32 t with ``sum(weights[u >= t]) >= target`` (u: [B, V] uint32,
-    weights: [B, V] >= 0, target: [B]; returns [B] uint32). A most-significant-digit-first radix
-    search: each pass fixes the next bits of t, keeping the largest candidate digit whose mass
-    reaches the target. Exact for non-negative weights; t = 0 (keep all) when the total never
-    reaches the target; t <= the row's largest key, so its largest entry is always kept.
+def _largest_key_where(u: Array, weights: Array, target: Array, num_bits: int = 32) -> Array:
+    """Per row, the largest uint32 t with ``sum(weights[u >= t]) >= target`` (u: [B, V] uint32
+    below ``2**num_bits``, weights: [B, V] >= 0, target: [B]; returns [B] uint32). A
+    most-significant-digit-first radix search: each pass fixes the next bits of t, keeping the
+    largest candidate digit whose mass reaches the target. Exact for non-negative weights; t = 0
+    (keep all) when the total never reaches the target; t <= the row's largest key, so its
+    largest entry is always kept.
     """
     bits = _radix_bits()
     digits = jnp.arange(1, 2 ** bits, dtype=jnp.uint32)  # [D], ascending
     prefix = jnp.zeros(u.shape[:1], jnp.uint32)
     zero = jnp.zeros((), weights.dtype)
-    for shift in range(32 - bits, -1, -bits):  # unrolled: no device loop
+    top = -(-num_bits // bits) * bits  # the digits cover [0, 2**top)
+    for shift in range(top - bits, -1, -bits):  # unrolled: no device loop
         cand = prefix[:, None] | (digits[None, :] << shift)  # [B, D]
         mass = jnp.sum(jnp.where(u[:, None, :] >= cand[:, :, None], weights[:, None, :], zero),
                        axis=-1)  # [B, D]
@@ -232,14 +252,32 @@ def top_k_mask(logits: Array, top_k: Array) -> Array:
     return jnp.where(u >= cut[:, None], logits, -jnp.inf)
 
 
-def top_p_mask(logits: Array, top_p: Array) -> Array:
-    """Keeps each row's smallest set of most likely tokens with ``softmax`` mass >= ``top_p``; the
-    rest set to -inf. logits: [B, V] float32; top_p: [B] float in (0, 1], 1 keeps every logit."""
+def top_p_mask(logits: Array, top_p: Array, keep_ties: Array | None = None) -> Array:
+    """Keeps each row's most likely tokens whose ``softmax`` mass reaches ``top_p``; the rest set
+    to -inf. logits: [B, V] float32; top_p: [B] float in (0, 1], 1 keeps every logit;
+    keep_ties: [B] bool (None: all True). True keeps every token tied with the cut-off
+    probability. False keeps the smallest prefix of the tokens sorted by probability, HF
+    ``TopPLogitsWarper``'s count: among the tied ones, the higher ids first (torch's stable
+    ascending sort in HF and vLLM on a GPU; on a CPU torch orders ties arbitrarily).
+    """
     top_p = jnp.asarray(top_p, jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
     u = _sortable_key(logits)
     cut = _largest_key_where(u, probs, top_p)
-    keep = (u >= cut[:, None]) | (top_p[:, None] >= 1.0)
+    keep = u >= cut[:, None]
+    if keep_ties is not None:
+        # The mass still missing after the tokens above the cut-off comes from the tied ones
+        # (equal probabilities), taken from the highest id down: a search over the ids.
+        above = u > cut[:, None]
+        tied = u == cut[:, None]
+        missing = top_p - jnp.sum(jnp.where(above, probs, 0.0), axis=-1)
+        vocab = logits.shape[-1]
+        ids = lax.broadcasted_iota(jnp.uint32, u.shape, 1)
+        first_id = _largest_key_where(ids, jnp.where(tied, probs, 0.0), missing,
+                                      num_bits=max(1, (vocab - 1).bit_length()))
+        prefix = above | (tied & (ids >= first_id[:, None]))
+        keep = jnp.where(jnp.asarray(keep_ties, bool)[:, None], keep, prefix)
+    keep = keep | (top_p[:, None] >= 1.0)
     return jnp.where(keep, logits, -jnp.inf)
 
 
@@ -251,21 +289,40 @@ def min_p_mask(logits: Array, min_p: Array) -> Array:
     return jnp.where(ratio < min_p[:, None], -jnp.inf, logits)
 
 
-def apply_penalties(logits: Array, token_counts: Array, params: SamplingParams) -> Array:
-    """Repetition, presence and frequency penalties over the tokens generated so far.
+def prompt_mask_of(tokens: Array, num_new: Array, vocab_size: int) -> Array:
+    """[B, V] bool: which ids occur among each row's ``num_new[b]`` first ``tokens`` ([B, T]
+    int32, right-padded); the ``prompt_mask`` of :func:`sample`, built on device (a scatter)."""
+    tokens = jnp.asarray(tokens, jnp.int32)
+    batch, length = tokens.shape
+    real = jnp.arange(length)[None, :] < jnp.asarray(num_new)[:, None]
+    ids = jnp.where(real & (tokens >= 0), tokens, vocab_size)  # vocab_size: dropped
+    rows = jnp.broadcast_to(jnp.arange(batch)[:, None], ids.shape)
+    return jnp.zeros((batch, vocab_size), bool).at[rows, ids].set(True, mode="drop")
 
-    logits: [B, V] float32; token_counts: [B, V] int32 generated-token counts; params: [B] or
-    scalar leaves. Seen tokens get ``x / r if x > 0 else x * r`` (HF
-    ``RepetitionPenaltyLogitsProcessor``), then ``- presence * seen - frequency * count``.
+
+def apply_penalties(logits: Array, token_counts: Array | None, params: SamplingParams,
+                    prompt_mask: Array | None = None) -> Array:
+    """Repetition, presence and frequency penalties (step 1 of the module docstring).
+
+    logits: [B, V] float32; token_counts: [B, V] int32 generated-token counts (None: none yet);
+    params: [B] or scalar leaves; prompt_mask: [B, V] bool, the prompt's ids (None: no prompt
+    known). Tokens generated, or in the prompt of a row with ``penalize_prompt``, get
+    ``x / r if x > 0 else x * r`` (HF ``RepetitionPenaltyLogitsProcessor``); then
+    ``- presence * (count > 0) - frequency * count``.
     """
     b = logits.shape[0]
     p = params.broadcast(b)
     rep = jnp.asarray(p.repetition_penalty, jnp.float32)[:, None]
     pres = jnp.asarray(p.presence_penalty, jnp.float32)[:, None]
     freq = jnp.asarray(p.frequency_penalty, jnp.float32)[:, None]
-    seen = token_counts > 0
+    if token_counts is None:
+        token_counts = jnp.zeros(logits.shape, jnp.int32)
+    generated = token_counts > 0
+    seen = generated
+    if prompt_mask is not None:
+        seen = seen | (prompt_mask & jnp.asarray(p.penalize_prompt, bool)[:, None])
     x = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
-    return x - pres * seen - freq * token_counts.astype(jnp.float32)
+    return x - pres * generated - freq * token_counts.astype(jnp.float32)
 
 
 def _maybe(features: SamplingFeatures | None, step: str, predicate, fn, x):
@@ -277,7 +334,8 @@ def _maybe(features: SamplingFeatures | None, step: str, predicate, fn, x):
 
 
 def processed_logits(logits: Array, params: SamplingParams, token_counts: Array | None = None,
-                     *, features: SamplingFeatures | None = None) -> Array:
+                     *, prompt_mask: Array | None = None,
+                     features: SamplingFeatures | None = None) -> Array:
     """The [B, V] float32 logits each row draws from: steps 1-5 of the module docstring (rows with
     temperature 0 get their penalised logits unscaled and unfiltered). Args as :func:`sample`."""
     logits = jnp.asarray(logits, jnp.float32)
@@ -285,12 +343,12 @@ def processed_logits(logits: Array, params: SamplingParams, token_counts: Array 
     if features is None:  # before broadcast, which would trace closed-over device arrays
         features = _features_if_concrete(params)
     p = params.broadcast(b)
-    if token_counts is not None:
+    if token_counts is not None or prompt_mask is not None:
         logits = _maybe(features, "penalties",
                         lambda: (jnp.any(jnp.asarray(p.repetition_penalty) != 1)
                                  | jnp.any(jnp.asarray(p.presence_penalty) != 0)
                                  | jnp.any(jnp.asarray(p.frequency_penalty) != 0)),
-                        lambda x: apply_penalties(x, token_counts, p), logits)
+                        lambda x: apply_penalties(x, token_counts, p, prompt_mask), logits)
     temperature = jnp.asarray(p.temperature, jnp.float32)
     sampled = temperature > 0
     x = logits / jnp.where(sampled, temperature, 1.0)[:, None]
@@ -298,7 +356,10 @@ def processed_logits(logits: Array, params: SamplingParams, token_counts: Array 
     top_p = jnp.where(sampled, jnp.asarray(p.top_p, jnp.float32), 1.0)
     min_p = jnp.where(sampled, jnp.asarray(p.min_p, jnp.float32), 0.0)
     x = _maybe(features, "top_k", lambda: jnp.any(top_k > 0), lambda x: top_k_mask(x, top_k), x)
-    x = _maybe(features, "top_p", lambda: jnp.any(top_p < 1), lambda x: top_p_mask(x, top_p), x)
+    prefix = features is None or features.top_p_prefix  # else no row asks for the prefix rule
+    keep_ties = jnp.asarray(p.top_p_keep_ties, bool) if prefix else None
+    x = _maybe(features, "top_p", lambda: jnp.any(top_p < 1),
+               lambda x: top_p_mask(x, top_p, keep_ties), x)
     x = _maybe(features, "min_p", lambda: jnp.any(min_p > 0), lambda x: min_p_mask(x, min_p), x)
     return x
 
@@ -309,7 +370,7 @@ def row_keys(key: Array, batch_size: int) -> Array:
 
 
 def sample(logits: Array, key: Array, params: SamplingParams,
-           token_counts: Array | None = None, *,
+           token_counts: Array | None = None, *, prompt_mask: Array | None = None,
            features: SamplingFeatures | None = None) -> Array:
     """Draws one token per row.
 
@@ -318,7 +379,10 @@ def sample(logits: Array, key: Array, params: SamplingParams,
       key: [B] per-row PRNG keys (typed, or raw ``[B, 2]`` uint32), or one key (:func:`row_keys`).
       params: :class:`SamplingParams`, leaves ``[B]`` or scalars; not validated here (they may
         be traced): use :func:`validate` or :meth:`SamplingParams.create` on the host.
-      token_counts: optional [B, V] int32 generated-token counts; None applies no penalty.
+      token_counts: optional [B, V] int32 generated-token counts (penalties).
+      prompt_mask: optional [B, V] bool, the ids in each row's prompt (:func:`prompt_mask_of`),
+        which the repetition penalty counts in rows with ``penalize_prompt``. With neither, no
+        penalty applies.
       features: :func:`features_of` ``(params)`` (static; a step it turns off is skipped for
         every row). None: derived from concrete values, else each step runs under a ``lax.cond``
         (a device wait on a GPU): under ``jit`` pass ``features_of(host_params)``.
@@ -340,7 +404,7 @@ def sample(logits: Array, key: Array, params: SamplingParams,
         key = row_keys(key, b)
     if key.shape[0] != b:
         raise ValueError(f"need one key per row: {key.shape=} for {logits.shape=}")
-    x = processed_logits(logits, p, token_counts, features=features)
+    x = processed_logits(logits, p, token_counts, prompt_mask=prompt_mask, features=features)
     greedy_tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)
     sampled = jnp.asarray(p.temperature) > 0
 

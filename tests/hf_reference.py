@@ -29,6 +29,13 @@ REQUESTS.json is a list of actions, run in order (one torch start-up for all of 
       decoder layer i-1, except the last entry, which HF ties to last_hidden_state: the last
       layer's output after the final norm), and prefill/logits [T, V], decode/logits [1, V].
 
+  {"action": "processors", "in": X.npz, "out": F.npz, "penalty": r, "top_p": p}
+      HF's logits processors on X.npz's "logits" [B, V] float32 and "input_ids" [B, L] (each
+      row's prompt then its generated ids; "prompt_lengths" [B]): "repetition" =
+      RepetitionPenaltyLogitsProcessor(r) (prompt and generated ids), "repetition_output" = the
+      same with prompt_ignore_length=prompt_lengths (generated ids only), "top_p" =
+      TopPLogitsWarper(p) on the logits (filtered entries -inf).
+
   {"action": "activations", "in": X.npy, "out": F.npz}
       torch's silu and sigmoid of X (float32 values exact in bfloat16) as bfloat16 tensors,
       and the MLP's silu(gate) * up with gate, up = the two halves of X, written as float32
@@ -171,13 +178,27 @@ def activations(req):
              swiglu=(torch.nn.functional.silu(gate) * up).float().numpy())
 
 
+def processors(req):
+    from transformers.generation import logits_process as lp
+    check_transformers()
+    with np.load(req["in"]) as data:
+        logits = torch.from_numpy(data["logits"])
+        ids = torch.from_numpy(data["input_ids"]).long()
+        lengths = torch.from_numpy(data["prompt_lengths"]).long()
+    out = {"repetition": lp.RepetitionPenaltyLogitsProcessor(req["penalty"])(ids, logits.clone()),
+           "repetition_output": lp.RepetitionPenaltyLogitsProcessor(
+               req["penalty"], prompt_ignore_length=lengths)(ids, logits.clone()),
+           "top_p": lp.TopPLogitsWarper(req["top_p"])(ids, logits.clone())}
+    np.savez(req["out"], **{k: v.numpy() for k, v in out.items()})
+
+
 def main():
     torch.set_num_threads(2)
     with open(sys.argv[1]) as f:
         requests = json.load(f)
     for req in requests:
-        {"make": make, "run": run, "hidden_states": hidden_states,
-         "activations": activations}[req["action"]](req)
+        {"make": make, "run": run, "hidden_states": hidden_states, "activations": activations,
+         "processors": processors}[req["action"]](req)
 
 
 if __name__ == "__main__":

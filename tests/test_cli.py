@@ -107,6 +107,16 @@ def test_bad_arguments_exit_with_one_line(capsys, argv, message):
     assert err.count("\n") == 1 and "error:" in err and message in err, err
 
 
+def test_sampling_semantics_flags():
+    """--no-penalize-prompt / --no-top-p-keep-ties select the other semantics (both on by
+    default: the repetition penalty counts the prompt, top-p keeps ties)."""
+    parse = lambda *a: cli.build_parser().parse_args(["generate", *a])  # noqa: E731
+    default = parse()
+    assert default.penalize_prompt is True and default.top_p_keep_ties is True
+    other = parse("--no-penalize-prompt", "--no-top-p-keep-ties")
+    assert other.penalize_prompt is False and other.top_p_keep_ties is False
+
+
 def test_bad_token_ids_exit_with_one_line(capsys):
     status = cli.main(["generate", "--prompt-ids", "1,248320", "--max-new-tokens", "2",
                        "--no-compile-cache"])

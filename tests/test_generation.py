@@ -79,6 +79,33 @@ def test_greedy_generate_matches_hf_token_for_token(hf_checkpoints, tmp_path):
         assert (row[len(w):] == -1).all()
 
 
+@pytest.mark.slow
+@pytest.mark.hf
+def test_repetition_penalty_matches_hf_generate_in_both_scopes(hf_checkpoints, tmp_path):
+    """Greedy with repetition_penalty=1.4: penalize_prompt (the default) == HF generate's own
+    penalty (prompt and generated ids); False == HF's processor with prompt_ignore_length
+    (generated ids only); one call may mix the two per row, and forked rows keep their prompt."""
+    ckpt = hf_checkpoints.make("generate_tiny", hf_text_config(), seed=3)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 40, size=n).tolist() for n in (6, 11, 3, 17, 9)]
+    budget, penalty = 20, 1.4
+    cases = [{"prompt": p, "max_new_tokens": budget, "eos_token_id": [],
+              "repetition_penalty": penalty, "penalize_prompt": flag}
+             for flag in (True, False) for p in prompts]
+    ref = _hf_generate(ckpt, cases, tmp_path)
+    with_prompt, output_only = ref[:5], ref[5:]
+    assert with_prompt != output_only  # the scopes lead to different tokens here
+    params = jd.load_checkpoint(str(ckpt), dtype="float32")
+    for flag, want in ((True, with_prompt), (False, output_only)):
+        sp = SamplingParams.create(repetition_penalty=penalty, penalize_prompt=flag)
+        assert gen.generate(params, prompts, budget, sp, eos_token_ids=()).token_lists() == want
+    flags = [True, False, True, False, False]
+    mixed = SamplingParams.create(5, repetition_penalty=penalty, penalize_prompt=flags)
+    got = gen.generate(params, prompts, budget, mixed, eos_token_ids=(), num_samples=2)
+    assert got.token_lists() == [(with_prompt if f else output_only)[i]
+                                 for i, f in enumerate(flags) for _ in range(2)]
+
+
 # ----- stopping and finished rows -------------------------------------------------------------------
 
 def test_per_row_eos_stopping_with_two_eos_ids(params):

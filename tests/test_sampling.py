@@ -44,25 +44,45 @@ def np_top_p(x, p):
     return out
 
 
+def np_top_p_prefix(x, p):
+    """HF's prefix rule: sort descending, ties by higher id first; keep token j while the mass
+    before it is < p."""
+    out = x.copy()
+    for i, pi in enumerate(p):
+        if pi >= 1:
+            continue
+        order = np.lexsort((-np.arange(x.shape[1]), -x[i]))
+        probs = _softmax(x[i][order].astype(np.float64))
+        mass_before = np.cumsum(probs) - probs
+        out[i][order[mass_before >= pi]] = -np.inf
+    return out
+
+
 def np_min_p(x, m):
     probs = _softmax(x.astype(np.float64))
     return np.where(probs < m[:, None] * probs.max(-1, keepdims=True), -np.inf, x)
 
 
-def np_penalties(x, counts, rep, pres, freq):
+def np_penalties(x, counts, rep, pres, freq, prompt=None):
+    """prompt: [B, V] bool, the prompt ids of rows whose repetition penalty counts them."""
     seen = counts > 0
-    y = np.where(seen, np.where(x > 0, x / rep[:, None], x * rep[:, None]), x)
+    rep_seen = seen if prompt is None else seen | prompt
+    y = np.where(rep_seen, np.where(x > 0, x / rep[:, None], x * rep[:, None]), x)
     return y - pres[:, None] * seen - freq[:, None] * counts
 
 
-def np_processed(x, counts, sp):
-    """Steps 1-5 of the sampling module docstring, in numpy."""
-    p = {f: np.asarray(getattr(sp, f)) for f in sampling._FIELDS}
+def np_processed(x, counts, sp, prompt=None):
+    """Steps 1-5 of the sampling module docstring, in numpy (prompt: [B, V] bool ids)."""
+    p = {f: np.broadcast_to(np.asarray(getattr(sp, f)), x.shape[:1]) for f in sampling._FIELDS}
     if counts is not None:
+        if prompt is not None:
+            prompt = prompt & p["penalize_prompt"][:, None]
         x = np_penalties(x, counts, p["repetition_penalty"], p["presence_penalty"],
-                         p["frequency_penalty"])
-    x = x / p["temperature"][:, None]
-    return np_min_p(np_top_p(np_top_k(x, p["top_k"]), p["top_p"]), p["min_p"])
+                         p["frequency_penalty"], prompt)
+    x = np_top_k(x / p["temperature"][:, None], p["top_k"])
+    x = np.where(p["top_p_keep_ties"][:, None], np_top_p(x, p["top_p"]),
+                 np_top_p_prefix(x, p["top_p"]))
+    return np_min_p(x, p["min_p"])
 
 
 # ----- masks ----------------------------------------------------------------------------------------
@@ -133,6 +153,33 @@ def test_top_p_mask_with_minus_inf_entries():
     np.testing.assert_array_equal(np.isfinite(got), np.isfinite(np_top_p(x, [0.8])))
 
 
+def test_top_p_tie_rules_on_the_issue_example(radix_bits):
+    """Probabilities 0.4 and four tokens at 0.15, top_p 0.6: keeping ties keeps all 5; the
+    prefix rule keeps 0.4 and the two highest-id 0.15s (HF's count: 3)."""
+    x = np.log(np.array([[0.15, 0.15, 0.4, 0.15, 0.15]] * 2, np.float32))
+    got = np.asarray(sampling.top_p_mask(x, np.full(2, 0.6, np.float32),
+                                         np.array([True, False])))
+    np.testing.assert_array_equal(np.isfinite(got), [[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+
+
+def test_top_p_prefix_rule_matches_numpy_on_ties(radix_bits):
+    """Logits with few distinct values (ties at almost every cut-off) and -inf entries: the
+    prefix rule equals a sort by (probability, id) descending, for every p."""
+    rng = np.random.default_rng(10 + radix_bits)
+    x = rng.integers(-2, 3, (6, 37)).astype(np.float32) * 0.7
+    x[:, rng.integers(0, 37, 9)] = -np.inf
+    for p in (0.05, 0.2, 0.5, 0.77, 0.95, 0.999):
+        ps = np.full(6, p, np.float32)
+        got = np.asarray(sampling.top_p_mask(x, ps, np.zeros(6, bool)))
+        np.testing.assert_array_equal(np.isfinite(got), np.isfinite(np_top_p_prefix(x, ps)))
+    # per row: the rule of each row (keep ties in rows 0, 2, 4)
+    ps = np.full(6, 0.5, np.float32)
+    keep = np.arange(6) % 2 == 0
+    got = np.isfinite(np.asarray(sampling.top_p_mask(x, ps, keep)))
+    np.testing.assert_array_equal(got[~keep], np.isfinite(np_top_p_prefix(x, ps))[~keep])
+    np.testing.assert_array_equal(got[keep], np.isfinite(np.asarray(sampling.top_p_mask(x, ps)))[keep])
+
+
 def test_min_p_mask_matches_numpy():
     x = _random_logits(5, 500, seed=3)
     m = np.array([0.0, 0.01, 0.1, 0.5, 1.0], np.float32)
@@ -155,6 +202,82 @@ def test_penalties_as_specified():
     # Repetition penalty > 1 makes seen tokens less likely whatever their sign.
     seen = counts[1] > 0
     assert np.all(got[1][seen] <= x[1][seen])
+
+
+def test_prompt_mask_of_marks_each_rows_real_prompt_ids():
+    tokens = np.array([[3, 1, 3, 0, 7], [4, 4, 2, 2, 6], [5, 0, 0, 0, 0]], np.int32)
+    got = np.asarray(sampling.prompt_mask_of(tokens, np.array([3, 5, 0]), 8))
+    want = np.zeros((3, 8), bool)
+    want[0, [1, 3]] = want[1, [2, 4, 6]] = True  # padding (row 0's 0 and 7, row 2) not counted
+    np.testing.assert_array_equal(got, want)
+
+
+def test_repetition_penalty_counts_the_prompt_in_rows_that_ask():
+    """penalize_prompt: prompt ids get the repetition penalty (not presence/frequency, which count
+    generated tokens only, as vLLM); False: generated tokens only, as before."""
+    b, v = 4, 40
+    rng = np.random.default_rng(11)
+    x = _random_logits(b, v, seed=11)
+    counts = (rng.integers(0, 3, (b, v)) * (rng.random((b, v)) < 0.2)).astype(np.int32)
+    prompt = rng.random((b, v)) < 0.3
+    flags = np.array([True, False, True, False])
+    sp = SamplingParams.create(b, repetition_penalty=[1.4, 1.4, 0.7, 1.0],
+                               presence_penalty=0.5, frequency_penalty=0.1,
+                               penalize_prompt=flags)
+    got = np.asarray(sampling.apply_penalties(x, counts, sp, prompt))
+    want = np_penalties(x, counts, sp.repetition_penalty, sp.presence_penalty,
+                        sp.frequency_penalty, prompt & flags[:, None])
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    only_prompt = prompt[0] & (counts[0] == 0)
+    assert only_prompt.any() and (got[0][only_prompt] < x[0][only_prompt]).all()
+    np.testing.assert_allclose(got[1], np_penalties(x, counts, sp.repetition_penalty,
+                                                    sp.presence_penalty,
+                                                    sp.frequency_penalty)[1], rtol=1e-6)
+    # no generated tokens yet (token_counts None): the prompt alone
+    first = np.asarray(sampling.apply_penalties(x, None, sp, prompt))
+    np.testing.assert_allclose(first, np_penalties(x, np.zeros_like(counts), sp.repetition_penalty,
+                                                   sp.presence_penalty, sp.frequency_penalty,
+                                                   prompt & flags[:, None]), rtol=1e-6)
+
+
+@pytest.mark.hf
+def test_penalties_and_top_p_match_hf_processors(tmp_path):
+    """On the same histories (prompt + generated ids), both penalty scopes equal HF's
+    RepetitionPenaltyLogitsProcessor (with and without prompt_ignore_length), and the top-p
+    prefix rule keeps exactly HF TopPLogitsWarper's tokens where the cut-off has no tie and as
+    many tokens where it has (HF's CPU sort orders ties arbitrarily)."""
+    from conftest import run_hf
+    rng = np.random.default_rng(12)
+    b, v, n_prompt, n_gen = 6, 64, 9, 5
+    x = _random_logits(b, v, seed=12)
+    ids = rng.integers(0, 24, (b, n_prompt + n_gen))  # a small id range: repeats, overlaps
+    lengths = rng.integers(1, n_prompt + 1, b)
+    ties = np.log(np.array([0.15, 0.15, 0.4, 0.15, 0.15] + [1e-9] * (v - 5), np.float32))
+    logits = np.concatenate([x, ties[None], np.roll(ties, 7)[None]]).astype(np.float32)
+    ids = np.concatenate([ids, ids[:2]])
+    lengths = np.concatenate([lengths, lengths[:2]])
+    rows = len(logits)
+    # jaxdecode's inputs from the same history: prompt = ids[:len], generated = ids[len:]
+    prompt_ids = np.where(np.arange(ids.shape[1])[None] < lengths[:, None], ids, 0)
+    prompt = np.asarray(sampling.prompt_mask_of(prompt_ids.astype(np.int32), lengths, v))
+    counts = np.zeros((rows, v), np.int32)
+    for r in range(rows):
+        np.add.at(counts[r], ids[r, lengths[r]:], 1)
+    np.savez(tmp_path / "in.npz", logits=logits, input_ids=ids, prompt_lengths=lengths)
+    run_hf([{"action": "processors", "in": str(tmp_path / "in.npz"),
+             "out": str(tmp_path / "out.npz"), "penalty": 1.4, "top_p": 0.6}], tmp_path)
+    hf = dict(np.load(tmp_path / "out.npz"))
+    assert (hf["repetition"] != hf["repetition_output"]).any(axis=-1).all()  # scopes differ
+    for flag, name in ((True, "repetition"), (False, "repetition_output")):
+        sp = SamplingParams.create(rows, repetition_penalty=1.4, penalize_prompt=flag)
+        got = np.asarray(sampling.apply_penalties(logits, counts, sp, prompt))
+        np.testing.assert_allclose(got, hf[name], rtol=1e-6, err_msg=name)
+    kept = np.isfinite(np.asarray(sampling.top_p_mask(logits, np.full(rows, 0.6, np.float32),
+                                                      np.zeros(rows, bool))))
+    hf_kept = np.isfinite(hf["top_p"])
+    np.testing.assert_array_equal(kept[:b], hf_kept[:b])
+    np.testing.assert_array_equal(kept.sum(-1), hf_kept.sum(-1))
+    assert kept[b:].sum(-1).tolist() == [3, 3]
 
 
 def test_processed_logits_match_numpy_pipeline():
@@ -275,19 +398,24 @@ def _random_settings(rng, b):
         top_p=np.where(rng.random(b) < 0.5, 1.0, rng.uniform(0.2, 0.95, b)),
         min_p=np.where(rng.random(b) < 0.5, 0.0, rng.uniform(0.01, 0.3, b)),
         repetition_penalty=np.where(rng.random(b) < 0.5, 1.0, rng.uniform(0.5, 2.0, b)),
-        presence_penalty=rng.normal(size=b), frequency_penalty=rng.normal(size=b) * 0.1)
+        presence_penalty=rng.normal(size=b), frequency_penalty=rng.normal(size=b) * 0.1,
+        penalize_prompt=rng.random(b) < 0.5, top_p_keep_ties=rng.random(b) < 0.5)
 
 
 def test_features_of():
     f = sampling.features_of
-    assert f(sampling.greedy()) == sampling.SamplingFeatures(False, False, False, False, False)
+    assert f(sampling.greedy()) == sampling.SamplingFeatures(False, False, False, False, False,
+                                                              False)
     # Filters on greedy rows do nothing, so they are not counted.
     assert f(SamplingParams.create(2, temperature=[0.0, 0.7], top_k=[5, 0], top_p=[0.5, 1.0],
-                                   min_p=[0.1, 0.0])) == sampling.SamplingFeatures(
-        penalties=False, sampled=True, top_k=False, top_p=False, min_p=False)
+                                   min_p=[0.1, 0.0], top_p_keep_ties=False)
+             ) == sampling.SamplingFeatures(penalties=False, sampled=True, top_k=False,
+                                            top_p=False, min_p=False, top_p_prefix=False)
     assert f(SamplingParams.create(2, temperature=[0.0, 0.7], top_k=[0, 5], top_p=[1.0, 0.5],
                                    min_p=[0.0, 0.1])) == sampling.SamplingFeatures(
-        penalties=False, sampled=True, top_k=True, top_p=True, min_p=True)
+        penalties=False, sampled=True, top_k=True, top_p=True, min_p=True, top_p_prefix=False)
+    assert f(SamplingParams.create(2, temperature=0.7, top_p=[1.0, 0.5],
+                                   top_p_keep_ties=[True, False])).top_p_prefix
     for name, value in (("repetition_penalty", 1.1), ("presence_penalty", -0.5),
                         ("frequency_penalty", 0.2)):
         assert f(SamplingParams.create(**{name: value})).penalties
@@ -302,18 +430,19 @@ def test_features_of():
                                   pytest.param(2, marks=pytest.mark.slow)])
 def test_host_decided_steps_sample_the_same_tokens(seed):
     """features_of(params), ALL_FEATURES and the lax.cond path (features=None) give identical
-    processed logits and tokens on random logits, counts and per-row settings."""
+    processed logits and tokens on random logits, counts, prompt ids and per-row settings."""
     rng = np.random.default_rng(100 + seed)
     b, v = 6, 300
     x = _random_logits(b, v, seed=200 + seed)
     counts = rng.integers(0, 3, (b, v)).astype(np.int32) * (rng.random((b, v)) < 0.1)
+    prompt = rng.random((b, v)) < 0.1
     keys = jax.random.split(jax.random.key(seed), b)
     sp = _random_settings(rng, b)
     variants = [None, sampling.features_of(sp), sampling.ALL_FEATURES]
     logits = [np.asarray(jax.jit(sampling.processed_logits, static_argnames="features")(
-        x, sp, counts, features=f)) for f in variants]
+        x, sp, counts, prompt_mask=prompt, features=f)) for f in variants]
     tokens = [np.asarray(jax.jit(sampling.sample, static_argnames="features")(
-        x, keys, sp, counts, features=f)) for f in variants]
+        x, keys, sp, counts, prompt_mask=prompt, features=f)) for f in variants]
     for got_logits, got_tokens in zip(logits[1:], tokens[1:]):
         np.testing.assert_array_equal(got_logits, logits[0])
         np.testing.assert_array_equal(got_tokens, tokens[0])
@@ -322,9 +451,10 @@ def test_host_decided_steps_sample_the_same_tokens(seed):
     assert sampled.any() and not sampled.all()
     p = {f: np.asarray(getattr(sp, f)) for f in sampling._FIELDS}
     want = np_penalties(x, counts, p["repetition_penalty"], p["presence_penalty"],
-                        p["frequency_penalty"])
+                        p["frequency_penalty"], prompt & p["penalize_prompt"][:, None])
     rows = np.flatnonzero(sampled)
-    want[rows] = np_processed(x[rows], counts[rows], jax.tree.map(lambda a: a[rows], sp))
+    want[rows] = np_processed(x[rows], counts[rows], jax.tree.map(lambda a: a[rows], sp),
+                              prompt[rows])
     np.testing.assert_array_equal(np.isfinite(logits[1]), np.isfinite(want))
     finite = np.isfinite(want)
     np.testing.assert_allclose(logits[1][finite], want[finite], rtol=1e-5, atol=1e-6)
