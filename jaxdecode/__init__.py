@@ -6,7 +6,8 @@
     logits, state = jd.prefill(params, state, tokens, num_new)
     logits, state = jd.decode_step(params, state, next_tokens)
 
-Layers, each importing only those above it: ``config`` -> ``params``, ``state`` -> ``kernels``
+Layers, each importing only those above it: ``config`` -> ``memory`` (bytes, the prefill's
+chunk plan) -> ``params``, ``state`` -> ``kernels``
 (each kernel beside its reference; ``kernels.choice`` decides which runs) -> ``model`` (pure
 functions) -> ``sharding`` (layouts) -> ``step`` (the jitted, donated entry points),
 ``generation`` (sampling loops), ``checkpoint`` -> ``cli``.
@@ -14,7 +15,7 @@ functions) -> ``sharding`` (layouts) -> ``step`` (the jitted, donated entry poin
 
 __version__ = "0.2.0"
 
-from jaxdecode import model, sharding  # noqa: E402 (after __version__, which pyproject reads)
+from jaxdecode import memory, model, sharding  # noqa: E402 (after __version__, pyproject reads it)
 from jaxdecode.checkpoint import load_checkpoint
 from jaxdecode.config import PRESETS, Config
 from jaxdecode.generation import GenerateOutput, StreamChunk, generate, generate_stream
@@ -29,5 +30,6 @@ __all__ = [
     "__version__", "COMPILER_OPTIONS", "Config", "DecodeState", "GenerateOutput", "KVCache", "Kernels",
     "PRESETS", "Params", "SamplingParams", "StreamChunk", "choose_kernels", "decode_step",
     "fork", "generate", "generate_stream", "init_params", "init_state", "load_checkpoint",
-    "load_tokenizer", "model", "num_params", "param_specs", "prefill", "sample", "sharding",
+    "load_tokenizer", "memory", "model", "num_params", "param_specs", "prefill", "sample",
+    "sharding",
 ]

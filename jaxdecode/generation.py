@@ -23,6 +23,7 @@ import numpy as np
 from flax import struct
 from jax import lax
 
+from jaxdecode import memory
 from jaxdecode import sampling as sampling_lib
 from jaxdecode import sharding
 from jaxdecode.kernels.choice import Kernels, choose_kernels
@@ -31,7 +32,7 @@ from jaxdecode.model import decode_step_fn, prefill_fn
 from jaxdecode.params import Params
 from jaxdecode.sampling import SamplingFeatures, SamplingParams
 from jaxdecode.state import DecodeState, fork, init_state
-from jaxdecode.step import COMPILER_OPTIONS, check_state
+from jaxdecode.step import COMPILER_OPTIONS, check_state, plan_prefill
 
 Array = jax.Array
 
@@ -123,7 +124,9 @@ def start_fn(params: Params, state: DecodeState, prompts: Array, prompt_lengths:
              budgets: Array, sampling: SamplingParams, keys: Array, eos_token_ids: Array, *,
              stop_sequences: Array | None = None, num_samples: int = 1,
              track_counts: bool | None = None, features: SamplingFeatures | None = None,
-             pad_id: int = -1) -> tuple[LoopState, Array]:
+             pad_id: int = -1, kernels: Kernels | None = None,
+             prefill_chunk_size: int | None = None,
+             query_block: int = 512) -> tuple[LoopState, Array]:
     """Prefill, fork, and sample each row's first token. Returns (LoopState, tokens [R] int32).
 
     ``state``: P = ``prompts.shape[0]`` rows (empty or not); ``prompts`` [P, T] int32, right-
@@ -133,9 +136,12 @@ def start_fn(params: Params, state: DecodeState, prompts: Array, prompt_lengths:
     continues prompt p; ``track_counts``: keep [R, V] token counts and the prompt's ids for the
     penalties (None: ``features.penalties``, False without ``features``); ``features``
     (static): sampling steps compiled in (None: a ``lax.cond`` per step); ``pad_id``: emitted by
-    stopped rows.
+    stopped rows; ``kernels`` (its ``batch_invariant``), ``prefill_chunk_size``, ``query_block``:
+    ``model.prefill_fn``'s.
     """
-    logits, state = prefill_fn(params, state, prompts, prompt_lengths)
+    logits, state = prefill_fn(params, state, prompts, prompt_lengths,
+                               prefill_chunk_size=prefill_chunk_size, query_block=query_block,
+                               kernels=kernels)
     if num_samples > 1:
         state = fork(state, num_samples)
         logits = jnp.repeat(logits, num_samples, axis=0)
@@ -210,15 +216,18 @@ def generate_fn(params: Params, state: DecodeState, prompts: Array, prompt_lengt
                 track_counts: bool | None = None, features: SamplingFeatures | None = None,
                 pad_id: int = -1, kernels: Kernels | None = None,
                 progress: Callable[[np.ndarray], None] | None = None,
-                stop_sequences: Array | None = None,
-                return_state: bool = False) -> tuple[GenerateOutput, LoopState]:
+                stop_sequences: Array | None = None, return_state: bool = False,
+                prefill_chunk_size: int | None = None,
+                query_block: int = 512) -> tuple[GenerateOutput, LoopState]:
     """The whole loop as one pure function (un-jitted, unvalidated); args as :func:`start_fn`,
     and (static) ``max_new_tokens``: the token buffer N >= ``max(budgets)``; ``chunk_size``:
     steps per scan iteration; ``return_state``: set ``.state`` (:func:`feed_last_fn`).
     Returns (GenerateOutput with [R, N] tokens, final LoopState)."""
     loop, first = start_fn(params, state, prompts, prompt_lengths, budgets, sampling, keys,
                            eos_token_ids, stop_sequences=stop_sequences, num_samples=num_samples,
-                           track_counts=track_counts, features=features, pad_id=pad_id)
+                           track_counts=track_counts, features=features, pad_id=pad_id,
+                           kernels=kernels, prefill_chunk_size=prefill_chunk_size,
+                           query_block=query_block)
     tokens = first[:, None]
     num_chunks = math.ceil((max_new_tokens - 1) / chunk_size)
     if num_chunks:
@@ -258,6 +267,7 @@ class _Plan:
     kernels: Kernels
     return_state: bool
     fork_state: bool  # a given state is forked: the output cannot reuse (donated) its buffers
+    prefill: memory.PrefillPlan  # how the prompts' prefill runs (chunks, query block)
 
 
 def _token_lists(x, name: str, vocab: int) -> list[list[int]]:
@@ -283,8 +293,9 @@ def _token_lists(x, name: str, vocab: int) -> list[list[int]]:
 
 def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids, *, max_len,
           num_samples, chunk_size, pad_id, kernels, features: SamplingFeatures | None = None,
-          stop_sequences=None, state: DecodeState | None = None,
-          return_state: bool = False) -> _Plan:
+          stop_sequences=None, state: DecodeState | None = None, return_state: bool = False,
+          prefill_chunk_size: int | None = None,
+          activation_budget: int | None = None) -> _Plan:
     if kernels is not None and not isinstance(kernels, Kernels):
         raise ValueError(f"kernels={kernels!r} must be a jaxdecode.Kernels (or None)")
     config = params.config
@@ -384,32 +395,44 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
     elif key.shape[0] != rows:
         raise ValueError(f"key must be one PRNG key or one per output row ({rows}); got "
                          f"{key.shape=}")
+    mesh = sharding.mesh_of(params)
+    kernels = kernels or choose_kernels(config, rows, dtype=params.dtype, mesh=mesh)
+    # Memory, before any device work: the new state, the forked one, the prefill's activations.
+    new_rows = (num_prompts if state is None else 0) + (rows if num_samples > 1 else 0)
+    devices = 1 if mesh is None else mesh.size
+    memory.check_fits(f"generate's state ({new_rows} rows x {max_len} positions)",
+                      memory.state_bytes(config, new_rows, int(max_len), params.dtype) // devices,
+                      None if mesh is None else mesh.devices.flat[0])
+    prefill = plan_prefill(params, num_prompts, t_bucket, int(max_len), mesh=mesh,
+                           prefill_chunk_size=prefill_chunk_size,
+                           activation_budget=activation_budget, kernels=kernels)
     return _Plan(prompts=padded, prompt_lengths=prompt_lengths,
                  budgets=np.repeat(budgets, num_samples), sampling=sampling, keys=key,
                  eos_token_ids=eos_padded, stop_sequences=stop_padded, max_len=int(max_len),
                  max_new_tokens=n_bucket, chunk_size=min(chunk_size, max(n_bucket - 1, 1)),
-                 num_samples=num_samples, features=features, pad_id=pad_id,
-                 kernels=kernels or choose_kernels(config, rows, dtype=params.dtype,
-                                                   mesh=sharding.mesh_of(params)),
+                 num_samples=num_samples, features=features, pad_id=pad_id, kernels=kernels,
                  return_state=bool(return_state) or state is not None,
-                 fork_state=state is not None and num_samples > 1)
+                 fork_state=state is not None and num_samples > 1, prefill=prefill)
 
 
 def _run(params, state, prompts, prompt_lengths, budgets, sampling, keys, eos_token_ids,
-         stop_sequences, pad_id, *, max_len, num_samples, features, **loop):
+         stop_sequences, pad_id, *, max_len, num_samples, features, kernels, prefill_chunk_size,
+         query_block, **loop):
     """:func:`start_fn`, or with ``loop``'s statics :func:`generate_fn`, on ``state`` or a new one
     (None). Dynamic arguments positional, static ones keywords; pad_id is traced (a fill value)."""
-    if state is None:
-        state = init_state(params.config, prompts.shape[0], max_len, params.dtype)
+    if state is None:  # its memory was checked by _plan
+        state = init_state(params.config, prompts.shape[0], max_len, params.dtype,
+                           check_memory=False)
     args = (params, state, prompts, prompt_lengths, budgets, sampling, keys, eos_token_ids)
     kw = dict(stop_sequences=stop_sequences, num_samples=num_samples, features=features,
-              pad_id=pad_id)
+              pad_id=pad_id, kernels=kernels, prefill_chunk_size=prefill_chunk_size,
+              query_block=query_block)
     return generate_fn(*args, **kw, **loop)[0] if loop else start_fn(*args, **kw)
 
 
 # Two of each: one donating the state, one not, for a forked state (jit would warn).
 _STATIC = ("max_len", "num_samples", "features", "max_new_tokens", "chunk_size", "kernels",
-           "progress", "return_state")
+           "progress", "return_state", "prefill_chunk_size", "query_block")
 _generate_jit, _fork_jit = (jax.jit(_run, static_argnames=_STATIC, donate_argnames=donate,
                                     compiler_options=COMPILER_OPTIONS)
                             for donate in (("state",), ()))
@@ -431,13 +454,15 @@ _feed_last_jit = jax.jit(feed_last_fn, static_argnames=("kernels",), donate_argn
 def _start_args(params: Params, plan: _Plan, state: DecodeState | None = None):
     args = (params, state, plan.prompts, plan.prompt_lengths, plan.budgets, plan.sampling,
             plan.keys, plan.eos_token_ids, plan.stop_sequences, np.int32(plan.pad_id))
-    return args, dict(max_len=plan.max_len, num_samples=plan.num_samples, features=plan.features)
+    return args, dict(max_len=plan.max_len, num_samples=plan.num_samples, features=plan.features,
+                      kernels=plan.kernels, prefill_chunk_size=plan.prefill.prefill_chunk_size,
+                      query_block=plan.prefill.query_block)
 
 
 def _generate_args(params: Params, plan: _Plan, progress, state: DecodeState | None = None):
     args, static = _start_args(params, plan, state)
     return args, dict(static, max_new_tokens=plan.max_new_tokens, chunk_size=plan.chunk_size,
-                      kernels=plan.kernels, progress=progress, return_state=plan.return_state)
+                      progress=progress, return_state=plan.return_state)
 
 
 def _chunk_args(params: Params, plan: _Plan, loop):
@@ -495,7 +520,11 @@ _DOC_ARGS = """
         multiple of 64 and capped at ``max_position_embeddings``.
       num_samples: continuations per prompt; row ``p * num_samples + j`` continues prompt ``p``.
       chunk_size: decode steps per jitted chunk / scan iteration; pad_id: written after a stop.
-      kernels: the decode steps' kernels; None: ``choose_kernels`` on the params' device or mesh.
+      kernels: the decode steps' kernels; None: ``choose_kernels`` on the params' device or mesh
+        (``choose_kernels(..., batch_invariant=True)``: each row's tokens and logits the same
+        whatever else is in the batch, for one ``max_len``).
+      prefill_chunk_size, activation_budget: the prompts' prefill in chunks (as
+        :func:`jaxdecode.prefill`, inside the one jitted call).
       features: the sampling steps compiled in (:class:`~jaxdecode.sampling.SamplingFeatures`);
         None: those the sampling values use; ``ALL_FEATURES``: one executable for every setting.
       executables: from :func:`precompile` for the same arguments (optional).
@@ -506,7 +535,8 @@ _DOC_ARGS = """
         ``max_position_embeddings``, invalid sampling values (:func:`~jaxdecode.sampling.
         validate`), ``features`` leaving out a step they use, a mis-shaped key, ``kernels`` not
         a ``Kernels``, a state of another config, dtype, mesh or row count (``state.lengths`` is
-        read once), or both ``state`` and ``max_len``.
+        read once), both ``state`` and ``max_len``, or a state or prefill that cannot fit in
+        the device's free memory (the bytes named).
 """
 
 
@@ -518,7 +548,8 @@ def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParam
              pad_id: int = -1, kernels: Kernels | None = None,
              features: SamplingFeatures | None = None,
              progress: Callable[[np.ndarray], None] | None = None,
-             executables: Executables | None = None) -> GenerateOutput:
+             executables: Executables | None = None, prefill_chunk_size: int | None = None,
+             activation_budget: int | None = None) -> GenerateOutput:
     """Generates continuations with the whole loop on device (one jitted call, no per-token sync).
 
     Returns a :class:`GenerateOutput` of device arrays. ``progress``, if given, is called on the
@@ -527,7 +558,8 @@ def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParam
     plan = _plan(params, prompts, max_new_tokens, sampling, key, eos_token_ids, max_len=max_len,
                  num_samples=num_samples, chunk_size=chunk_size, pad_id=pad_id, kernels=kernels,
                  features=features, stop_sequences=stop_sequences, state=state,
-                 return_state=return_state)
+                 return_state=return_state, prefill_chunk_size=prefill_chunk_size,
+                 activation_budget=activation_budget)
     fn = _fork_jit if plan.fork_state else _generate_jit
     return _call(fn, *_generate_args(params, plan, progress, state), executables)
 
@@ -540,7 +572,9 @@ def generate_stream(params: Params, prompts, max_new_tokens=64,
                     max_len: int | None = None, num_samples: int = 1, chunk_size: int = 1,
                     pad_id: int = -1, kernels: Kernels | None = None,
                     features: SamplingFeatures | None = None,
-                    executables: Executables | None = None) -> Iterator[StreamChunk]:
+                    executables: Executables | None = None,
+                    prefill_chunk_size: int | None = None,
+                    activation_budget: int | None = None) -> Iterator[StreamChunk]:
     """Generates continuations, yielding a :class:`StreamChunk` to the host per jitted chunk.
 
     The first chunk holds each row's first token (prefill + one sample: the time to first token),
@@ -551,7 +585,8 @@ def generate_stream(params: Params, prompts, max_new_tokens=64,
     plan = _plan(params, prompts, max_new_tokens, sampling, key, eos_token_ids, max_len=max_len,
                  num_samples=num_samples, chunk_size=chunk_size, pad_id=pad_id, kernels=kernels,
                  features=features, stop_sequences=stop_sequences, state=state,
-                 return_state=return_state)
+                 return_state=return_state, prefill_chunk_size=prefill_chunk_size,
+                 activation_budget=activation_budget)
     fn = _fork_jit if plan.fork_state else _start_jit
     loop, emitted = _call(fn, *_start_args(params, plan, state), executables)
     emitted = emitted[:, None]

@@ -30,11 +30,37 @@ f32 = jnp.float32
 
 # Chunk size of the chunked gated delta rule (HF and FLA use 64).
 CHUNK_SIZE = 64
+# Batch-invariant decode: every GEMM runs on groups of this many rows (zero-padded), one shape
+# whatever the batch, so XLA picks the same GEMM algorithm for every batch size.
+INVARIANT_GEMM_ROWS = 64
+# Batch-invariant prefill: each row in chunks of this many tokens (one GEMM shape for any prompt).
+INVARIANT_CHUNK = 256
 
 
-def linear(x: Array, w: Array) -> Array:
-    """``x @ w.T`` with ``w`` in PyTorch layout ``[out, in]`` (no bias anywhere in Qwen3.5)."""
-    return jnp.einsum("...i,oi->...o", x, w)
+def linear(x: Array, w: Array, kernels: Kernels = choice.XLA, *, out_dtype=None) -> Array:
+    """``x @ w.T`` with ``w`` in PyTorch layout ``[out, in]`` (no bias anywhere in Qwen3.5).
+
+    ``kernels.batch_invariant``: the rows of x (all leading axes) go through GEMMs of
+    :data:`INVARIANT_GEMM_ROWS` rows each, behind optimisation barriers (XLA may neither shrink
+    nor fuse them), so a row's result does not depend on how many rows there are. ``out_dtype``:
+    the accumulation/output dtype (None: x's).
+    """
+    if not kernels.batch_invariant:
+        return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=out_dtype)
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = INVARIANT_GEMM_ROWS
+    flat = x.reshape(-1, k)
+    n = flat.shape[0]
+    groups = -(-n // rows)
+    flat = jnp.pad(flat, ((0, groups * rows - n), (0, 0))).reshape(groups, rows, k)
+
+    def gemm(xg):  # [rows, K] -> [rows, out]
+        y = jnp.einsum("ri,oi->ro", jax.lax.optimization_barrier(xg), w,
+                       preferred_element_type=out_dtype)
+        return jax.lax.optimization_barrier(y)
+
+    y = gemm(flat[0])[None] if groups == 1 else jax.lax.map(gemm, flat)
+    return y.reshape(groups * rows, -1)[:n].reshape(*lead, -1)
 
 
 def rms_norm(x: Array, w: Array, eps: float) -> Array:
@@ -79,10 +105,11 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
     return jnp.concatenate([x_rot * cos + rotated * sin, x_pass], axis=-1)
 
 
-def mlp(p: MLPParams, x: Array) -> Array:
+def mlp(p: MLPParams, x: Array, kernels: Kernels = choice.XLA) -> Array:
     """HF ``Qwen3_5MLP``: ``down_proj(silu(gate_proj x) * up_proj x)``, elementwise in the model
     dtype (each op rounded once, as torch)."""
-    return linear(silu(linear(x, p.gate_proj)) * linear(x, p.up_proj), p.down_proj)
+    return linear(silu(linear(x, p.gate_proj, kernels)) * linear(x, p.up_proj, kernels),
+                  p.down_proj, kernels)
 
 
 def token_mask(length: int, num_new: Array) -> Array:
@@ -110,16 +137,16 @@ def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurre
                       c.linear_value_head_dim)
     kc = c.linear_conv_kernel_dim
 
-    mixed = linear(x, p.in_proj_qkv)  # [B, T, C]  pre-conv q, k, v (grouped per key head)
-    z = linear(x, p.in_proj_z).reshape(batch, length, hv, dv)
-    b = linear(x, p.in_proj_b)  # [B, T, Hv]
-    a = linear(x, p.in_proj_a)  # [B, T, Hv]
+    mixed = linear(x, p.in_proj_qkv, kernels)  # [B, T, C]  pre-conv q, k, v (grouped per key head)
+    z = linear(x, p.in_proj_z, kernels).reshape(batch, length, hv, dv)
+    b = linear(x, p.in_proj_b, kernels)  # [B, T, Hv]
+    a = linear(x, p.in_proj_a, kernels)  # [B, T, Hv]
     if decode:
         o, new_conv_state, new_state = choice.deltanet_decode(
             kernels, mixed[:, 0], a[:, 0], b[:, 0], valid[:, 0], start, conv_state,
             recurrent_state, p.conv1d[:, 0, :], p.A_log, p.dt_bias, num_key_heads=hk)
         o = gated_rms_norm(o[:, None].astype(x.dtype), z, p.norm, c.rms_norm_eps)
-        out = linear(o.reshape(batch, length, hv * dv), p.out_proj)
+        out = linear(o.reshape(batch, length, hv * dv), p.out_proj, kernels)
         return out, new_conv_state, new_state
 
     # HF causal_conv1d_fn (depthwise, causal) over [cached Kc-1 inputs | new]; w[:, Kc-1]
@@ -162,17 +189,18 @@ def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurre
     o, new_state = chunk_gated_delta_rule(q, k, v, g, beta, recurrent_state, CHUNK_SIZE)
 
     o = gated_rms_norm(o.astype(x.dtype), z, p.norm, c.rms_norm_eps)
-    out = linear(o.reshape(batch, length, hv * dv), p.out_proj)
+    out = linear(o.reshape(batch, length, hv * dv), p.out_proj, kernels)
     return out, new_conv_state, new_state
 
 
 def gated_attention(p: AttentionParams, x: Array, cache: KVCache, start: Array, num_new: Array,
                     valid: Array, config: Config, *, decode: bool,
-                    kernels: Kernels = choice.XLA):
+                    kernels: Kernels = choice.XLA, query_block: int = 512):
     """HF ``Qwen3_5Attention`` (gated GQA), writing the new keys/values to the cache.
 
     Args as :func:`gated_delta_net`, with ``cache`` the layer's KV cache ([B, Hkv, S, D] each);
-    ``decode``: attention goes through ``kernels``. Returns (out [B, T, H], new cache).
+    ``decode``: attention goes through ``kernels``; ``query_block``: :func:`causal_attention`'s.
+    Returns (out [B, T, H], new cache).
     """
     c = config
     batch, length, _ = x.shape
@@ -181,10 +209,10 @@ def gated_attention(p: AttentionParams, x: Array, cache: KVCache, start: Array, 
     positions = start[:, None] + jnp.arange(length)[None, :]  # [B, T]
 
     # q_proj holds query and output gate interleaved per head: [Hq, 2D], not two halves.
-    qg = linear(x, p.q_proj).reshape(batch, length, hq, 2 * d)
+    qg = linear(x, p.q_proj, kernels).reshape(batch, length, hq, 2 * d)
     q, gate = qg[..., :d], qg[..., d:]
-    k = linear(x, p.k_proj).reshape(batch, length, hkv, d)
-    v = linear(x, p.v_proj).reshape(batch, length, hkv, d)
+    k = linear(x, p.k_proj, kernels).reshape(batch, length, hkv, d)
+    v = linear(x, p.v_proj, kernels).reshape(batch, length, hkv, d)
     q = rms_norm(q, p.q_norm, c.rms_norm_eps)  # per head over D, before RoPE
     k = rms_norm(k, p.k_norm, c.rms_norm_eps)
     cos, sin = rope_cos_sin(positions, c)
@@ -206,9 +234,9 @@ def gated_attention(p: AttentionParams, x: Array, cache: KVCache, start: Array, 
     if decode:
         o = choice.decode_attention(kernels, q[:, 0], cache.k, cache.v, end)[:, None]
     else:
-        o = causal_attention(q, cache.k, cache.v, positions, end)
+        o = causal_attention(q, cache.k, cache.v, positions, end, query_block=query_block)
     o = o.reshape(batch, length, hq * d) * sigmoid(gate.reshape(batch, length, hq * d))
-    return linear(o, p.o_proj), cache
+    return linear(o, p.o_proj, kernels), cache
 
 
 def causal_attention(q: Array, k_cache: Array, v_cache: Array, positions: Array, end: Array,
@@ -254,7 +282,7 @@ def _attend(q, k_cache, v_cache, positions, end):
 
 def _forward(params: Params, state: DecodeState, tokens: Array, num_new: Array | None, *,
              return_all_logits: bool, kernels: Kernels = choice.XLA,
-             active: Array | None = None):
+             active: Array | None = None, query_block: int = 512):
     """The shared body of prefill and decode: ``num_new`` [B] int32 new tokens per row (prefill),
     or, for decode (T == 1), ``active`` [B] bool with ``num_new`` None."""
     decode = active is not None
@@ -272,9 +300,7 @@ def _forward(params: Params, state: DecodeState, tokens: Array, num_new: Array |
         valid = (active & ~rejected)[:, None]  # [B, 1]
         num_new = valid[:, 0].astype(jnp.int32)
     else:
-        bad_token = token_mask(length, num_new) & ~in_vocab  # [B, T]
-        bad_row = bad_token[:, 0] if length == 1 else jnp.any(bad_token, axis=1)
-        rejected = ((num_new < 0) | (num_new > length) | (start + num_new > state.max_len) | bad_row)
+        rejected = _rejected(c, state, tokens, num_new)
         num_new = jnp.where(rejected, 0, num_new)
         valid = token_mask(length, num_new)  # [B, T]
 
@@ -290,7 +316,7 @@ def _forward(params: Params, state: DecodeState, tokens: Array, num_new: Array |
             with jax.named_scope(f"layer{i}_attention"):
                 h, kv_cache[full] = gated_attention(layer.self_attn, h, kv_cache[full], start,
                                                     num_new, valid, c, decode=decode,
-                                                    kernels=kernels)
+                                                    kernels=kernels, query_block=query_block)
             full += 1
         else:
             with jax.named_scope(f"layer{i}_deltanet"):
@@ -300,7 +326,8 @@ def _forward(params: Params, state: DecodeState, tokens: Array, num_new: Array |
             lin += 1
         x = x + h
         with jax.named_scope(f"layer{i}_mlp"):
-            x = x + mlp(layer.mlp, rms_norm(x, layer.post_attention_layernorm, c.rms_norm_eps))
+            x = x + mlp(layer.mlp, rms_norm(x, layer.post_attention_layernorm, c.rms_norm_eps),
+                        kernels)
 
     if not return_all_logits and length > 1:  # only each row's last real token: the LM head
         last = jnp.maximum(num_new - 1, 0)
@@ -308,7 +335,7 @@ def _forward(params: Params, state: DecodeState, tokens: Array, num_new: Array |
         valid = (num_new > 0)[:, None]
     x = rms_norm(x, params.norm, c.rms_norm_eps)
     with jax.named_scope("lm_head"):
-        logits = jnp.einsum("bti,vi->btv", x, params.lm_head_weight, preferred_element_type=f32)
+        logits = linear(x, params.lm_head_weight, kernels, out_dtype=f32)
     logits = jnp.where(valid[..., None], logits, 0.0)
     logits = jnp.where(rejected[:, None, None], jnp.nan, logits)
     if not return_all_logits:
@@ -318,18 +345,98 @@ def _forward(params: Params, state: DecodeState, tokens: Array, num_new: Array |
     return logits, new_state
 
 
+def _rejected(config: Config, state: DecodeState, tokens: Array, num_new: Array) -> Array:
+    """[B] bool: rows whose prefill request is bad (``num_new`` outside [0, T], a write past the
+    cache, a real id outside the vocabulary)."""
+    length = tokens.shape[1]
+    in_vocab = (tokens >= 0) & (tokens < config.vocab_size)
+    bad_token = token_mask(length, num_new) & ~in_vocab  # [B, T]
+    bad_row = bad_token[:, 0] if length == 1 else jnp.any(bad_token, axis=1)
+    return ((num_new < 0) | (num_new > length) | (state.lengths + num_new > state.max_len)
+            | bad_row)
+
+
+def _prefill_chunks(params: Params, state: DecodeState, tokens: Array, num_new: Array,
+                    chunk: int, return_all_logits: bool, query_block: int):
+    """The prefill as a ``lax.scan`` over [B, chunk] token chunks, each the continuation of the
+    one before (T padded to a multiple of ``chunk``): activations bounded by one chunk. Same
+    result as one call (chunk boundaries at multiples of 64 keep the delta rule's)."""
+    batch, length = tokens.shape
+    rejected = _rejected(params.config, state, tokens, num_new)
+    num_new = jnp.where(rejected, 0, num_new)
+    n = -(-length // chunk)
+    tokens = jnp.pad(tokens, ((0, 0), (0, n * chunk - length)))
+    chunks = jnp.moveaxis(tokens.reshape(batch, n, chunk), 1, 0)  # [N, B, chunk]
+
+    def body(carry, xs):
+        state, last = carry
+        tok, i = xs
+        nn = jnp.clip(num_new - i * chunk, 0, chunk)
+        logits, state = _forward(params, state, tok, nn, return_all_logits=return_all_logits,
+                                 query_block=query_block)
+        if return_all_logits:
+            return (state, last), logits
+        return (state, jnp.where((nn > 0)[:, None], logits, last)), None
+
+    last = jnp.zeros((batch, params.config.vocab_size), f32)
+    (state, logits), every = jax.lax.scan(body, (state, last), (chunks, jnp.arange(n)))
+    if return_all_logits:
+        logits = jnp.moveaxis(every, 0, 1).reshape(batch, n * chunk, -1)[:, :length]
+        return jnp.where(rejected[:, None, None], jnp.nan, logits), state
+    return jnp.where(rejected[:, None], jnp.nan, logits), state
+
+
+def _prefill_rows(params: Params, state: DecodeState, tokens: Array, num_new: Array,
+                  return_all_logits: bool, query_block: int):
+    """Batch-invariant prefill: one row at a time (a ``fori_loop``, the state updated in place),
+    each through :func:`_prefill_chunks` with :data:`INVARIANT_CHUNK`-token chunks, so every op
+    has the same shape whatever the batch and the other rows' lengths."""
+    batch, length = tokens.shape
+    padded = -(-length // INVARIANT_CHUNK) * INVARIANT_CHUNK
+    tokens = jnp.pad(tokens, ((0, 0), (0, padded - length)))
+    vocab = params.config.vocab_size
+    shape = (batch, length, vocab) if return_all_logits else (batch, vocab)
+
+    def row(i, carry):
+        state, logits = carry
+        one = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, i, 1), state)
+        out, one = _prefill_chunks(params, one, jax.lax.dynamic_slice_in_dim(tokens, i, 1),
+                                   jax.lax.dynamic_slice_in_dim(num_new, i, 1), INVARIANT_CHUNK,
+                                   return_all_logits, query_block)
+        if return_all_logits:
+            out = out[:, :length]
+        state = jax.tree.map(lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r, i, 0),
+                             state, one)
+        return state, jax.lax.dynamic_update_slice_in_dim(logits, out, i, 0)
+
+    state, logits = jax.lax.fori_loop(0, batch, row, (state, jnp.zeros(shape, f32)))
+    return logits, state
+
+
 def prefill_fn(params: Params, state: DecodeState, tokens: Array, num_new: Array,
-               return_all_logits: bool = False):
+               return_all_logits: bool = False, *, prefill_chunk_size: int | None = None,
+               query_block: int = 512, kernels: Kernels | None = None):
     """Appends each row's ``num_new[b]`` tokens to the state; pure, un-jitted, unvalidated.
 
-    Arguments as :func:`jaxdecode.prefill`. Returns (logits, new_state): logits [B, V] float32 of
-    each row's last new token (zeros where ``num_new == 0``), or [B, T, V] (zeros at padding). A
-    row overflowing its cache or holding an id outside the vocabulary is left untouched and gets
-    NaN logits. HF ``Qwen3_5ForCausalLM.forward``: DeltaNet layers run
-    ``torch_chunk_gated_delta_rule`` (chunk 64), attention ``eager_attention_forward``.
+    Arguments as :func:`jaxdecode.prefill`; statics: ``prefill_chunk_size`` (a multiple of 64):
+    a longer T runs as a ``lax.scan`` of continuations over chunks of that many tokens (bounded
+    memory, the same logits); ``query_block``: queries per attention block (bounds the
+    [B, Hq, block, S] float32 scores); ``kernels.batch_invariant``: rows one at a time in fixed
+    chunks.
+    Returns (logits, new_state): logits [B, V] float32 of each row's last new token (zeros
+    where ``num_new == 0``), or [B, T, V] (zeros at padding). A row overflowing its cache or
+    holding an id outside the vocabulary is left untouched and gets NaN logits. HF
+    ``Qwen3_5ForCausalLM.forward``: DeltaNet layers run ``torch_chunk_gated_delta_rule`` (chunk
+    64), attention ``eager_attention_forward``.
     """
-    return _forward(params, state, tokens, num_new.astype(jnp.int32),
-                    return_all_logits=return_all_logits)
+    num_new = num_new.astype(jnp.int32)
+    if kernels is not None and kernels.batch_invariant:
+        return _prefill_rows(params, state, tokens, num_new, return_all_logits, query_block)
+    if prefill_chunk_size is not None and tokens.shape[1] > prefill_chunk_size:
+        return _prefill_chunks(params, state, tokens, num_new, prefill_chunk_size,
+                               return_all_logits, query_block)
+    return _forward(params, state, tokens, num_new, return_all_logits=return_all_logits,
+                    query_block=query_block)
 
 
 def decode_step_fn(params: Params, state: DecodeState, tokens: Array, active: Array | None = None,

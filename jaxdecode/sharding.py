@@ -40,6 +40,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxdecode import memory
 from jaxdecode.config import Config
 from jaxdecode.kernels.choice import DATA, MODEL
 from jaxdecode.params import Params, param_specs, params_from_flat
@@ -204,14 +205,18 @@ def _check_state_mesh(state: DecodeState, mesh: Mesh) -> None:
 def init_state_sharded(config: Config, mesh: Mesh, batch_size: int, max_len: int,
                        dtype="float32") -> DecodeState:
     """:func:`jaxdecode.init_state` created directly in its sharding (each device allocates only
-    its shard); arguments as ``init_state`` plus ``mesh``, ValueError also :func:`check_mesh`."""
+    its shard); arguments as ``init_state`` plus ``mesh``, ValueError also :func:`check_mesh`
+    and a shard larger than a device's free memory."""
     check_mesh(config, mesh, batch_size)
+    shard = memory.state_bytes(config, batch_size, max_len, dtype) // mesh.size
+    memory.check_fits(f"a state shard of {batch_size} rows x {max_len} positions over "
+                      f"{mesh.size} devices", shard, mesh.devices.flat[0])
     return _init_state_jit(config, mesh)(config, batch_size, max_len, jnp.dtype(dtype).name)
 
 
 @functools.cache
 def _init_state_jit(config: Config, mesh: Mesh):
-    return jax.jit(init_state, static_argnums=(0, 1, 2, 3),
+    return jax.jit(functools.partial(init_state, check_memory=False), static_argnums=(0, 1, 2, 3),
                    out_shardings=state_shardings(config, mesh))
 
 

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxdecode import memory
 from jaxdecode.config import Config, model_dtype
 
 Array = jax.Array
@@ -49,14 +50,16 @@ class DecodeState:
         return self.kv_cache[0].k.shape[2]
 
 
-def init_state(config: Config, batch_size: int, max_len: int, dtype="float32") -> DecodeState:
+def init_state(config: Config, batch_size: int, max_len: int, dtype="float32", *,
+               check_memory: bool = True) -> DecodeState:
     """An empty :class:`DecodeState` of ``batch_size`` rows (zeros, ``lengths = 0``).
 
     ``max_len``: cache capacity S per row (prompt + generated); on GPU a multiple of 64
     (``MAX_LEN_ALIGN``), or the decode kernel copies the caches every step. ``dtype`` (of the
     conv rings and KV caches): the params' dtype, "float32" or "bfloat16"; the recurrent state is
-    float32. ValueError: non-positive sizes, ``max_len`` above ``max_position_embeddings``, or
-    another dtype.
+    float32. ValueError: non-positive sizes, ``max_len`` above ``max_position_embeddings``,
+    another dtype, or (``check_memory``) a state larger than the default device's free memory,
+    checked before allocating (``memory.state_bytes``; inside a ``jit`` pass False).
     """
     batch_size = _positive_int("batch_size", batch_size)
     max_len = _positive_int("max_len", max_len)
@@ -64,6 +67,9 @@ def init_state(config: Config, batch_size: int, max_len: int, dtype="float32") -
         raise ValueError(f"{max_len=} exceeds the model's max_position_embeddings="
                          f"{config.max_position_embeddings}")
     dtype = model_dtype(dtype)
+    if check_memory:
+        memory.check_fits(f"a state of {batch_size} rows x {max_len} positions",
+                          memory.state_bytes(config, batch_size, max_len, dtype))
     c = config
     conv = tuple(jnp.zeros((batch_size, c.linear_conv_kernel_dim, c.linear_conv_dim), dtype)
                  for _ in c.linear_attention_layers)
@@ -132,7 +138,3 @@ def _positive_int(name: str, value) -> int:
         raise ValueError(f"{name}={value!r} must be a positive int")
     return value
 
-
-def state_bytes(state: DecodeState) -> int:
-    """Bytes held by the state's buffers."""
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))

@@ -9,6 +9,7 @@ host. Inside your own ``jit``, ``grad`` or ``scan`` call ``model.prefill_fn`` /
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import types
 
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from jaxdecode import model, sharding
+from jaxdecode import memory, model, sharding
 from jaxdecode.config import Config
 from jaxdecode.kernels.choice import Kernels, choose_kernels
 from jaxdecode.params import Params
@@ -129,15 +130,47 @@ def check_decode_step(params: Params, state: DecodeState, tokens, active=None) -
 
 
 @functools.cache
-def jit_prefill(config: Config, mesh: Mesh | None = None, return_all_logits: bool = False):
+def jit_prefill(config: Config, mesh: Mesh | None = None, return_all_logits: bool = False,
+                query_block: int = 512, kernels: Kernels | None = None):
     """``model.prefill_fn`` jitted with the state donated and :data:`COMPILER_OPTIONS` (on a mesh,
     outputs in ``jaxdecode.sharding``'s layout); ``f(params, state, tokens, num_new)``, inputs
-    placed, no validation."""
-    fn = functools.partial(model.prefill_fn, return_all_logits=return_all_logits)
+    placed, no validation, no chunking (:func:`prefill` loops over chunks)."""
+    fn = functools.partial(model.prefill_fn, return_all_logits=return_all_logits,
+                           query_block=query_block, kernels=kernels)
     out = None if mesh is None else (
         NamedSharding(mesh, sharding.logits_partition_spec(return_all_logits)),
         sharding.state_shardings(config, mesh))
     return jax.jit(fn, donate_argnums=1, out_shardings=out, compiler_options=COMPILER_OPTIONS)
+
+
+@jax.jit
+def _keep_last(last, logits, has_tokens):
+    return jnp.where(has_tokens[:, None], logits, last)
+
+
+def plan_prefill(params: Params, batch_size: int, length: int, max_len: int, *,
+                 mesh: Mesh | None = None, return_all_logits: bool = False,
+                 prefill_chunk_size: int | None = None, activation_budget: int | None = None,
+                 kernels: Kernels | None = None) -> memory.PrefillPlan:
+    """How a prefill of [B, T = ``length``] tokens into a ``max_len`` state runs
+    (``memory.plan_prefill`` for one device's rows; ``prefill_chunk_size`` given: that,
+    validated). ValueError: a ``prefill_chunk_size`` that is not a positive multiple of 64, or
+    a request whose activations cannot fit."""
+    chunk = prefill_chunk_size
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer))
+                              or chunk <= 0 or chunk % memory.MIN_CHUNK):
+        raise ValueError(f"prefill_chunk_size={chunk!r} must be a positive multiple of "
+                         f"{memory.MIN_CHUNK}")
+    rows = batch_size // (1 if mesh is None else mesh.shape[sharding.DATA])
+    device = None if mesh is None else mesh.devices.flat[0]
+    if kernels is not None and kernels.batch_invariant:  # one row, fixed chunks
+        rows, length = 1, model.INVARIANT_CHUNK
+    plan = memory.plan_prefill(params.config, rows, length, max_len, params.dtype,
+                               budget=activation_budget, return_all_logits=return_all_logits,
+                               device=device)
+    if chunk is not None:
+        plan = dataclasses.replace(plan, prefill_chunk_size=chunk if chunk < length else None)
+    return plan
 
 
 @functools.cache
@@ -160,7 +193,8 @@ def _batch_input(x, mesh: Mesh | None, dtype):
 
 
 def prefill(params: Params, state: DecodeState, tokens, num_new, *,
-            return_all_logits: bool = False):
+            return_all_logits: bool = False, prefill_chunk_size: int | None = None,
+            activation_budget: int | None = None, kernels: Kernels | None = None):
     """Appends each row's prompt tokens to the state (a fresh prompt or a continuation).
 
     Args:
@@ -170,22 +204,59 @@ def prefill(params: Params, state: DecodeState, tokens, num_new, *,
       tokens: [B, T] int32 token ids, right-padded (padding may hold any value).
       num_new: [B] int32 real tokens per row, ``0 <= num_new <= T``; a row with 0 is untouched.
       return_all_logits: logits for every position instead of each row's last token.
+      prefill_chunk_size: tokens per call (a multiple of 64): a longer T runs as continuations
+        of that many tokens, one executable for every T; None: the largest whose activations
+        fit ``activation_budget`` (``memory.plan_prefill``).
+      activation_budget: bytes of activations a call may hold; None: half the device's free
+        memory (4 GiB where the device reports none).
+      kernels: only ``batch_invariant`` is read here (rows one at a time in fixed chunks).
 
     Returns (logits, new_state) as ``model.prefill_fn``: logits [B, V] float32 (or [B, T, V]),
     ``new_state.lengths = state.lengths + num_new``, in the state's layout. Raises ValueError:
-    :func:`check_prefill`, or params on another mesh than the state. Compiles once per (B, T)
-    (pad prompts to a few sizes, as ``jd.generate`` does); with traced arguments it is
-    ``model.prefill_fn``, inlined.
+    :func:`check_prefill`, :func:`plan_prefill`, or params on another mesh than the state.
+    Compiles once per (B, chunk) (pad prompts to a few sizes, as ``jd.generate`` does); with
+    traced arguments it is ``model.prefill_fn``, inlined.
     """
     if _traced(params, state, tokens, num_new):
         return model.prefill_fn(params, state, jnp.asarray(tokens, jnp.int32),
-                                jnp.asarray(num_new, jnp.int32), return_all_logits)
+                                jnp.asarray(num_new, jnp.int32), return_all_logits,
+                                prefill_chunk_size=prefill_chunk_size, kernels=kernels)
+    if kernels is not None and not isinstance(kernels, Kernels):
+        raise ValueError(f"kernels={kernels!r} must be a jaxdecode.Kernels (or None)")
     mesh = sharding.mesh_of(state)
     sharding.check_params_on(params, mesh)
     check_prefill(params, state, tokens, num_new)
-    return jit_prefill(params.config, mesh, return_all_logits)(
-        params, state, _batch_input(tokens, mesh, jnp.int32),
-        _batch_input(num_new, mesh, jnp.int32))
+    tokens, num_new = np.asarray(tokens), np.asarray(num_new)
+    length = tokens.shape[1]
+    plan = plan_prefill(params, state.batch_size, length, state.max_len, mesh=mesh,
+                        return_all_logits=return_all_logits,
+                        prefill_chunk_size=prefill_chunk_size,
+                        activation_budget=activation_budget, kernels=kernels)
+    run = jit_prefill(params.config, mesh, return_all_logits, plan.query_block, kernels)
+    chunk = plan.prefill_chunk_size
+    if chunk is None or (kernels is not None and kernels.batch_invariant):
+        return run(params, state, _batch_input(tokens, mesh, jnp.int32),
+                   _batch_input(num_new, mesh, jnp.int32))
+    # Continuations of `chunk` tokens: every call the same [B, chunk] executable.
+    tokens = np.pad(tokens, ((0, 0), (0, -length % chunk)))
+    pieces, last = [], None
+    for start in range(0, length, chunk):
+        n = np.clip(num_new - start, 0, chunk).astype(np.int32)
+        if start and not n.any():  # every row's tokens are done: the rest is padding
+            break
+        piece = _batch_input(tokens[:, start:start + chunk], mesh, jnp.int32)
+        logits, state = run(params, state, piece, _batch_input(n, mesh, jnp.int32))
+        if return_all_logits:
+            pieces.append(logits)
+        else:
+            last = logits if last is None else _keep_last(last, logits,
+                                                          _batch_input(n > 0, mesh, jnp.bool_))
+    if not return_all_logits:
+        return last, state
+    logits = jnp.concatenate(pieces, axis=1)[:, :length]
+    if logits.shape[1] < length:  # chunks with no row's tokens: zeros, as for padding
+        logits = jnp.pad(logits, ((0, 0), (0, length - logits.shape[1]), (0, 0)))
+    return logits, state
 
 
 def decode_step(params: Params, state: DecodeState, tokens, active=None, *,

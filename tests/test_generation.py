@@ -154,6 +154,37 @@ def test_finished_row_state_stops_changing(params):
     assert all(jax.tree.leaves(changed))  # the running rows did move
 
 
+def test_generate_prefills_long_prompts_in_chunks_with_the_same_tokens(params):
+    """prefill_chunk_size (or a budget that forces chunks): the prompts' prefill runs as a scan
+    of continuations inside the one jitted call; the same tokens and final state as one call."""
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(0, VOCAB, n).tolist() for n in (150, 3, 90)]
+    want = gen.generate(params, prompts, 8, eos_token_ids=(), return_state=True)
+    whole = gen._plan(params, prompts, 8, None, None, (), max_len=None, num_samples=1,
+                      chunk_size=8, pad_id=-1, kernels=None).prefill
+    assert whole.prefill_chunk_size is None
+    budget = whole.bytes // 2
+    for kw in (dict(prefill_chunk_size=64), dict(activation_budget=budget)):
+        got = gen.generate(params, prompts, 8, eos_token_ids=(), return_state=True, **kw)
+        assert got.token_lists() == want.token_lists(), kw
+        np.testing.assert_array_equal(np.asarray(got.state.lengths),
+                                      np.asarray(want.state.lengths))
+    plan = gen._plan(params, prompts, 8, None, None, (), max_len=None, num_samples=1,
+                     chunk_size=8, pad_id=-1, kernels=None, activation_budget=budget)
+    assert plan.prefill.prefill_chunk_size in (64, 128)  # the budget did force chunks
+
+
+def test_batch_invariant_generate_gives_each_prompt_its_tokens_alone(params):
+    """choose_kernels(..., batch_invariant=True) through jd.generate (greedy, one max_len): each
+    prompt's tokens in a ragged batch == alone == the default mode's (float32)."""
+    inv = jd.choose_kernels(SMALL, 1, dtype="float32", batch_invariant=True)
+    batch = gen.generate(params, PROMPTS, 12, eos_token_ids=(), kernels=inv, max_len=128)
+    for i, prompt in enumerate(PROMPTS):
+        alone = gen.generate(params, [prompt], 12, eos_token_ids=(), kernels=inv, max_len=128)
+        assert alone.token_lists()[0] == batch.token_lists()[i]
+    assert batch.token_lists() == _greedy(params, budget=12).token_lists()
+
+
 # ----- fork / num_samples -----------------------------------------------------------------------------
 
 @pytest.mark.slow

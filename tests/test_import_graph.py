@@ -26,7 +26,10 @@ ROOT = PACKAGE.parent
 
 # module -> modules it must not load, directly or through another module
 FORBIDDEN = {
-    "jaxdecode.config": {"jaxdecode.params", "jaxdecode.state", "jaxdecode.model"},
+    "jaxdecode.config": {"jaxdecode.params", "jaxdecode.state", "jaxdecode.model",
+                         "jaxdecode.memory"},
+    "jaxdecode.memory": {"jaxdecode.params", "jaxdecode.state", "jaxdecode.kernels",
+                         "jaxdecode.model", "jaxdecode.sharding", "jaxdecode.step"},
     "jaxdecode.state": {"jaxdecode.kernels", "jaxdecode.model"},
     "jaxdecode.kernels.choice": {"jaxdecode.model", "jaxdecode.sharding", "jaxdecode.step",
                                  "jaxdecode.generation", "jaxdecode.checkpoint"},

@@ -10,13 +10,16 @@ same argmax wherever the reference's top-2 margin is not a near-tie.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxdecode as jd
-from conftest import FULL, LIN, assert_logits_close, assert_rel_close, hf_text_config, tiny
+from conftest import (FULL, GPU_ONLY, LIN, assert_logits_close, assert_rel_close,
+                      hf_text_config, tiny)
 from jaxdecode import model
 from jaxdecode.kernels import choice
 from jaxdecode.kernels.deltanet_decode import deltanet_decode_xla
@@ -116,6 +119,125 @@ def test_unchecked_prefill_lengths_outside_the_tokens_are_rejected_in_graph(para
     assert np.isnan(logits[:2]).all() and np.isfinite(logits[2]).all()
     np.testing.assert_array_equal(np.asarray(state.lengths), [0, 0, 4])
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state))
+
+
+def _ragged_request(seed, batch=4, length=300, vocab=CONFIG.vocab_size):
+    rng = np.random.default_rng(seed)
+    return (rng.integers(0, vocab, (batch, length)).astype(np.int32),
+            np.array([300, 0, 131, 64][:batch], np.int32))
+
+
+def test_chunked_prefill_equals_one_call(params):
+    """The prefill as a scan of 64-token continuations == one call: last-token and all logits,
+    every state leaf (float32 rounding), ragged rows, a row with 0 new tokens, on a state that
+    already holds tokens (start > 0), with small query blocks."""
+    tokens, num_new = _ragged_request(0)
+    base = jd.init_state(CONFIG, 4, 512)
+    _, base = jax.jit(model.prefill_fn)(params, base, tokens[:, :10], np.array([10, 0, 5, 10]))
+    run = jax.jit(model.prefill_fn, static_argnames=("return_all_logits", "prefill_chunk_size",
+                                                     "query_block"))
+    for all_logits in (False, True):
+        one, s_one = run(params, jax.tree.map(jnp.copy, base), tokens, num_new, all_logits)
+        chunked, s_chunked = run(params, jax.tree.map(jnp.copy, base), tokens, num_new,
+                                 all_logits, prefill_chunk_size=64, query_block=16)
+        assert chunked.shape == one.shape
+        assert_rel_close(chunked, one, 2e-6, f"logits (all: {all_logits})")
+        for a, b in zip(jax.tree.leaves(s_one), jax.tree.leaves(s_chunked)):
+            assert_rel_close(b, a, 2e-6, "state")
+        np.testing.assert_array_equal(np.asarray(s_chunked.lengths), [310, 0, 136, 74])
+        assert (np.asarray(chunked)[1] == 0).all()  # 0 new tokens: zero logits
+
+
+def test_chunked_prefill_rejects_a_row_as_a_whole(params):
+    """A row whose request overflows the cache only in a later chunk is rejected before the
+    first (no partial write): NaN logits, its state untouched; the other rows run."""
+    tokens, num_new = _ragged_request(1, batch=3)
+    state = jd.init_state(CONFIG, 3, 200)
+    _, after = jax.jit(model.prefill_fn, static_argnames="prefill_chunk_size")(
+        params, jax.tree.map(jnp.copy, state), tokens[:, :150], np.array([150, 0, 131]),
+        prefill_chunk_size=64)
+    logits, bad = jax.jit(model.prefill_fn, static_argnames="prefill_chunk_size")(
+        params, jax.tree.map(jnp.copy, state), tokens, np.array([300, 0, 131]),
+        prefill_chunk_size=64)
+    assert np.isnan(np.asarray(logits)[0]).all() and np.isfinite(np.asarray(logits)[2]).all()
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(bad)):
+        np.testing.assert_array_equal(np.asarray(b)[0], np.asarray(a)[0])
+    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(bad)):
+        np.testing.assert_array_equal(np.asarray(b)[2], np.asarray(a)[2])
+
+
+def _invariance_runs(dtype, device_kind, cases):
+    """Row `index` of a batch holds one fixed prompt, the other rows random prompts of random
+    lengths; returns, per (batch, index) case, that row's prefill logits, its logits after one
+    decode step and its state, with ``choose_kernels(..., batch_invariant=True)``."""
+    config = tiny(vocab_size=384, layer_types=(LIN, FULL, LIN, FULL))
+    params = jd.init_params(config, jax.random.key(2), dtype)
+    inv = choice.choose_kernels(config, 1, dtype=dtype, batch_invariant=True)
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(0, 384, 150).astype(np.int32)
+    prefill = jax.jit(model.prefill_fn, static_argnames=("kernels",))
+    step = jax.jit(model.decode_step_fn, static_argnames=("kernels",))
+    out = []
+    for batch, index in cases:
+        tokens = rng.integers(0, 384, (batch, 400)).astype(np.int32)
+        lengths = rng.integers(1, 400, batch).astype(np.int32)
+        tokens[index, :150], tokens[index, 150:] = prompt, 0
+        lengths[index] = 150
+        state = jd.init_state(config, batch, 512, dtype)
+        first, state = prefill(params, state, tokens[:, :400 if batch > 1 else 150], lengths,
+                               kernels=inv)
+        nxt = rng.integers(0, 384, batch).astype(np.int32)
+        nxt[index] = 7
+        second, state = step(params, state, nxt, None, inv)
+        row = lambda x: np.asarray(x[index])  # noqa: E731
+        out.append((row(first), row(second), jax.tree.map(row, state)))
+    return params, inv, out
+
+
+INVARIANCE_CASES = ((1, 0), (3, 2), (5, 1), (64, 3), (65, 40))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batch_invariant_mode_runs_every_batch_in_one_shape(dtype):
+    """Kernels(batch_invariant=True) on the CPU: a row's prefill and decode logits alone and
+    beside other rows agree to rounding (bitwise only on a GPU, the test below: XLA's CPU code
+    rounds transcendentals differently in a vector loop's body and its remainder, so even
+    same-shaped ops at other batch sizes differ in the last bit); every GEMM of the decode step
+    has 64 rows whatever the batch, its attention and DeltaNet core run one row at a time, and
+    the prefill runs row by row in 256-token chunks."""
+    params, inv, runs = _invariance_runs(dtype, "cpu", INVARIANCE_CASES)
+    alone = runs[0]
+    tol = 1e-6 if dtype == "float32" else 2e-2
+    for got in runs[1:]:
+        assert_rel_close(got[0], alone[0], tol, "prefill")
+        assert_rel_close(got[1], alone[1], tol, "decode")
+    state = jd.init_state(params.config, 5, 512, dtype)
+    text = jax.jit(model.decode_step_fn, static_argnames="kernels").lower(
+        params, state, np.zeros(5, np.int32), None, inv).as_text()
+    lhs = [re.search(r": \(tensor<([0-9x]+)x[a-z0-9]+>", line).group(1).split("x")
+           for line in text.splitlines() if "stablehlo.dot_general" in line]
+    gemms = [shape for shape in lhs if len(shape) == 2]  # the weight GEMMs ([rows, in])
+    assert len(gemms) >= 4 * 4 and all(shape[0] == "64" for shape in gemms), gemms
+    assert all(shape[0] == "1" for shape in lhs if len(shape) > 2)  # per-row attention/DeltaNet
+    text = jax.jit(model.prefill_fn, static_argnames="kernels").lower(
+        params, state, np.zeros((5, 300), np.int32), np.full(5, 300), kernels=inv).as_text()
+    shapes = {tuple(m.group(1).split("x")) for m in re.finditer(
+        r"stablehlo.dot_general .*?: \(tensor<([0-9x]+)x[a-z0-9]+>", text)}
+    assert ("256", "64") in shapes or any(s[:2] == ("1", "256") for s in shapes), shapes
+    assert not any("5" == s[0] for s in shapes)  # no op over the 5 rows at once
+
+
+@pytest.mark.parametrize("_", [pytest.param(None, id="gpu", marks=GPU_ONLY)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_batch_invariant_decode_is_bitwise_independent_of_the_batch(_, dtype):
+    """On a GPU the whole step is bitwise row-independent: prefill and decode logits and the
+    state after both, for batches up to 65 (two GEMM groups)."""
+    _, _, runs = _invariance_runs(dtype, "gpu", INVARIANCE_CASES)
+    alone = runs[0]
+    for got in runs[1:]:
+        np.testing.assert_array_equal(got[0], alone[0])
+        np.testing.assert_array_equal(got[1], alone[1])
+        jax.tree.map(np.testing.assert_array_equal, got[2], alone[2])
 
 
 # ----- end to end against HF --------------------------------------------------------------------
@@ -285,6 +407,24 @@ def test_prefill_in_two_calls_matches_one_call(hf, loaded, split):
     logits, _ = jd.decode_step(params, two, np.array([tok], np.int32))
     assert_logits_close(np.asarray(logits)[0], ref["len150/decode_logits"][0],
                         what="decode after two-call prefill")
+
+
+@pytest.mark.slow
+@pytest.mark.hf
+def test_chunked_prefill_matches_hf(hf, loaded):
+    """jd.prefill in 64-token continuations (host loop) == HF at every position of a 150-token
+    prompt, then the cached decode steps."""
+    params, (_, ref) = loaded["base"], hf["base"]
+    prompt = np.array(_prompt(150, 150), np.int32)
+    state = jd.init_state(params.config, batch_size=1, max_len=256)
+    logits, state = jd.prefill(params, state, prompt[None], np.array([150]),
+                               return_all_logits=True, prefill_chunk_size=64)
+    assert_logits_close(np.asarray(logits)[0], ref["len150/prefill_logits"],
+                        what="chunked prefill vs HF")
+    for i, tok in enumerate(ref["len150/decode_tokens"][:4]):
+        logits, state = jd.decode_step(params, state, np.array([tok], np.int32))
+        assert_logits_close(np.asarray(logits)[0], ref["len150/decode_logits"][i],
+                            what=f"decode step {i} after the chunked prefill")
 
 
 def jax_leaves(state):

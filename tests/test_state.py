@@ -10,7 +10,6 @@ import pytest
 
 import jaxdecode as jd
 from conftest import FULL, LIN, TINY, tiny
-from jaxdecode.state import state_bytes
 
 
 def test_state_layout_is_as_documented():
@@ -46,15 +45,6 @@ def test_fork_repeats_rows():
     assert not any(x.is_deleted() for x in jax.tree.leaves(state))  # not donated
     with pytest.raises(ValueError, match=r"n=0 must be a positive int"):
         jd.fork(state, 0)
-
-
-def test_state_bytes():
-    state = jd.init_state(TINY, batch_size=2, max_len=16, dtype="bfloat16")
-    c = TINY
-    conv = 2 * c.linear_conv_kernel_dim * c.linear_conv_dim * 2
-    rec = 2 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
-    kv = 2 * (2 * c.num_key_value_heads * 16 * c.head_dim * 2)
-    assert state_bytes(state) == 3 * (conv + rec) + kv + 2 * 4
 
 
 def test_init_state_errors():

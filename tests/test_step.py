@@ -459,6 +459,54 @@ def test_state_for_another_config(params):
         jd.decode_step(params, jd.init_state(more, 2, 16), np.array([0, 1]))
 
 
+# ----- chunked prefill (issue 25) ----------------------------------------------------------------
+
+@pytest.mark.perf
+def test_chunked_prefill_reuses_one_executable_for_every_length():
+    """jd.prefill(prefill_chunk_size=64): prompts of 150 and 300 tokens run as [B, 64]
+    continuations of one executable, each equal to one call (last-token and all logits, state);
+    rows finish in different chunks, one row has no tokens."""
+    config = tiny(vocab_size=301)  # its own jit caches: only this test's calls are counted
+    params = jd.init_params(config, jax.random.key(4))
+    rng = np.random.default_rng(7)
+    for length, num_new in ((150, [150, 0, 77]), (300, [300, 130, 1])):
+        tokens = rng.integers(0, config.vocab_size, (3, length)).astype(np.int32)
+        num_new = np.array(num_new, np.int32)
+        for all_logits in (False, True):
+            want, want_state = jd.prefill(params, jd.init_state(config, 3, 320), tokens,
+                                          num_new, return_all_logits=all_logits)
+            got, got_state = jd.prefill(params, jd.init_state(config, 3, 320), tokens, num_new,
+                                        return_all_logits=all_logits, prefill_chunk_size=64)
+            assert got.shape == want.shape
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5,
+                                       atol=2e-5 * np.abs(np.asarray(want)).max())
+            for a, b in zip(jax.tree.leaves(want_state), jax.tree.leaves(got_state)):
+                np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5)
+    for all_logits in (False, True):  # [3, 64] for both lengths, [3, 150] and [3, 300] whole
+        assert step.jit_prefill(config, None, all_logits, 512, None)._cache_size() == 3
+
+
+def test_prefill_chunk_size_is_validated_and_the_budget_chooses_it(params):
+    state = jd.init_state(CONFIG, 2, 256)
+    tokens, num_new = np.ones((2, 200), np.int32), np.array([200, 3])
+    for bad in (0, 100, -64, 64.0, True):
+        with pytest.raises(ValueError, match="prefill_chunk_size=.* must be a positive multiple "
+                                             "of 64"):
+            jd.prefill(params, state, tokens, num_new, prefill_chunk_size=bad)
+    plan = step.plan_prefill(params, 2, 200, 256, activation_budget=2**40)
+    assert plan.prefill_chunk_size is None and plan.query_block == 512  # all at once
+    small = step.plan_prefill(params, 2, 200, 256, activation_budget=plan.bytes // 2)
+    assert small.prefill_chunk_size in (64, 128) and small.bytes <= plan.bytes // 2
+    with pytest.raises(ValueError, match=r"needs .* MiB of activations even in 64-token chunks"):
+        jd.prefill(params, state, tokens, num_new, activation_budget=1000)
+    # a budget that forces chunks gives the same logits as one call
+    want, _ = jd.prefill(params, jd.init_state(CONFIG, 2, 256), tokens, num_new)
+    got, _ = jd.prefill(params, jd.init_state(CONFIG, 2, 256), tokens, num_new,
+                        activation_budget=small.bytes)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5,
+                               atol=2e-5 * np.abs(np.asarray(want)).max())
+
+
 # ----- GPU only: what CPU CI cannot compile -----------------------------------------------------
 
 @pytest.mark.parametrize("_", [pytest.param(None, id="gpu", marks=GPU_ONLY)])

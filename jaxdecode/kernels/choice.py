@@ -47,6 +47,9 @@ class Kernels:
     # (read when a step is traced, not at construction: importing jaxdecode must not start
     # the backend, or jax.distributed.initialize could no longer run)
     mesh: Mesh | None = None  # a ("data", "model") mesh: Pallas kernels run under shard_map
+    # A row's logits bitwise the same whatever else is in the batch (for one max_len): decode
+    # GEMMs in fixed 64-row groups, prefill row by row in fixed chunks (jaxdecode.model)
+    batch_invariant: bool = False
 
     def __post_init__(self):
         for name in ("attention", "deltanet", "delta_rule"):
@@ -56,6 +59,8 @@ class Kernels:
         if self.mesh is not None and self.deltanet == "pallas":
             raise ValueError("Kernels(deltanet='pallas') does not run on a mesh; use 'xla' "
                              "(with delta_rule='pallas' for the per-device delta-rule kernel)")
+        if self.mesh is not None and self.batch_invariant:
+            raise ValueError("Kernels(batch_invariant=True) does not run on a mesh yet")
 
 
 XLA = Kernels()  # every op in XLA: the reference path, any backend
@@ -83,22 +88,23 @@ def _compute_capability(device) -> tuple[int, int] | None:
 
 @functools.cache
 def choose_kernels(config: Config, batch_size: int, *, dtype="bfloat16",
-                   mesh: Mesh | None = None) -> Kernels:
+                   mesh: Mesh | None = None, batch_invariant: bool = False) -> Kernels:
     """The kernels a decode step of ``batch_size`` rows runs on this machine.
 
     Pallas kernels only on NVIDIA Hopper (compute capability 9.0+); elsewhere all XLA. On a
     GPU, a shape or dtype a kernel does not take falls back to XLA with one warning saying why.
     With a mesh, shapes and batch are per device (rows over "data", heads over "model").
+    ``batch_invariant``: one choice for every batch size (the attention kernel, XLA's DeltaNet
+    core with the delta-rule kernel), with ``Kernels.batch_invariant`` set; not on a mesh.
     """
     device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
     cc = _compute_capability(device)
-    if cc is None:
-        return Kernels(mesh=mesh, interpret=False)
-    if cc < (9, 0):
-        warnings.warn(f"jaxdecode: the GPU ({device.device_kind}, compute capability "
-                      f"{cc[0]}.{cc[1]}) is older than Hopper; decoding with XLA only",
-                      stacklevel=2)
-        return Kernels(mesh=mesh, interpret=False)
+    if cc is None or cc < (9, 0):
+        if cc is not None:
+            warnings.warn(f"jaxdecode: the GPU ({device.device_kind}, compute capability "
+                          f"{cc[0]}.{cc[1]}) is older than Hopper; decoding with XLA only",
+                          stacklevel=2)
+        return Kernels(mesh=mesh, interpret=False, batch_invariant=batch_invariant)
     c, dtype = config, jnp.dtype(dtype)
     data = mesh.shape[DATA] if mesh is not None else 1
     heads = mesh.shape[MODEL] if mesh is not None else 1
@@ -115,15 +121,15 @@ def choose_kernels(config: Config, batch_size: int, *, dtype="bfloat16",
 
     attention = supported("decode attention", attention_kernel.check_supported(
         (rows, hq, c.head_dim), (rows, hkv, 64, c.head_dim), dtype))
-    core = mesh is None and rows < DELTANET_CORE_MAX_BATCH and supported(
-        "the Gated DeltaNet core", deltanet_kernel.check_supported(
-            (rows, hv, dk, dv), c.linear_conv_kernel_dim, dtype))
-    rule = rows >= DELTA_RULE_MIN_BATCH and supported(
+    core = (mesh is None and not batch_invariant and rows < DELTANET_CORE_MAX_BATCH
+            and supported("the Gated DeltaNet core", deltanet_kernel.check_supported(
+                (rows, hv, dk, dv), c.linear_conv_kernel_dim, dtype)))
+    rule = (batch_invariant or rows >= DELTA_RULE_MIN_BATCH) and supported(
         "the gated delta rule",
         delta_rule_kernel.check_supported((rows, hk, dk), (rows, hv, dk, dv)))
     pick = lambda use: "pallas" if use else "xla"  # noqa: E731
     return Kernels(attention=pick(attention), deltanet=pick(core), delta_rule=pick(rule),
-                   interpret=False, mesh=mesh)
+                   interpret=False, mesh=mesh, batch_invariant=batch_invariant)
 
 
 def _interpret(kernels: Kernels) -> bool:
@@ -135,9 +141,19 @@ def _interpret(kernels: Kernels) -> bool:
 def decode_attention(kernels: Kernels, q, k_cache, v_cache, kv_len):
     """GQA decode attention as ``kernels.attention`` says: q [B, Hq, D], caches [B, Hkv, S, D],
     kv_len [B] int32 valid keys per row. Returns [B, Hq, D] in q's dtype."""
+    if kernels.attention == "xla" and kernels.batch_invariant:
+        # One row at a time: XLA (on CPU: Eigen's threading) may reduce over S in another order
+        # for another number of rows.
+        one = lambda a: attention_kernel.decode_attention_reference(  # noqa: E731
+            *(x[None] for x in a))[0]
+        return jax.lax.map(one, (q, k_cache, v_cache, kv_len))
     if kernels.attention == "xla":
         return attention_kernel.decode_attention_reference(q, k_cache, v_cache, kv_len)
-    attend = functools.partial(_attention_pallas, interpret=_interpret(kernels))
+    config = None
+    if kernels.batch_invariant:  # the split count of one row: the same for every batch size
+        config = attention_kernel.choose_config(1, k_cache.shape[1], k_cache.shape[2],
+                                                k_cache.shape[3], k_cache.dtype)
+    attend = functools.partial(_attention_pallas, config=config, interpret=_interpret(kernels))
     if kernels.mesh is None:
         return attend(q, k_cache, v_cache, kv_len)
     heads, cache = P(DATA, MODEL, None), P(DATA, MODEL, None, None)
@@ -153,6 +169,11 @@ def deltanet_decode(kernels: Kernels, mixed_qkv, a, b, active, positions, conv_s
             dt_bias)
     if kernels.deltanet == "pallas":
         return _deltanet_pallas(*args, num_key_heads=num_key_heads, interpret=_interpret(kernels))
+    if kernels.delta_rule == "xla" and kernels.batch_invariant:  # one row at a time, as above
+        rows, weights = args[:7], args[7:]
+        one = lambda r: tuple(y[0] for y in deltanet_kernel.deltanet_decode_xla(  # noqa: E731
+            *(x[None] for x in r), *weights, num_key_heads=num_key_heads))
+        return jax.lax.map(one, rows)
     if kernels.delta_rule == "xla":
         rule = delta_rule_kernel.gated_delta_decode_reference
     else:

@@ -1,0 +1,93 @@
+"""jaxdecode.memory: the state's bytes, the prefill's chunk plan under a budget, and the errors
+for requests that cannot fit (before any device work), on a device faked to have little free."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import jaxdecode as jd
+from conftest import TINY, tiny
+from jaxdecode import memory, sharding
+
+
+def test_state_bytes_is_what_init_state_allocates():
+    c = TINY
+    for batch, max_len, dtype in ((2, 16, "bfloat16"), (3, 64, "float32")):
+        state = jd.init_state(c, batch_size=batch, max_len=max_len, dtype=dtype)
+        held = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+        assert memory.state_bytes(c, batch, max_len, dtype) == held
+    e = 2
+    conv = 2 * c.linear_conv_kernel_dim * c.linear_conv_dim * e
+    rec = 2 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+    kv = 2 * (2 * c.num_key_value_heads * 16 * c.head_dim * e)
+    assert memory.state_bytes(c, 2, 16, "bf16") == 3 * (conv + rec) + kv + 2 * 4
+
+
+def test_free_bytes_is_none_on_the_cpu():
+    if jax.default_backend() == "cpu":
+        assert memory.free_bytes() is None
+    else:
+        assert memory.free_bytes() > 0
+
+
+@pytest.fixture
+def small_device(monkeypatch):
+    """A default device with 1 MiB free."""
+    monkeypatch.setattr(memory, "free_bytes", lambda device=None: 2**20)
+
+
+def test_a_state_that_cannot_fit_is_a_value_error_before_allocating(small_device):
+    with pytest.raises(ValueError, match=r"a state of 64 rows x 4096 positions needs "
+                                         r"[0-9.]+ MiB but the device \(.*\) has 1.0 MiB free"):
+        jd.init_state(TINY, 64, 4096)
+    jd.init_state(TINY, 1, 16)  # a small one still fits
+
+
+def test_a_sharded_state_is_checked_per_device(monkeypatch):
+    mesh = sharding.make_mesh(data=1, model=1)
+    need = memory.state_bytes(TINY, 4, 512, "float32")
+    monkeypatch.setattr(memory, "free_bytes", lambda device=None: need - 1)
+    with pytest.raises(ValueError, match="a state shard of 4 rows x 512 positions over 1 devices"):
+        sharding.init_state_sharded(TINY, mesh, 4, 512)
+
+
+def test_generate_checks_its_state_and_prefill_before_device_work(small_device):
+    params = jd.init_params(TINY, jax.random.key(0))
+    with pytest.raises(ValueError, match=r"generate's state \(8 rows x 4096 positions\) needs"):
+        jd.generate(params, [[1, 2, 3]] * 8, 8, max_len=4096)
+
+
+def test_plan_prefill_chunks_under_the_budget():
+    c = jd.Config.from_preset("qwen3.5-9b")
+    per_token = memory.prefill_token_bytes(c, "bfloat16")
+    assert 100_000 < per_token < 2_000_000  # the 9B: hundreds of KB per token
+    whole = memory.plan_prefill(c, 1, 2048, 4096, "bfloat16", budget=64 * 2**30)
+    assert whole.prefill_chunk_size is None and whole.query_block == 512
+    # 64 rows x 8k tokens into 8k-position caches with a 30 GiB budget: chunks, small blocks
+    plan = memory.plan_prefill(c, 64, 8192, 8192, "bfloat16", budget=30 * 2**30)
+    assert plan.prefill_chunk_size in (64, 128, 256, 512, 1024, 2048)
+    assert plan.bytes <= 30 * 2**30 and plan.query_block < 512
+    doubled = memory.plan_prefill(c, 64, 8192, 8192, "bfloat16", budget=60 * 2**30)
+    assert doubled.prefill_chunk_size >= plan.prefill_chunk_size
+    with pytest.raises(ValueError, match=r"a prefill of 64 rows needs [0-9.]+ GiB of activations "
+                                         r"even in 64-token chunks \(max_len 8192\), over the "
+                                         r"budget of 1.00 GiB"):
+        memory.plan_prefill(c, 64, 8192, 8192, "bfloat16", budget=2**30)
+
+
+def test_all_logits_that_cannot_fit_are_named(small_device):
+    c = tiny(vocab_size=5000)
+    with pytest.raises(ValueError, match=r"return_all_logits' \[4, 1000, 5000\] float32 logits "
+                                         r"needs"):
+        memory.plan_prefill(c, 4, 1000, 1024, "float32", return_all_logits=True)
+
+
+def test_the_default_budget_is_half_of_what_is_free(monkeypatch):
+    c = tiny(vocab_size=300)
+    monkeypatch.setattr(memory, "free_bytes", lambda device=None: 2 * 10**9)
+    plan = memory.plan_prefill(c, 8, 4096, 4096, "float32")
+    assert plan.bytes <= 10**9
+    monkeypatch.setattr(memory, "free_bytes", lambda device=None: None)
+    assert memory.plan_prefill(c, 8, 4096, 4096, "float32").bytes <= memory.HOST_BUDGET_BYTES
