@@ -42,7 +42,10 @@ from step_profile import cupti_kernels, parse_options  # noqa: E402
 
 from jaxdecode import generation as G  # noqa: E402
 
-SAMPLING = {"greedy": None, "top_p": S.SamplingParams.create(temperature=0.7, top_p=0.9)}
+SAMPLING = {"greedy": None, "top_p": S.SamplingParams.create(temperature=0.7, top_p=0.9),
+            # HF's prefix rule: the second cut-off search over the tied ids
+            "top_p_prefix": S.SamplingParams.create(temperature=0.7, top_p=0.9,
+                                                    top_p_keep_ties=False)}
 
 
 def compile_loop(params, plan, features, compiler_options=None):

@@ -53,9 +53,10 @@ def check(out, q, k, v, lengths, dtype=bf16):
                                   ATTENTION_TOL[dtype])
 
 
-def run_kernel(mode, q, k, v, lengths, config=None):
+def run_kernel(mode, q, k, v, lengths, config=None, ordered_combine=False):
     return jax.jit(lambda *a: da.decode_attention_pallas(
-        *a, config=config, interpret=(mode == "interpret")))(q, k, v, lengths)
+        *a, config=config, ordered_combine=ordered_combine,
+        interpret=(mode == "interpret")))(q, k, v, lengths)
 
 
 # ----- the kernel -------------------------------------------------------------------------------
@@ -103,6 +104,20 @@ def test_kernel_configs(mode, config):
     q, k, v, lengths = attention_inputs(3, (8, 2), 128, 768, lengths, jnp.bfloat16)
     out = run_kernel(mode, q, k, v, lengths, config)
     check(out, q, k, v, lengths)
+
+
+def test_ordered_combine_merges_the_splits_as_the_reduction_does():
+    """The batch-invariant combine (split by split, elementwise) == the einsum combine, with
+    empty splits (-inf) and an empty row."""
+    key = jax.random.key(11)
+    o_part = jax.random.normal(key, (3, 2, 5, 4, 16), f32)
+    lse = jax.random.normal(jax.random.fold_in(key, 1), (3, 2, 5, 4), f32) * 3
+    lse = lse.at[0, :, 3:].set(-jnp.inf).at[2].set(-jnp.inf)
+    ordered, plain = da._combine(o_part, lse, ordered=True), da._combine(o_part, lse)
+    np.testing.assert_allclose(np.asarray(ordered), np.asarray(plain), rtol=1e-6, atol=1e-6)
+    assert (np.asarray(ordered)[2] == 0).all()
+    text = jax.jit(lambda o, l: da._combine(o, l, ordered=True)).lower(o_part, lse).as_text()
+    assert "reduce" not in text and "dot_general" not in text
 
 
 @pytest.mark.slow

@@ -68,7 +68,7 @@ XLA = Kernels()  # every op in XLA: the reference path, any backend
 # The Pallas kernels behind a jit of their own: the layers of a step call each with the same
 # shapes, and JAX lowers a jitted function once per signature instead of once per layer.
 _attention_pallas = jax.jit(attention_kernel.decode_attention_pallas,
-                            static_argnames=("config", "interpret"))
+                            static_argnames=("config", "ordered_combine", "interpret"))
 _deltanet_pallas = jax.jit(deltanet_kernel.deltanet_decode_pallas,
                            static_argnames=("num_key_heads", "block_v", "interpret"))
 _delta_rule_pallas = jax.jit(delta_rule_kernel.gated_delta_decode_pallas,
@@ -150,10 +150,12 @@ def decode_attention(kernels: Kernels, q, k_cache, v_cache, kv_len):
     if kernels.attention == "xla":
         return attention_kernel.decode_attention_reference(q, k_cache, v_cache, kv_len)
     config = None
-    if kernels.batch_invariant:  # the split count of one row: the same for every batch size
+    if kernels.batch_invariant:  # the split count of one row, merged in a fixed order
         config = attention_kernel.choose_config(1, k_cache.shape[1], k_cache.shape[2],
                                                 k_cache.shape[3], k_cache.dtype)
-    attend = functools.partial(_attention_pallas, config=config, interpret=_interpret(kernels))
+    attend = functools.partial(_attention_pallas, config=config,
+                               ordered_combine=kernels.batch_invariant,
+                               interpret=_interpret(kernels))
     if kernels.mesh is None:
         return attend(q, k_cache, v_cache, kv_len)
     heads, cache = P(DATA, MODEL, None), P(DATA, MODEL, None, None)
@@ -177,7 +179,12 @@ def deltanet_decode(kernels: Kernels, mixed_qkv, a, b, active, positions, conv_s
     if kernels.delta_rule == "xla":
         rule = delta_rule_kernel.gated_delta_decode_reference
     else:
-        rule = functools.partial(_delta_rule_pallas, interpret=_interpret(kernels))
+        block_v = None  # the kernel picks it from the batch; invariant: batch 1's, always
+        if kernels.batch_invariant:
+            block_v = delta_rule_kernel.choose_block_v(1, recurrent_state.shape[1],
+                                                       recurrent_state.shape[3])
+        rule = functools.partial(_delta_rule_pallas, block_v=block_v,
+                                 interpret=_interpret(kernels))
         if kernels.mesh is not None:
             heads, state = P(DATA, MODEL, None), P(DATA, MODEL, None, None)
             rule = jax.shard_map(rule, mesh=kernels.mesh,

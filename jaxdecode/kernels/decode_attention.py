@@ -350,14 +350,16 @@ def check_supported(q_shape, k_shape, cache_dtype) -> str | None:
 
 def decode_attention_pallas(q, k_cache, v_cache, kv_len, *,
                             config: DecodeAttentionConfig | None = None,
-                            interpret: bool = False):
+                            ordered_combine: bool = False, interpret: bool = False):
     """Decode attention as a Pallas Mosaic GPU kernel (Hopper) plus an XLA split combine.
 
     Arguments and result as :func:`decode_attention_reference`, plus: caches bfloat16, float16
     or float32 (q is cast to their dtype), D a multiple of 64 up to 256, G <= 64, else
     ValueError (:func:`check_supported`); an S not a multiple of ``block_kv`` is zero-padded (a
     copy: allocate multiples of ``MAX_LEN_ALIGN``). ``config``: None picks :func:`choose_config`;
-    ``interpret``: run in the Mosaic GPU interpreter (CPU).
+    ``ordered_combine``: merge the splits by elementwise ops in split order (no reduction whose
+    order XLA may pick by shape: batch-invariant); ``interpret``: run in the Mosaic GPU
+    interpreter (CPU).
     """
     batch, num_heads, head_dim = q.shape
     _, num_kv_heads, max_len, _ = k_cache.shape
@@ -429,18 +431,28 @@ def decode_attention_pallas(q, k_cache, v_cache, kv_len, *,
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
     o_part, lse = kernel(kv_len.astype(jnp.int32), qg, k_cache, v_cache)
-    out = _combine(o_part[:, :, :, :group], lse[:, :, :, :group])
+    out = _combine(o_part[:, :, :, :group], lse[:, :, :, :group], ordered=ordered_combine)
     return out.reshape(batch, num_heads, head_dim).astype(q.dtype)
 
 
-def _combine(o_part, lse):
+def _combine(o_part, lse, *, ordered: bool = False):
     """Merges split partials: [B, Hkv, splits, G, D] f32 and [B, Hkv, splits, G] -> [B, Hkv, G, D],
-    weights 2**(lse_s - max lse) / sum (each split is normalised); rows with no key give zeros."""
-    lse_max = jnp.max(lse, axis=2, keepdims=True)
+    weights 2**(lse_s - max lse) / sum (each split is normalised); rows with no key give zeros.
+    ``ordered``: sums split by split (elementwise ops only)."""
+    if ordered:
+        splits = range(lse.shape[2])
+        lse_max = functools.reduce(jnp.maximum, (lse[:, :, s] for s in splits))[:, :, None]
+    else:
+        lse_max = jnp.max(lse, axis=2, keepdims=True)
     lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
     weight = jnp.exp2(lse - lse_max)  # [B, Hkv, splits, G]; 0 for empty splits
-    total = jnp.sum(weight, axis=2)
-    out = jnp.einsum("bksg,bksgd->bkgd", weight, o_part, precision=lax.Precision.HIGHEST)
+    if ordered:
+        total = functools.reduce(jnp.add, (weight[:, :, s] for s in splits))
+        out = functools.reduce(jnp.add, (weight[:, :, s, :, None] * o_part[:, :, s]
+                                          for s in splits))
+    else:
+        total = jnp.sum(weight, axis=2)
+        out = jnp.einsum("bksg,bksgd->bkgd", weight, o_part, precision=lax.Precision.HIGHEST)
     return out / jnp.where(total == 0, 1.0, total)[..., None]
 
 
