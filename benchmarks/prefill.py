@@ -17,14 +17,17 @@ first call over 30 s), each on a fresh state (allocated outside the timing). Rep
                  x visible pairs x query heads per attention layer), not the delta rule
   plan           the chunk (tokens per continuation) and attention query block the library chose
   peak GiB       peak device memory of the process, and weights + state for comparison
-  attention ms   the model's attention layers alone (the same shapes through
-                 ``model.causal_attention``) and through cuDNN's flash attention
+  attention ms   the model's attention layers alone on the same shapes: the XLA reference
+                 (``prefill_attention_reference``), the flash kernel
+                 (``prefill_attention_pallas``) and cuDNN's flash attention
                  (``jax.nn.dot_product_attention(..., is_causal=True, implementation="cudnn")``)
+  delta rule ms  the chunked gated delta rule alone (float32) over every DeltaNet layer
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -66,38 +69,67 @@ def prefill_flops(params, rows: int, tokens: int) -> float:
     return flops
 
 
+def _median_ms(f, args, repeats=3):
+    f(*args).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(*args).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
 def time_attention(config, rows, tokens, impl):
-    """ms of the model's attention layers (all of them) for one prefill of these shapes."""
+    """ms of the model's attention layers (all of them) for one prefill of these shapes:
+    ``xla`` (the reference, query blocks as the library plans them), ``pallas`` (the flash
+    kernel), ``cudnn`` (``jax.nn.dot_product_attention``, causal)."""
     import jax
     import jax.numpy as jnp
-    from jaxdecode import model
+    from jaxdecode import memory
+    from jaxdecode.kernels import prefill_attention as pa
     c = config
     key = jax.random.key(2)
     q = jax.random.normal(key, (rows, tokens, c.num_attention_heads, c.head_dim), jnp.bfloat16)
     k = jax.random.normal(key, (rows, tokens, c.num_key_value_heads, c.head_dim), jnp.bfloat16)
+    start = jnp.zeros((rows,), jnp.int32)
+    num_new = jnp.full((rows,), tokens, jnp.int32)
     if impl == "cudnn":
         f = jax.jit(lambda q, k: jax.nn.dot_product_attention(q, k, k, is_causal=True,
                                                               implementation="cudnn"))
         args = (q, k)
+    elif impl == "pallas":
+        f = jax.jit(lambda q, cache: pa.prefill_attention_pallas(q, cache, cache, start,
+                                                                 num_new))
+        args = (q, jnp.swapaxes(k, 1, 2))  # [B, Hkv, S, D]
     else:
-        cache = jnp.swapaxes(k, 1, 2)  # [B, Hkv, S, D]
-        pos = jnp.broadcast_to(jnp.arange(tokens, dtype=jnp.int32), (rows, tokens))
-        end = jnp.full((rows,), tokens, jnp.int32)
-        from jaxdecode import memory
         block = memory.plan_prefill(c, rows, tokens, tokens, "bfloat16").query_block
-        f = jax.jit(lambda q, cache: model.causal_attention(q, cache, cache, pos, end,
-                                                            query_block=block))
-        args = (q, cache)
-    f(*args).block_until_ready()
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        f(*args).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3 * len(c.full_attention_layers)
+        f = jax.jit(lambda q, cache: pa.prefill_attention_reference(
+            q, cache, cache, start, num_new, query_block=block))
+        args = (q, jnp.swapaxes(k, 1, 2))
+    return _median_ms(f, args) * len(c.full_attention_layers)
 
 
-def worker(cell: str, budget_gib: float | None, attention_only: bool) -> dict:
+def time_delta_rule(config, rows, tokens):
+    """ms of the chunked gated delta rule alone (gated_delta.chunk_gated_delta_rule, float32 as
+    the model runs it) over every DeltaNet layer."""
+    import jax
+    import jax.numpy as jnp
+    from jaxdecode.gated_delta import chunk_gated_delta_rule, l2_normalize
+    c = config
+    h, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    keys = jax.random.split(jax.random.key(3), 5)
+    q = l2_normalize(jax.random.normal(keys[0], (rows, tokens, h, dk))) * dk**-0.5
+    k = l2_normalize(jax.random.normal(keys[1], (rows, tokens, h, dk)))
+    v = jax.random.normal(keys[2], (rows, tokens, h, dv))
+    g = -jax.random.uniform(keys[3], (rows, tokens, h))
+    beta = jax.random.uniform(keys[4], (rows, tokens, h))
+    s0 = jnp.zeros((rows, h, dk, dv))
+    f = jax.jit(lambda *a: chunk_gated_delta_rule(*a, 64)[0])
+    return _median_ms(f, (q, k, v, g, beta, s0)) * len(c.linear_attention_layers)
+
+
+def worker(cell: str, budget_gib: float | None, attention_only: bool,
+           prefill_attention: str = "auto") -> dict:
     import jax
     import numpy as np
     import jaxdecode as jd
@@ -106,11 +138,15 @@ def worker(cell: str, budget_gib: float | None, attention_only: bool) -> dict:
     rows, tokens = int(rows), int(tokens)
     config = jd.Config.from_preset(name if name == "tiny" else f"qwen3.5-{name}")
     out = dict(cell=cell, peak_tflops=matmul_peak_tflops())
-    for impl in ("xla", "cudnn"):
+    for impl in ("xla", "pallas", "cudnn"):
         try:
             out[f"attention_{impl}_ms"] = time_attention(config, rows, tokens, impl)
         except Exception as e:  # noqa: BLE001 - report, keep going
             out[f"attention_{impl}_ms"] = f"{type(e).__name__}: {str(e)[:120]}"
+    try:
+        out["delta_rule_ms"] = time_delta_rule(config, rows, tokens)
+    except Exception as e:  # noqa: BLE001
+        out["delta_rule_ms"] = f"{type(e).__name__}: {str(e)[:120]}"
     if attention_only:
         return out
     params = jd.init_params(config, jax.random.key(0), "bfloat16")
@@ -118,7 +154,12 @@ def worker(cell: str, budget_gib: float | None, attention_only: bool) -> dict:
     rng = np.random.default_rng(0)
     ids = rng.integers(0, config.vocab_size, (rows, tokens)).astype(np.int32)
     num_new = np.full(rows, tokens, np.int32)
-    plan = step.plan_prefill(params, rows, tokens, tokens, activation_budget=budget)
+    kernels = jd.choose_kernels(config, rows, dtype="bfloat16")
+    if prefill_attention != "auto":
+        kernels = dataclasses.replace(kernels, prefill_attention=prefill_attention)
+    out["prefill_attention"] = kernels.prefill_attention
+    plan = step.plan_prefill(params, rows, tokens, tokens, activation_budget=budget,
+                             kernels=kernels)
     out.update(chunk=plan.prefill_chunk_size, query_block=plan.query_block,
                estimate_gib=plan.bytes / 2**30,
                weights_gib=sum(x.nbytes for x in jax.tree.leaves(params)) / 2**30,
@@ -130,7 +171,8 @@ def worker(cell: str, budget_gib: float | None, attention_only: bool) -> dict:
         state = jd.init_state(config, rows, tokens, "bfloat16")
         jax.block_until_ready(state)
         t0 = time.perf_counter()
-        logits, state = jd.prefill(params, state, ids, num_new, activation_budget=budget)
+        logits, state = jd.prefill(params, state, ids, num_new, activation_budget=budget,
+                                   kernels=kernels)
         logits.block_until_ready()
         times.append(time.perf_counter() - t0)
         if i == 0:
@@ -151,10 +193,13 @@ def main():
     ap.add_argument("--budget-gib", type=float, default=None,
                     help="activation budget (default: the library's, half the free memory)")
     ap.add_argument("--attention-only", action="store_true")
+    ap.add_argument("--prefill-attention", choices=("auto", "pallas", "xla"), default="auto",
+                    help="the model's prefill attention (auto: choose_kernels)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        print("RESULT " + json.dumps(worker(args.worker, args.budget_gib, args.attention_only)))
+        print("RESULT " + json.dumps(worker(args.worker, args.budget_gib, args.attention_only,
+                                            args.prefill_attention)))
         return 0
     import jax
     print(f"# {jax.devices()[0].device_kind}; jax {jax.__version__}", flush=True)
@@ -165,6 +210,7 @@ def main():
             cmd += ["--budget-gib", str(args.budget_gib)]
         if args.attention_only:
             cmd.append("--attention-only")
+        cmd += ["--prefill-attention", args.prefill_attention]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True)
         line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
@@ -181,17 +227,19 @@ def main():
         return format(x, fmt) if isinstance(x, (int, float)) else str(x)
 
     print("\n| cell | s (TTFT) | tok/s | % bf16 peak | chunk / query block | peak GiB (est. act. "
-          "/ weights + state) | attention ms: XLA / cuDNN | first call s | peak TFLOP/s |\n"
-          "|---|---:|---:|---:|---|---:|---:|---:|---:|")
+          "/ weights + state) | attention ms: XLA / kernel / cuDNN | delta rule ms | first call "
+          "s | peak TFLOP/s |\n|---|---:|---:|---:|---|---:|---:|---:|---:|---:|")
     for r in results:
         if "error" in r:
             print(f"| {r['cell']} | failed: {r['error']} |||||||")
             continue
-        print(f"| {r['cell']} | {num(r.get('s'), '.3f')} | {num(r.get('tok_s'), ',.0f')} | "
+        print(f"| {r['cell']} ({r.get('prefill_attention')}) | {num(r.get('s'), '.3f')} | "
+              f"{num(r.get('tok_s'), ',.0f')} | "
               f"{num(r.get('pct_peak'), '.1f')} | {r.get('chunk')} / {r.get('query_block')} | "
               f"{num(r.get('peak_gib'), '.1f')} ({num(r.get('estimate_gib'), '.1f')} / "
               f"{num(r.get('weights_gib', 0) + r.get('state_gib', 0), '.1f')}) | "
-              f"{num(r['attention_xla_ms'], '.1f')} / {num(r['attention_cudnn_ms'], '.1f')} | "
+              f"{num(r['attention_xla_ms'], '.1f')} / {num(r['attention_pallas_ms'], '.1f')} / "
+              f"{num(r['attention_cudnn_ms'], '.1f')} | {num(r['delta_rule_ms'], '.1f')} | "
               f"{num(r.get('first_call_s'), '.1f')} | {r['peak_tflops']:.0f} |")
     return 0
 

@@ -100,10 +100,11 @@ class PrefillPlan:
 
 def plan_prefill(config: Config, batch_size: int, length: int, max_len: int, dtype, *,
                  budget: int | None = None, return_all_logits: bool = False,
-                 device: jax.Device | None = None) -> PrefillPlan:
+                 device: jax.Device | None = None, flash: bool = False) -> PrefillPlan:
     """The largest chunk (a power of two >= 64, or the whole T) and query block (a power of two
     in [16, 512]) whose activations fit ``budget`` bytes (None: :data:`BUDGET_FRACTION` of the
-    device's free memory, :data:`HOST_BUDGET_BYTES` without statistics).
+    device's free memory, :data:`HOST_BUDGET_BYTES` without statistics). ``flash``: the
+    attention is the flash kernel, which holds no scores.
 
     Raises ValueError naming the bytes when even 64-token chunks and 16-query blocks do not fit,
     or ``return_all_logits``' [B, T, V] float32 output does not.
@@ -117,14 +118,15 @@ def plan_prefill(config: Config, batch_size: int, length: int, max_len: int, dty
                    "logits", out, device)
     per_token = prefill_token_bytes(config, dtype)
 
+    def scores(block):
+        return 0 if flash else attention_scores_bytes(config, batch_size, block, max_len)
+
     def fits(chunk, block):
-        need = batch_size * chunk * per_token + attention_scores_bytes(
-            config, batch_size, min(block, chunk), max_len)
+        need = batch_size * chunk * per_token + scores(min(block, chunk))
         return need <= budget, need
 
     block = MAX_QUERY_BLOCK
-    while block > MIN_QUERY_BLOCK and attention_scores_bytes(config, batch_size, block,
-                                                             max_len) > budget // 2:
+    while block > MIN_QUERY_BLOCK and scores(block) > budget // 2:
         block //= 2
     ok, need = fits(length, block)
     if ok:

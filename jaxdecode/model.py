@@ -14,6 +14,8 @@ row (one shared forward); ``jaxdecode.step`` jits them and validates their input
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -199,7 +201,8 @@ def gated_attention(p: AttentionParams, x: Array, cache: KVCache, start: Array, 
     """HF ``Qwen3_5Attention`` (gated GQA), writing the new keys/values to the cache.
 
     Args as :func:`gated_delta_net`, with ``cache`` the layer's KV cache ([B, Hkv, S, D] each);
-    ``decode``: attention goes through ``kernels``; ``query_block``: :func:`causal_attention`'s.
+    ``decode``: attention goes through ``kernels`` (decode or prefill attention);
+    ``query_block``: the XLA prefill attention's (``prefill_attention_reference``).
     Returns (out [B, T, H], new cache).
     """
     c = config
@@ -234,50 +237,10 @@ def gated_attention(p: AttentionParams, x: Array, cache: KVCache, start: Array, 
     if decode:
         o = choice.decode_attention(kernels, q[:, 0], cache.k, cache.v, end)[:, None]
     else:
-        o = causal_attention(q, cache.k, cache.v, positions, end, query_block=query_block)
+        o = choice.prefill_attention(kernels, q, cache.k, cache.v, start, num_new,
+                                     query_block=query_block)
     o = o.reshape(batch, length, hq * d) * sigmoid(gate.reshape(batch, length, hq * d))
     return linear(o, p.o_proj, kernels), cache
-
-
-def causal_attention(q: Array, k_cache: Array, v_cache: Array, positions: Array, end: Array,
-                     *, query_block: int = 512) -> Array:
-    """HF ``eager_attention_forward`` of T new queries over the whole cache.
-
-    q: [B, T, Hq, D]; caches: [B, Hkv, S, D]; positions: [B, T]; end: [B] valid cache positions.
-    Position p sees keys ``s <= p`` and ``s < end``; float32 scores scaled by D**-0.5,
-    probabilities cast to the model dtype before ``@ V``; ``query_block`` queries at a time
-    bound the float32 scores to [B, Hq, query_block, S]. Returns [B, T, Hq, D] in q's dtype.
-    """
-    batch, length, hq, d = q.shape
-    if length <= query_block:
-        return _attend(q, k_cache, v_cache, positions, end)
-    pad = (-length) % query_block
-    n = (length + pad) // query_block
-    q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
-    positions = jnp.pad(positions, ((0, 0), (0, pad)))  # padded queries are cropped below
-    q_blocks = jnp.moveaxis(q.reshape(batch, n, query_block, hq, d), 1, 0)
-    pos_blocks = jnp.moveaxis(positions.reshape(batch, n, query_block), 1, 0)
-    out = jax.lax.map(lambda qp: _attend(qp[0], k_cache, v_cache, qp[1], end),
-                      (q_blocks, pos_blocks))  # [N, B, block, Hq, D]
-    return jnp.moveaxis(out, 0, 1).reshape(batch, n * query_block, hq, d)[:, :length]
-
-
-def _attend(q, k_cache, v_cache, positions, end):
-    batch, length, hq, d = q.shape
-    hkv, max_len = k_cache.shape[1], k_cache.shape[2]
-    group = hq // hkv
-    qg = q.reshape(batch, length, hkv, group, d)
-    s_idx = jnp.arange(max_len)
-    visible = (s_idx[None, None, :] <= positions[:, :, None]) & (
-        s_idx[None, None, :] < end[:, None, None])  # [B, T, S]
-    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k_cache, preferred_element_type=f32)
-    scores = jnp.where(visible[:, None, None], scores * (d ** -0.5), -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    probs = jnp.where(visible[:, None, None], probs, 0.0).astype(q.dtype)  # rows with no key: 0
-    key_valid = s_idx[None, :] < end[:, None]  # unwritten slots may hold anything (NaN)
-    v = jnp.where(key_valid[:, None, :, None], v_cache, 0).astype(q.dtype)
-    o = jnp.einsum("bkgts,bksd->btkgd", probs, v)
-    return o.reshape(batch, length, hq, d)
 
 
 def _forward(params: Params, state: DecodeState, tokens: Array, num_new: Array | None, *,
@@ -357,7 +320,7 @@ def _rejected(config: Config, state: DecodeState, tokens: Array, num_new: Array)
 
 
 def _prefill_chunks(params: Params, state: DecodeState, tokens: Array, num_new: Array,
-                    chunk: int, return_all_logits: bool, query_block: int):
+                    chunk: int, return_all_logits: bool, query_block: int, kernels: Kernels):
     """The prefill as a ``lax.scan`` over [B, chunk] token chunks, each the continuation of the
     one before (T padded to a multiple of ``chunk``): activations bounded by one chunk. Same
     result as one call (chunk boundaries at multiples of 64 keep the delta rule's)."""
@@ -373,7 +336,7 @@ def _prefill_chunks(params: Params, state: DecodeState, tokens: Array, num_new: 
         tok, i = xs
         nn = jnp.clip(num_new - i * chunk, 0, chunk)
         logits, state = _forward(params, state, tok, nn, return_all_logits=return_all_logits,
-                                 query_block=query_block)
+                                 query_block=query_block, kernels=kernels)
         if return_all_logits:
             return (state, last), logits
         return (state, jnp.where((nn > 0)[:, None], logits, last)), None
@@ -387,7 +350,7 @@ def _prefill_chunks(params: Params, state: DecodeState, tokens: Array, num_new: 
 
 
 def _prefill_rows(params: Params, state: DecodeState, tokens: Array, num_new: Array,
-                  return_all_logits: bool, query_block: int):
+                  return_all_logits: bool, query_block: int, kernels: Kernels):
     """Batch-invariant prefill: one row at a time (a ``fori_loop``, the state updated in place),
     each through :func:`_prefill_chunks` with :data:`INVARIANT_CHUNK`-token chunks, so every op
     has the same shape whatever the batch and the other rows' lengths."""
@@ -396,13 +359,14 @@ def _prefill_rows(params: Params, state: DecodeState, tokens: Array, num_new: Ar
     tokens = jnp.pad(tokens, ((0, 0), (0, padded - length)))
     vocab = params.config.vocab_size
     shape = (batch, length, vocab) if return_all_logits else (batch, vocab)
+    kernels = dataclasses.replace(kernels, batch_invariant=False)  # the shapes are fixed here
 
     def row(i, carry):
         state, logits = carry
         one = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, i, 1), state)
         out, one = _prefill_chunks(params, one, jax.lax.dynamic_slice_in_dim(tokens, i, 1),
                                    jax.lax.dynamic_slice_in_dim(num_new, i, 1), INVARIANT_CHUNK,
-                                   return_all_logits, query_block)
+                                   return_all_logits, query_block, kernels)
         if return_all_logits:
             out = out[:, :length]
         state = jax.tree.map(lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r, i, 0),
@@ -421,8 +385,8 @@ def prefill_fn(params: Params, state: DecodeState, tokens: Array, num_new: Array
     Arguments as :func:`jaxdecode.prefill`; statics: ``prefill_chunk_size`` (a multiple of 64):
     a longer T runs as a ``lax.scan`` of continuations over chunks of that many tokens (bounded
     memory, the same logits); ``query_block``: queries per attention block (bounds the
-    [B, Hq, block, S] float32 scores); ``kernels.batch_invariant``: rows one at a time in fixed
-    chunks.
+    [B, Hq, block, S] float32 scores of XLA's attention); ``kernels``: the prefill attention
+    (None: XLA's), with ``batch_invariant`` rows one at a time in fixed chunks.
     Returns (logits, new_state): logits [B, V] float32 of each row's last new token (zeros
     where ``num_new == 0``), or [B, T, V] (zeros at padding). A row overflowing its cache or
     holding an id outside the vocabulary is left untouched and gets NaN logits. HF
@@ -430,13 +394,15 @@ def prefill_fn(params: Params, state: DecodeState, tokens: Array, num_new: Array
     64), attention ``eager_attention_forward``.
     """
     num_new = num_new.astype(jnp.int32)
-    if kernels is not None and kernels.batch_invariant:
-        return _prefill_rows(params, state, tokens, num_new, return_all_logits, query_block)
+    kernels = kernels or choice.XLA
+    if kernels.batch_invariant:
+        return _prefill_rows(params, state, tokens, num_new, return_all_logits, query_block,
+                             kernels)
     if prefill_chunk_size is not None and tokens.shape[1] > prefill_chunk_size:
         return _prefill_chunks(params, state, tokens, num_new, prefill_chunk_size,
-                               return_all_logits, query_block)
+                               return_all_logits, query_block, kernels)
     return _forward(params, state, tokens, num_new, return_all_logits=return_all_logits,
-                    query_block=query_block)
+                    query_block=query_block, kernels=kernels)
 
 
 def decode_step_fn(params: Params, state: DecodeState, tokens: Array, active: Array | None = None,

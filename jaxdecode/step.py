@@ -165,9 +165,10 @@ def plan_prefill(params: Params, batch_size: int, length: int, max_len: int, *,
     device = None if mesh is None else mesh.devices.flat[0]
     if kernels is not None and kernels.batch_invariant:  # one row, fixed chunks
         rows, length = 1, model.INVARIANT_CHUNK
+    flash = kernels is not None and kernels.prefill_attention == "pallas"
     plan = memory.plan_prefill(params.config, rows, length, max_len, params.dtype,
                                budget=activation_budget, return_all_logits=return_all_logits,
-                               device=device)
+                               device=device, flash=flash)
     if chunk is not None:
         plan = dataclasses.replace(plan, prefill_chunk_size=chunk if chunk < length else None)
     return plan
@@ -209,7 +210,8 @@ def prefill(params: Params, state: DecodeState, tokens, num_new, *,
         fit ``activation_budget`` (``memory.plan_prefill``).
       activation_budget: bytes of activations a call may hold; None: half the device's free
         memory (4 GiB where the device reports none).
-      kernels: only ``batch_invariant`` is read here (rows one at a time in fixed chunks).
+      kernels: its ``prefill_attention`` (the flash kernel or XLA's) and ``batch_invariant``
+        (rows one at a time in fixed chunks); None: ``choose_kernels`` for the state.
 
     Returns (logits, new_state) as ``model.prefill_fn``: logits [B, V] float32 (or [B, T, V]),
     ``new_state.lengths = state.lengths + num_new``, in the state's layout. Raises ValueError:
@@ -226,6 +228,8 @@ def prefill(params: Params, state: DecodeState, tokens, num_new, *,
     mesh = sharding.mesh_of(state)
     sharding.check_params_on(params, mesh)
     check_prefill(params, state, tokens, num_new)
+    if kernels is None:
+        kernels = choose_kernels(params.config, state.batch_size, dtype=params.dtype, mesh=mesh)
     tokens, num_new = np.asarray(tokens), np.asarray(num_new)
     length = tokens.shape[1]
     plan = plan_prefill(params, state.batch_size, length, state.max_len, mesh=mesh,

@@ -89,26 +89,6 @@ def test_models_decode_equals_its_one_token_prefill():
     assert not np.array_equal(np.asarray(want[2]), np.asarray(state))  # the step did something
 
 
-def test_query_blocked_prefill_attention_equals_one_block():
-    """Long prompts attend in query blocks (bounded score memory); same result as one block."""
-    rng = np.random.default_rng(3)
-    b, t, hq, hkv, s, d = 2, 37, 4, 2, 48, 8
-    q = jnp.asarray(rng.standard_normal((b, t, hq, d)), jnp.float32)
-    k = rng.standard_normal((b, hkv, s, d)).astype(np.float32)
-    k[:, :, 45:] = np.nan  # unwritten slots
-    v = rng.standard_normal((b, hkv, s, d)).astype(np.float32)
-    v[:, :, 45:] = np.nan
-    start = np.array([3, 8])
-    positions = jnp.asarray(start[:, None] + np.arange(t)[None], jnp.int32)
-    end = jnp.asarray(start + np.array([37, 30]), jnp.int32)
-    one = model.causal_attention(q, jnp.asarray(k), jnp.asarray(v), positions, end,
-                                 query_block=64)
-    blocked = model.causal_attention(q, jnp.asarray(k), jnp.asarray(v), positions, end,
-                                     query_block=8)
-    assert np.isfinite(np.asarray(one)[1, :30]).all()
-    np.testing.assert_allclose(np.asarray(blocked), np.asarray(one), rtol=1e-6, atol=1e-6)
-
-
 def test_unchecked_prefill_lengths_outside_the_tokens_are_rejected_in_graph(params):
     """model.prefill_fn unvalidated (inside a user's jit): a row asking for num_new outside
     [0, T] is left untouched and gets NaN logits, the others run."""

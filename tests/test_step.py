@@ -482,8 +482,9 @@ def test_chunked_prefill_reuses_one_executable_for_every_length():
                                        atol=2e-5 * np.abs(np.asarray(want)).max())
             for a, b in zip(jax.tree.leaves(want_state), jax.tree.leaves(got_state)):
                 np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5)
+    kernels = jd.choose_kernels(config, 3, dtype="float32")
     for all_logits in (False, True):  # [3, 64] for both lengths, [3, 150] and [3, 300] whole
-        assert step.jit_prefill(config, None, all_logits, 512, None)._cache_size() == 3
+        assert step.jit_prefill(config, None, all_logits, 512, kernels)._cache_size() == 3
 
 
 def test_prefill_chunk_size_is_validated_and_the_budget_chooses_it(params):

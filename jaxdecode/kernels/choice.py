@@ -24,6 +24,7 @@ from jaxdecode.config import Config
 from jaxdecode.kernels import decode_attention as attention_kernel
 from jaxdecode.kernels import deltanet_decode as deltanet_kernel
 from jaxdecode.kernels import gated_delta_decode as delta_rule_kernel
+from jaxdecode.kernels import prefill_attention as prefill_kernel
 
 DATA, MODEL = "data", "model"  # the mesh axes: rows, and heads/features (jaxdecode.sharding)
 CHOICES = ("pallas", "xla")
@@ -43,6 +44,7 @@ class Kernels:
     attention: str = "xla"  # split-K decode attention kernel, or decode_attention_reference
     deltanet: str = "xla"  # the one-token DeltaNet core in one kernel, or XLA then delta_rule
     delta_rule: str = "xla"  # with deltanet="xla": the one-pass delta-rule kernel, or XLA
+    prefill_attention: str = "xla"  # the flash prefill attention kernel, or its reference
     interpret: bool | None = None  # Mosaic GPU interpreter (CPU); None: when not on a GPU
     # (read when a step is traced, not at construction: importing jaxdecode must not start
     # the backend, or jax.distributed.initialize could no longer run)
@@ -52,7 +54,7 @@ class Kernels:
     batch_invariant: bool = False
 
     def __post_init__(self):
-        for name in ("attention", "deltanet", "delta_rule"):
+        for name in ("attention", "deltanet", "delta_rule", "prefill_attention"):
             if getattr(self, name) not in CHOICES:
                 raise ValueError(f"Kernels.{name}={getattr(self, name)!r} must be one of "
                                  f"{CHOICES}")
@@ -73,6 +75,8 @@ _deltanet_pallas = jax.jit(deltanet_kernel.deltanet_decode_pallas,
                            static_argnames=("num_key_heads", "block_v", "interpret"))
 _delta_rule_pallas = jax.jit(delta_rule_kernel.gated_delta_decode_pallas,
                              static_argnames=("block_v", "interpret"))
+_prefill_attention_pallas = jax.jit(prefill_kernel.prefill_attention_pallas,
+                                    static_argnames=("config", "interpret"))
 
 
 def _compute_capability(device) -> tuple[int, int] | None:
@@ -127,9 +131,12 @@ def choose_kernels(config: Config, batch_size: int, *, dtype="bfloat16",
     rule = (batch_invariant or rows >= DELTA_RULE_MIN_BATCH) and supported(
         "the gated delta rule",
         delta_rule_kernel.check_supported((rows, hk, dk), (rows, hv, dk, dv)))
+    prefill = supported("prefill attention", prefill_kernel.check_supported(
+        (rows, 1, hq, c.head_dim), (rows, hkv, 64, c.head_dim), dtype))
     pick = lambda use: "pallas" if use else "xla"  # noqa: E731
     return Kernels(attention=pick(attention), deltanet=pick(core), delta_rule=pick(rule),
-                   interpret=False, mesh=mesh, batch_invariant=batch_invariant)
+                   prefill_attention=pick(prefill), interpret=False, mesh=mesh,
+                   batch_invariant=batch_invariant)
 
 
 def _interpret(kernels: Kernels) -> bool:
@@ -161,6 +168,23 @@ def decode_attention(kernels: Kernels, q, k_cache, v_cache, kv_len):
     heads, cache = P(DATA, MODEL, None), P(DATA, MODEL, None, None)
     return jax.shard_map(attend, mesh=kernels.mesh, in_specs=(heads, cache, cache, P(DATA)),
                          out_specs=heads, check_vma=False)(q, k_cache, v_cache, kv_len)
+
+
+def prefill_attention(kernels: Kernels, q, k_cache, v_cache, start, num_new, *,
+                      query_block: int = 512):
+    """Causal prefill attention as ``kernels.prefill_attention`` says: q [B, T, Hq, D], caches
+    [B, Hkv, S, D] (the new keys written), start/num_new [B] int32 (``prefill_attention``'s
+    module docstring); ``query_block``: the reference's. Returns [B, T, Hq, D]."""
+    if kernels.prefill_attention == "xla":
+        return prefill_kernel.prefill_attention_reference(q, k_cache, v_cache, start, num_new,
+                                                          query_block=query_block)
+    attend = functools.partial(_prefill_attention_pallas, interpret=_interpret(kernels))
+    if kernels.mesh is None:
+        return attend(q, k_cache, v_cache, start, num_new)
+    heads, cache = P(DATA, None, MODEL, None), P(DATA, MODEL, None, None)
+    return jax.shard_map(attend, mesh=kernels.mesh,
+                         in_specs=(heads, cache, cache, P(DATA), P(DATA)), out_specs=heads,
+                         check_vma=False)(q, k_cache, v_cache, start, num_new)
 
 
 def deltanet_decode(kernels: Kernels, mixed_qkv, a, b, active, positions, conv_state,
