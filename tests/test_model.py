@@ -208,10 +208,14 @@ def test_batch_invariant_mode_runs_every_batch_in_one_shape(dtype):
 
 
 @pytest.mark.parametrize("_", [pytest.param(None, id="gpu", marks=GPU_ONLY)])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", [
+    pytest.param("float32", marks=pytest.mark.xfail(
+        strict=True, reason="float32 is not bitwise batch-invariant on the H200 (measured, "
+        "cause not isolated: benchmarks/RESULTS.md); the bf16 mode is")),
+    "bfloat16"])
 def test_gpu_batch_invariant_decode_is_bitwise_independent_of_the_batch(_, dtype):
-    """On a GPU the whole step is bitwise row-independent: prefill and decode logits and the
-    state after both, for batches up to 65 (two GEMM groups)."""
+    """On a GPU the whole bf16 step is bitwise row-independent: prefill and decode logits and
+    the state after both, for batches up to 65 (two GEMM groups)."""
     _, _, runs = _invariance_runs(dtype, "gpu", INVARIANCE_CASES)
     alone = runs[0]
     for got in runs[1:]:
