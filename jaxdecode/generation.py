@@ -521,8 +521,8 @@ _DOC_ARGS = """
       num_samples: continuations per prompt; row ``p * num_samples + j`` continues prompt ``p``.
       chunk_size: decode steps per jitted chunk / scan iteration; pad_id: written after a stop.
       kernels: the decode steps' kernels; None: ``choose_kernels`` on the params' device or mesh
-        (``choose_kernels(..., batch_invariant=True)``: each row's tokens and logits the same
-        whatever else is in the batch, for one ``max_len``).
+        (``choose_kernels(..., batch_invariant=True)``: each row computed the same whatever
+        else is in the batch, for one ``max_len``: ``Kernels.batch_invariant``).
       prefill_chunk_size, activation_budget: the prompts' prefill in chunks (as
         :func:`jaxdecode.prefill`, inside the one jitted call).
       features: the sampling steps compiled in (:class:`~jaxdecode.sampling.SamplingFeatures`);

@@ -1,11 +1,12 @@
 """Hand-written Pallas Mosaic GPU kernels, each beside a pure-JAX reference of the same signature.
 
 * ``decode_attention``: split-K GQA decode attention.
+* ``prefill_attention``: causal GQA flash attention of a prompt's new tokens over the cache.
 * ``gated_delta_decode``: the one-token gated delta rule in one pass over the state.
 * ``deltanet_decode``: the whole one-token Gated DeltaNet core (conv window, L2 norms, gating,
   delta rule) in one kernel.
 
-Which of them a decode step runs is decided in one place: ``choice.choose_kernels``.
+Which of them a step runs is decided in one place: ``choice.choose_kernels``.
 """
 
 from jax.experimental.pallas import mosaic_gpu as plgpu

@@ -49,8 +49,10 @@ class Kernels:
     # (read when a step is traced, not at construction: importing jaxdecode must not start
     # the backend, or jax.distributed.initialize could no longer run)
     mesh: Mesh | None = None  # a ("data", "model") mesh: Pallas kernels run under shard_map
-    # A row's logits bitwise the same whatever else is in the batch (for one max_len): decode
-    # GEMMs in fixed 64-row groups, prefill row by row in fixed chunks (jaxdecode.model)
+    # One computation per row whatever else is in the batch (for one max_len): prefill row by
+    # row in fixed chunks (bitwise batch-invariant, measured on an H200); decode GEMMs in fixed
+    # 64-row groups and the same kernels for every batch (bitwise in a small config, not yet at
+    # the published shapes: benchmarks/RESULTS.md)
     batch_invariant: bool = False
 
     def __post_init__(self):
@@ -98,8 +100,9 @@ def choose_kernels(config: Config, batch_size: int, *, dtype="bfloat16",
     Pallas kernels only on NVIDIA Hopper (compute capability 9.0+); elsewhere all XLA. On a
     GPU, a shape or dtype a kernel does not take falls back to XLA with one warning saying why.
     With a mesh, shapes and batch are per device (rows over "data", heads over "model").
-    ``batch_invariant``: one choice for every batch size (the attention kernel, XLA's DeltaNet
-    core with the delta-rule kernel), with ``Kernels.batch_invariant`` set; not on a mesh.
+    ``batch_invariant``: one choice for every batch size (the attention kernels, XLA's DeltaNet
+    core with the delta-rule kernel), with ``Kernels.batch_invariant`` set (what it guarantees:
+    its field comment); not on a mesh.
     """
     device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
     cc = _compute_capability(device)
