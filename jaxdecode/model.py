@@ -386,15 +386,18 @@ def prefill_fn(params: Params, state: DecodeState, tokens: Array, num_new: Array
     a longer T runs as a ``lax.scan`` of continuations over chunks of that many tokens (bounded
     memory, the same logits); ``query_block``: queries per attention block (bounds the
     [B, Hq, block, S] float32 scores of XLA's attention); ``kernels``: the prefill attention
-    (None: XLA's), with ``batch_invariant`` rows one at a time in fixed chunks.
+    (None: ``choose_kernels`` on the default device, as :func:`decode_step_fn`; on a mesh pass
+    ``mesh=``), with ``batch_invariant`` rows one at a time in fixed chunks.
     Returns (logits, new_state): logits [B, V] float32 of each row's last new token (zeros
     where ``num_new == 0``), or [B, T, V] (zeros at padding). A row overflowing its cache or
     holding an id outside the vocabulary is left untouched and gets NaN logits. HF
     ``Qwen3_5ForCausalLM.forward``: DeltaNet layers run ``torch_chunk_gated_delta_rule`` (chunk
-    64), attention ``eager_attention_forward``.
+    64), attention ``eager_attention_forward``. Under ``jax.grad`` pass ``kernels=Kernels()``
+    (XLA): the Pallas kernels have no VJP.
     """
     num_new = num_new.astype(jnp.int32)
-    kernels = kernels or choice.XLA
+    if kernels is None:
+        kernels = choice.choose_kernels(params.config, tokens.shape[0], dtype=params.dtype)
     if kernels.batch_invariant:
         return _prefill_rows(params, state, tokens, num_new, return_all_logits, query_block,
                              kernels)
@@ -412,7 +415,8 @@ def decode_step_fn(params: Params, state: DecodeState, tokens: Array, active: Ar
     Arguments and result as :func:`jaxdecode.decode_step`, but ``kernels`` (a jit static) None
     is ``choose_kernels`` on the default device (on a mesh pass ``mesh=``). HF
     ``torch_recurrent_gated_delta_rule`` (Yang et al., "Gated Delta Networks", ICLR 2025) in
-    DeltaNet layers, ``eager_attention_forward`` over positions ``0..state.lengths[b]``.
+    DeltaNet layers, ``eager_attention_forward`` over positions ``0..state.lengths[b]``. Under
+    ``jax.grad`` pass ``kernels=Kernels()`` (XLA): the Pallas kernels have no VJP.
     """
     if kernels is None:
         kernels = choice.choose_kernels(params.config, tokens.shape[0], dtype=params.dtype)
