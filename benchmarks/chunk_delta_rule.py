@@ -25,43 +25,16 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax.scipy.linalg import solve_triangular  # noqa: E402
-
 import jaxdecode as jd  # noqa: E402
-from jaxdecode.gated_delta import chunk_gated_delta_rule, l2_normalize  # noqa: E402
+from jaxdecode.gated_delta import chunk_gated_delta_rule, chunk_terms, l2_normalize  # noqa: E402
 
 
 def assoc_chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size=64):
     """The candidate (module docstring); shapes as ``chunk_gated_delta_rule``."""
     batch, length, heads, dk = q.shape
     dv = v.shape[-1]
-    c = chunk_size
-    pad = (-length) % c
-    if pad:
-        widths = ((0, 0), (0, pad), (0, 0))
-        q, k, v = (jnp.pad(x, widths + ((0, 0),)) for x in (q, k, v))
-        g, beta = (jnp.pad(x, widths) for x in (g, beta))
-    n = (length + pad) // c
-
-    def chunks(x):  # [B, N*C, H, ...] -> [N, B, H, C, ...]
-        x = x.reshape(batch, n, c, heads, *x.shape[3:])
-        return jnp.moveaxis(jnp.swapaxes(x, 2, 3), 1, 0)
-
-    q, k, v, g, beta = map(chunks, (q, k, v, g, beta))
-    gamma = jnp.cumsum(g, axis=-1)
-    causal = jnp.tril(jnp.ones((c, c), bool))
-    strict = jnp.tril(jnp.ones((c, c), bool), -1)
-    decay = jnp.exp(jnp.where(causal, gamma[..., :, None] - gamma[..., None, :], -jnp.inf))
-    kk = jnp.einsum("...id,...jd->...ij", k, k)
-    a = jnp.where(strict, beta[..., :, None] * kk * decay, 0.0)
-    t = a + jnp.eye(c, dtype=a.dtype)
-    u = solve_triangular(t, beta[..., None] * v, lower=True, unit_diagonal=True)
-    w = solve_triangular(t, (beta * jnp.exp(gamma))[..., None] * k, lower=True,
-                         unit_diagonal=True)
-    qk = jnp.where(causal, jnp.einsum("...id,...jd->...ij", q, k) * decay, 0.0)
-    q_decayed = q * jnp.exp(gamma)[..., None]
-    gamma_last = gamma[..., -1]
-    k_decayed = k * jnp.exp(gamma_last[..., None] - gamma)[..., None]
+    q_decayed, k_decayed, u, w, qk, gamma_last = chunk_terms(q, k, v, g, beta, chunk_size)
+    n = u.shape[0]
     eye = jnp.eye(dk, dtype=q.dtype)
     trans = (jnp.exp(gamma_last)[..., None, None] * eye
              - jnp.einsum("nbhck,nbhcj->nbhkj", k_decayed, w))  # [N, B, H, dk, dk]
@@ -80,7 +53,7 @@ def assoc_chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size=64):
     o = (jnp.einsum("nbhck,nbhkv->nbhcv", q_decayed, before)
          + jnp.einsum("nbhij,nbhjv->nbhiv", qk, delta))
     o = jnp.moveaxis(o, 0, 1)
-    o = jnp.swapaxes(o, 2, 3).reshape(batch, n * c, heads, dv)
+    o = jnp.swapaxes(o, 2, 3).reshape(batch, n * chunk_size, heads, dv)
     return o[:, :length], after[-1]
 
 

@@ -111,21 +111,12 @@ def time_attention(config, rows, tokens, impl):
 
 def time_delta_rule(config, rows, tokens):
     """ms of the chunked gated delta rule alone (gated_delta.chunk_gated_delta_rule, float32 as
-    the model runs it) over every DeltaNet layer."""
+    the model runs it) over every DeltaNet layer (inputs: ``chunk_delta_rule.inputs``)."""
     import jax
-    import jax.numpy as jnp
-    from jaxdecode.gated_delta import chunk_gated_delta_rule, l2_normalize
-    c = config
-    h, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
-    keys = jax.random.split(jax.random.key(3), 5)
-    q = l2_normalize(jax.random.normal(keys[0], (rows, tokens, h, dk))) * dk**-0.5
-    k = l2_normalize(jax.random.normal(keys[1], (rows, tokens, h, dk)))
-    v = jax.random.normal(keys[2], (rows, tokens, h, dv))
-    g = -jax.random.uniform(keys[3], (rows, tokens, h))
-    beta = jax.random.uniform(keys[4], (rows, tokens, h))
-    s0 = jnp.zeros((rows, h, dk, dv))
+    from chunk_delta_rule import inputs
+    from jaxdecode.gated_delta import chunk_gated_delta_rule
     f = jax.jit(lambda *a: chunk_gated_delta_rule(*a, 64)[0])
-    return _median_ms(f, (q, k, v, g, beta, s0)) * len(c.linear_attention_layers)
+    return _median_ms(f, inputs(config, rows, tokens)) * len(config.linear_attention_layers)
 
 
 def worker(cell: str, budget_gib: float | None, attention_only: bool,

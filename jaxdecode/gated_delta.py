@@ -55,22 +55,12 @@ def naive_gated_delta_rule(q, k, v, g, beta, state):
     return jnp.moveaxis(o, 0, 1), state
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
-    """Chunked (parallel) gated delta rule, equal to :func:`naive_gated_delta_rule`.
-
-    Shapes as in the module docstring; T need not be a multiple of ``chunk_size`` (the tail is
-    padded with inert tokens). Within chunk n with cumulative decay Γ_i = Σ_{s<=i} g_s:
-
-      A_ij = β_i (k_i·k_j) e^{Γ_i-Γ_j} (j < i),  T = I + A
-      U = T⁻¹ diag(β) V,  W = T⁻¹ diag(β e^Γ) K
-      Δ = U - W S;  O = diag(e^Γ) Q S + (e^{Γ_i-Γ_j} [j<=i] ⊙ Q Kᵀ) Δ
-      S <- e^{Γ_C} S + (diag(e^{Γ_C-Γ}) K)ᵀ Δ
-
-    Exponents are masked to -inf before ``exp``, so strongly decaying heads cannot overflow.
-    Returns (o [B, T, H, dv] float32, final state [B, H, dk, dv] float32).
+def chunk_terms(q, k, v, g, beta, chunk_size: int = 64):
+    """The per-chunk terms of :func:`chunk_gated_delta_rule` (its docstring's notation), every
+    chunk at once: returns (Q e^Γ, K e^{Γ_C-Γ}, U, W, the masked decayed Q Kᵀ, Γ_C), each
+    [N, B, H, C, ...] (N chunks of C = ``chunk_size`` tokens; the tail padded with inert tokens).
     """
-    batch, length, heads, dk = q.shape
-    dv = v.shape[-1]
+    batch, length, heads, _ = q.shape
     c = chunk_size
     pad = (-length) % c
     if pad:
@@ -98,6 +88,27 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
     q_decayed = q * jnp.exp(gamma)[..., None]
     gamma_last = gamma[..., -1]  # [N, B, H]
     k_decayed = k * jnp.exp(gamma_last[..., None] - gamma)[..., None]
+    return q_decayed, k_decayed, u, w, qk, gamma_last
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
+    """Chunked (parallel) gated delta rule, equal to :func:`naive_gated_delta_rule`.
+
+    Shapes as in the module docstring; T need not be a multiple of ``chunk_size`` (the tail is
+    padded with inert tokens). Within chunk n with cumulative decay Γ_i = Σ_{s<=i} g_s:
+
+      A_ij = β_i (k_i·k_j) e^{Γ_i-Γ_j} (j < i),  T = I + A
+      U = T⁻¹ diag(β) V,  W = T⁻¹ diag(β e^Γ) K
+      Δ = U - W S;  O = diag(e^Γ) Q S + (e^{Γ_i-Γ_j} [j<=i] ⊙ Q Kᵀ) Δ
+      S <- e^{Γ_C} S + (diag(e^{Γ_C-Γ}) K)ᵀ Δ
+
+    Exponents are masked to -inf before ``exp``, so strongly decaying heads cannot overflow.
+    Returns (o [B, T, H, dv] float32, final state [B, H, dk, dv] float32).
+    """
+    batch, length, heads, _ = q.shape
+    dv = v.shape[-1]
+    terms = chunk_terms(q, k, v, g, beta, chunk_size)
+    n = terms[0].shape[0]
 
     def step(s, xs):
         q_c, k_c, u_c, w_c, qk_c, g_last = xs
@@ -106,7 +117,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
         s = jnp.exp(g_last)[..., None, None] * s + jnp.einsum("bhck,bhcv->bhkv", k_c, delta)
         return s, o
 
-    state, o = jax.lax.scan(step, state, (q_decayed, k_decayed, u, w, qk, gamma_last))
+    state, o = jax.lax.scan(step, state, terms)
     o = jnp.moveaxis(o, 0, 1)  # [B, N, H, C, dv]
-    o = jnp.swapaxes(o, 2, 3).reshape(batch, n * c, heads, dv)
+    o = jnp.swapaxes(o, 2, 3).reshape(batch, n * chunk_size, heads, dv)
     return o[:, :length], state

@@ -124,7 +124,26 @@ def run_meshes() -> dict:
     out["checkpoint"] = check_checkpoint(params)
     out["unpinned_decode_mismatches"] = check_unpinned(params, tokens)
     out["public_decode_step"] = check_public_decode_step_routes(params, tokens)
+    out["chunked_prefill"] = check_chunked_prefill(params)
     return out
+
+
+def check_chunked_prefill(params) -> dict:
+    """jd.prefill in 64-token continuations on a (2, 4) mesh == one call on one device (last
+    logits, relative to their scale), the state in its layout after every chunk."""
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, CONFIG.vocab_size, (BATCH, 200)).astype(np.int32)
+    lengths = np.array([200, 64, 1, 130, 199, 65, 0, 100], np.int32)
+    want, _ = jd.prefill(params, jd.init_state(CONFIG, BATCH, 256), tokens, lengths)
+    mesh = sharding.make_mesh(2, 4)
+    sp = sharding.shard_params(params, mesh)
+    state = sharding.init_state_sharded(CONFIG, mesh, BATCH, 256)
+    got, state = jd.prefill(sp, state, tokens, lengths, prefill_chunk_size=64)
+    want = np.asarray(want)
+    return {"rel_error": float(np.abs(np.asarray(got) - want).max() / np.abs(want).max()),
+            "state_mismatches": spec_mismatches(state, sharding.state_partition_specs(CONFIG),
+                                                mesh),
+            "lengths": np.asarray(state.lengths).tolist()}
 
 
 def check_errors(params) -> dict:

@@ -163,6 +163,16 @@ def test_sharded_logits_equal_single_device(meshes, mesh):
 
 
 @pytest.mark.slow
+def test_chunked_prefill_on_a_mesh_equals_one_call_on_one_device(meshes):
+    """jd.prefill(prefill_chunk_size=64) on a sharded state: [B, 64] continuations on the mesh,
+    the same logits as one unchunked call on one device, the state kept in its layout."""
+    res = meshes["chunked_prefill"]
+    assert res["rel_error"] <= REL_TOL, res
+    assert res["state_mismatches"] == []
+    assert res["lengths"] == [200, 64, 1, 130, 199, 65, 0, 100]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES)
 def test_shardings_are_the_specified_ones_before_and_after_each_step(meshes, mesh):
     res = meshes["meshes"][mesh]
