@@ -19,6 +19,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxdecode import invariance
 from jaxdecode.activations import sigmoid, silu
 from jaxdecode.config import FULL_ATTENTION, Config
 from jaxdecode.gated_delta import chunk_gated_delta_rule, l2_normalize
@@ -32,37 +33,14 @@ f32 = jnp.float32
 
 # Chunk size of the chunked gated delta rule (HF and FLA use 64).
 CHUNK_SIZE = 64
-# Batch-invariant decode: every GEMM runs on groups of this many rows (zero-padded), one shape
-# whatever the batch, so XLA picks the same GEMM algorithm for every batch size.
-INVARIANT_GEMM_ROWS = 64
 # Batch-invariant prefill: each row in chunks of this many tokens (one GEMM shape for any prompt).
 INVARIANT_CHUNK = 256
 
 
-def linear(x: Array, w: Array, kernels: Kernels = choice.XLA, *, out_dtype=None) -> Array:
-    """``x @ w.T`` with ``w`` in PyTorch layout ``[out, in]`` (no bias anywhere in Qwen3.5).
-
-    ``kernels.batch_invariant``: the rows of x (all leading axes) go through GEMMs of
-    :data:`INVARIANT_GEMM_ROWS` rows each, behind optimisation barriers (XLA may neither shrink
-    nor fuse them), so a row's result does not depend on how many rows there are. ``out_dtype``:
-    the accumulation/output dtype (None: x's).
-    """
-    if not kernels.batch_invariant:
-        return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=out_dtype)
-    lead, k = x.shape[:-1], x.shape[-1]
-    rows = INVARIANT_GEMM_ROWS
-    flat = x.reshape(-1, k)
-    n = flat.shape[0]
-    groups = -(-n // rows)
-    flat = jnp.pad(flat, ((0, groups * rows - n), (0, 0))).reshape(groups, rows, k)
-
-    def gemm(xg):  # [rows, K] -> [rows, out]
-        y = jnp.einsum("ri,oi->ro", jax.lax.optimization_barrier(xg), w,
-                       preferred_element_type=out_dtype)
-        return jax.lax.optimization_barrier(y)
-
-    y = gemm(flat[0])[None] if groups == 1 else jax.lax.map(gemm, flat)
-    return y.reshape(groups * rows, -1)[:n].reshape(*lead, -1)
+def linear(x: Array, w: Array, *, out_dtype=None) -> Array:
+    """``x @ w.T`` with ``w`` in PyTorch layout ``[out, in]`` (no bias anywhere in Qwen3.5);
+    ``out_dtype``: the accumulation/output dtype (None: x's)."""
+    return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=out_dtype)
 
 
 def rms_norm(x: Array, w: Array, eps: float) -> Array:
@@ -107,11 +85,10 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
     return jnp.concatenate([x_rot * cos + rotated * sin, x_pass], axis=-1)
 
 
-def mlp(p: MLPParams, x: Array, kernels: Kernels = choice.XLA) -> Array:
+def mlp(p: MLPParams, x: Array) -> Array:
     """HF ``Qwen3_5MLP``: ``down_proj(silu(gate_proj x) * up_proj x)``, elementwise in the model
     dtype (each op rounded once, as torch)."""
-    return linear(silu(linear(x, p.gate_proj, kernels)) * linear(x, p.up_proj, kernels),
-                  p.down_proj, kernels)
+    return linear(silu(linear(x, p.gate_proj)) * linear(x, p.up_proj), p.down_proj)
 
 
 def token_mask(length: int, num_new: Array) -> Array:
@@ -120,6 +97,23 @@ def token_mask(length: int, num_new: Array) -> Array:
     if length == 1:
         return (num_new > 0)[:, None]
     return jnp.arange(length)[None, :] < num_new[:, None]
+
+
+def deltanet_projections(p: GatedDeltaNetParams, x: Array):
+    """The input projections of HF ``Qwen3_5GatedDeltaNet``: x [B, T, H] -> (mixed_qkv [B, T, C]
+    pre-conv q, k, v grouped per key head, z [B, T, Hv*dv], b [B, T, Hv], a [B, T, Hv])."""
+    return (linear(x, p.in_proj_qkv), linear(x, p.in_proj_z), linear(x, p.in_proj_b),
+            linear(x, p.in_proj_a))
+
+
+def deltanet_output(p: GatedDeltaNetParams, o: Array, z: Array, config: Config) -> Array:
+    """The gated RMSNorm and ``out_proj`` of HF ``Qwen3_5GatedDeltaNet``: o [B, T, Hv, dv] (any
+    float dtype, cast to z's), z [B, T, Hv*dv] -> [B, T, H]."""
+    batch, length, _ = z.shape
+    hv, dv = config.linear_num_value_heads, config.linear_value_head_dim
+    o = gated_rms_norm(o.astype(z.dtype), z.reshape(batch, length, hv, dv), p.norm,
+                       config.rms_norm_eps)
+    return linear(o.reshape(batch, length, hv * dv), p.out_proj)
 
 
 def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurrent_state: Array,
@@ -139,17 +133,12 @@ def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurre
                       c.linear_value_head_dim)
     kc = c.linear_conv_kernel_dim
 
-    mixed = linear(x, p.in_proj_qkv, kernels)  # [B, T, C]  pre-conv q, k, v (grouped per key head)
-    z = linear(x, p.in_proj_z, kernels).reshape(batch, length, hv, dv)
-    b = linear(x, p.in_proj_b, kernels)  # [B, T, Hv]
-    a = linear(x, p.in_proj_a, kernels)  # [B, T, Hv]
+    mixed, z, b, a = deltanet_projections(p, x)
     if decode:
         o, new_conv_state, new_state = choice.deltanet_decode(
             kernels, mixed[:, 0], a[:, 0], b[:, 0], valid[:, 0], start, conv_state,
             recurrent_state, p.conv1d[:, 0, :], p.A_log, p.dt_bias, num_key_heads=hk)
-        o = gated_rms_norm(o[:, None].astype(x.dtype), z, p.norm, c.rms_norm_eps)
-        out = linear(o.reshape(batch, length, hv * dv), p.out_proj, kernels)
-        return out, new_conv_state, new_state
+        return deltanet_output(p, o[:, None], z, c), new_conv_state, new_state
 
     # HF causal_conv1d_fn (depthwise, causal) over [cached Kc-1 inputs | new]; w[:, Kc-1]
     # multiplies the current token. Pads follow the real tokens, so no real window holds one.
@@ -190,9 +179,46 @@ def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurre
     q, k = jnp.repeat(q, r, axis=2), jnp.repeat(k, r, axis=2)
     o, new_state = chunk_gated_delta_rule(q, k, v, g, beta, recurrent_state, CHUNK_SIZE)
 
-    o = gated_rms_norm(o.astype(x.dtype), z, p.norm, c.rms_norm_eps)
-    out = linear(o.reshape(batch, length, hv * dv), p.out_proj, kernels)
-    return out, new_conv_state, new_state
+    return deltanet_output(p, o, z, c), new_conv_state, new_state
+
+
+def attention_projections(p: AttentionParams, x: Array, positions: Array, config: Config):
+    """The projections of HF ``Qwen3_5Attention``: x [B, T, H], positions [B, T] int32 ->
+    (q [B, T, Hq, D] after q_norm and RoPE, gate [B, T, Hq, D], k [B, T, Hkv, D] after k_norm
+    and RoPE, v [B, T, Hkv, D])."""
+    c = config
+    batch, length, _ = x.shape
+    hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    # q_proj holds query and output gate interleaved per head: [Hq, 2D], not two halves.
+    qg = linear(x, p.q_proj).reshape(batch, length, hq, 2 * d)
+    q, gate = qg[..., :d], qg[..., d:]
+    k = linear(x, p.k_proj).reshape(batch, length, hkv, d)
+    v = linear(x, p.v_proj).reshape(batch, length, hkv, d)
+    q = rms_norm(q, p.q_norm, c.rms_norm_eps)  # per head over D, before RoPE
+    k = rms_norm(k, p.k_norm, c.rms_norm_eps)
+    cos, sin = rope_cos_sin(positions, c)
+    return apply_rope(q, cos, sin), gate, apply_rope(k, cos, sin), v
+
+
+def write_kv(cache: KVCache, k: Array, v: Array, positions: Array, valid: Array) -> KVCache:
+    """The layer's cache with k, v [B, T, Hkv, D] at positions [B, T] where valid [B, T]."""
+    # Padding goes to index S, which mode="drop" discards. A per-row scatter (vmap) keeps the
+    # write local to each row's "data" shard (a global-row scatter would gather across "data").
+    write_pos = jnp.where(valid, positions, cache.k.shape[2])
+
+    def write(cache_rows, new_rows, pos):  # [Hkv, S, D], [T, Hkv, D], [T]
+        return cache_rows.at[:, pos, :].set(new_rows.swapaxes(0, 1).astype(cache_rows.dtype),
+                                            mode="drop")
+
+    return KVCache(k=jax.vmap(write)(cache.k, k, write_pos),
+                   v=jax.vmap(write)(cache.v, v, write_pos))
+
+
+def attention_output(p: AttentionParams, o: Array, gate: Array) -> Array:
+    """HF ``Qwen3_5Attention``'s output gate and ``o_proj``: o, gate [B, T, Hq, D] -> [B, T, H]."""
+    batch, length = o.shape[:2]
+    o = o.reshape(batch, length, -1) * sigmoid(gate.reshape(batch, length, -1))
+    return linear(o, p.o_proj)
 
 
 def gated_attention(p: AttentionParams, x: Array, cache: KVCache, start: Array, num_new: Array,
@@ -205,42 +231,15 @@ def gated_attention(p: AttentionParams, x: Array, cache: KVCache, start: Array, 
     ``query_block``: the XLA prefill attention's (``prefill_attention_reference``).
     Returns (out [B, T, H], new cache).
     """
-    c = config
-    batch, length, _ = x.shape
-    hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    max_len = cache.k.shape[2]
-    positions = start[:, None] + jnp.arange(length)[None, :]  # [B, T]
-
-    # q_proj holds query and output gate interleaved per head: [Hq, 2D], not two halves.
-    qg = linear(x, p.q_proj, kernels).reshape(batch, length, hq, 2 * d)
-    q, gate = qg[..., :d], qg[..., d:]
-    k = linear(x, p.k_proj, kernels).reshape(batch, length, hkv, d)
-    v = linear(x, p.v_proj, kernels).reshape(batch, length, hkv, d)
-    q = rms_norm(q, p.q_norm, c.rms_norm_eps)  # per head over D, before RoPE
-    k = rms_norm(k, p.k_norm, c.rms_norm_eps)
-    cos, sin = rope_cos_sin(positions, c)
-    q = apply_rope(q, cos, sin)
-    k = apply_rope(k, cos, sin)
-
-    # Padding goes to index S, which mode="drop" discards. A per-row scatter (vmap) keeps the
-    # write local to each row's "data" shard (a global-row scatter would gather across "data").
-    write_pos = jnp.where(valid, positions, max_len)
-
-    def write(cache_rows, new_rows, pos):  # [Hkv, S, D], [T, Hkv, D], [T]
-        return cache_rows.at[:, pos, :].set(new_rows.swapaxes(0, 1).astype(cache_rows.dtype),
-                                            mode="drop")
-
-    cache = KVCache(k=jax.vmap(write)(cache.k, k, write_pos),
-                    v=jax.vmap(write)(cache.v, v, write_pos))
-    end = start + num_new  # [B] valid cache length after this call
-
+    positions = start[:, None] + jnp.arange(x.shape[1])[None, :]  # [B, T]
+    q, gate, k, v = attention_projections(p, x, positions, config)
+    cache = write_kv(cache, k, v, positions, valid)
     if decode:
-        o = choice.decode_attention(kernels, q[:, 0], cache.k, cache.v, end)[:, None]
+        o = choice.decode_attention(kernels, q[:, 0], cache.k, cache.v, start + num_new)[:, None]
     else:
         o = choice.prefill_attention(kernels, q, cache.k, cache.v, start, num_new,
                                      query_block=query_block)
-    o = o.reshape(batch, length, hq * d) * sigmoid(gate.reshape(batch, length, hq * d))
-    return linear(o, p.o_proj, kernels), cache
+    return attention_output(p, o, gate), cache
 
 
 def _forward(params: Params, state: DecodeState, tokens: Array, num_new: Array | None, *,
@@ -257,11 +256,7 @@ def _forward(params: Params, state: DecodeState, tokens: Array, num_new: Array |
     # wrap) is left untouched and gets NaN logits, never a silently dropped or clamped op.
     in_vocab = (tokens >= 0) & (tokens < c.vocab_size)
     if decode:
-        # Masks stay boolean, from active: num_new > 0 masks (or an any() over the size-1 token
-        # axis) fail to compile on XLA GPU in one-row loops (tests/test_step.py, GPU cases).
-        rejected = (active & (start >= state.max_len)) | (active & ~in_vocab[:, 0])
-        valid = (active & ~rejected)[:, None]  # [B, 1]
-        num_new = valid[:, 0].astype(jnp.int32)
+        rejected, valid, num_new = _decode_rows(state, in_vocab, active)
     else:
         rejected = _rejected(c, state, tokens, num_new)
         num_new = jnp.where(rejected, 0, num_new)
@@ -289,8 +284,7 @@ def _forward(params: Params, state: DecodeState, tokens: Array, num_new: Array |
             lin += 1
         x = x + h
         with jax.named_scope(f"layer{i}_mlp"):
-            x = x + mlp(layer.mlp, rms_norm(x, layer.post_attention_layernorm, c.rms_norm_eps),
-                        kernels)
+            x = _mlp_block(layer, x, c)
 
     if not return_all_logits and length > 1:  # only each row's last real token: the LM head
         last = jnp.maximum(num_new - 1, 0)
@@ -298,11 +292,82 @@ def _forward(params: Params, state: DecodeState, tokens: Array, num_new: Array |
         valid = (num_new > 0)[:, None]
     x = rms_norm(x, params.norm, c.rms_norm_eps)
     with jax.named_scope("lm_head"):
-        logits = linear(x, params.lm_head_weight, kernels, out_dtype=f32)
+        logits = linear(x, params.lm_head_weight, out_dtype=f32)
     logits = jnp.where(valid[..., None], logits, 0.0)
     logits = jnp.where(rejected[:, None, None], jnp.nan, logits)
     if not return_all_logits:
         logits = logits[:, 0]
+    new_state = DecodeState(conv_state=tuple(conv_state), recurrent_state=tuple(recurrent_state),
+                            kv_cache=tuple(kv_cache), lengths=start + num_new)
+    return logits, new_state
+
+
+def _decode_rows(state: DecodeState, in_vocab: Array, active: Array):
+    """A decode step's (rejected [B] bool, valid [B, 1] bool, num_new [B] int32) from in_vocab
+    [B, 1] and active [B]: a rejected row is active with a full cache or an id outside the
+    vocabulary."""
+    # Masks stay boolean, from active: num_new > 0 masks (or an any() over the size-1 token
+    # axis) fail to compile on XLA GPU in one-row loops (tests/test_step.py, GPU cases).
+    rejected = (active & (state.lengths >= state.max_len)) | (active & ~in_vocab[:, 0])
+    valid = (active & ~rejected)[:, None]
+    return rejected, valid, valid[:, 0].astype(jnp.int32)
+
+
+def _mlp_block(layer, x: Array, config: Config) -> Array:
+    """The layer's second residual block: ``x + mlp(post_attention_layernorm(x))``."""
+    return x + mlp(layer.mlp, rms_norm(x, layer.post_attention_layernorm, config.rms_norm_eps))
+
+
+def _decode_invariant(params: Params, state: DecodeState, tokens: Array, active: Array,
+                      kernels: Kernels):
+    """:func:`_forward`'s decode step (tokens [B, 1]) with a row's bits independent of the batch
+    (``kernels.batch_invariant``): every op on the activations runs in fenced groups of
+    ``invariance.GROUP_ROWS`` rows (``map_row_groups``: one shape, one compilation for any B),
+    the ops on the state (KV write, attention and DeltaNet cores) per row or in kernels with one
+    row's tiling (``choice``). Same math as :func:`_forward`."""
+    c = params.config
+    groups = invariance.map_row_groups
+    start = state.lengths
+    in_vocab = (tokens >= 0) & (tokens < c.vocab_size)
+    rejected, valid, num_new = _decode_rows(state, in_vocab, active)
+    x = jnp.take(params.embed_tokens, jnp.where(in_vocab, tokens, 0), axis=0)
+    x = jnp.where(valid[..., None], x, 0).astype(params.dtype)  # [B, 1, H]
+    positions = start[:, None]
+
+    conv_state, recurrent_state = list(state.conv_state), list(state.recurrent_state)
+    kv_cache = list(state.kv_cache)
+    lin = full = 0
+    for i, (layer, kind) in enumerate(zip(params.layers, c.layer_types)):
+        norm = lambda p, x: rms_norm(x, p.input_layernorm, c.rms_norm_eps)  # noqa: E731
+        if kind == FULL_ATTENTION:
+            with jax.named_scope(f"layer{i}_attention"):
+                q, gate, k, v = groups(
+                    lambda p, x, pos: attention_projections(p.self_attn, norm(p, x), pos, c),
+                    layer, x, positions)
+                kv_cache[full] = write_kv(kv_cache[full], k, v, positions, valid)
+                o = choice.decode_attention(kernels, q[:, 0], kv_cache[full].k,
+                                            kv_cache[full].v, start + num_new)[:, None]
+                x = groups(lambda p, x, o, gate: _mlp_block(
+                    p, x + attention_output(p.self_attn, o, gate), c), layer, x, o, gate)
+            full += 1
+        else:
+            with jax.named_scope(f"layer{i}_deltanet"):
+                la = layer.linear_attn
+                mixed, z, b, a = groups(
+                    lambda p, x: deltanet_projections(p.linear_attn, norm(p, x)), layer, x)
+                o, conv_state[lin], recurrent_state[lin] = choice.deltanet_decode(
+                    kernels, mixed[:, 0], a[:, 0], b[:, 0], valid[:, 0], start, conv_state[lin],
+                    recurrent_state[lin], la.conv1d[:, 0, :], la.A_log, la.dt_bias,
+                    num_key_heads=c.linear_num_key_heads)
+                x = groups(lambda p, x, o, z: _mlp_block(
+                    p, x + deltanet_output(p.linear_attn, o[:, None], z, c), c), layer, x, o, z)
+            lin += 1
+    with jax.named_scope("lm_head"):
+        logits = groups(lambda p, x: linear(rms_norm(x, p[0], c.rms_norm_eps), p[1],
+                                            out_dtype=f32),
+                        (params.norm, params.lm_head_weight), x)[:, 0]
+    logits = jnp.where(valid, logits, 0.0)
+    logits = jnp.where(rejected[:, None], jnp.nan, logits)
     new_state = DecodeState(conv_state=tuple(conv_state), recurrent_state=tuple(recurrent_state),
                             kv_cache=tuple(kv_cache), lengths=start + num_new)
     return logits, new_state
@@ -421,5 +486,7 @@ def decode_step_fn(params: Params, state: DecodeState, tokens: Array, active: Ar
     if kernels is None:
         kernels = choice.choose_kernels(params.config, tokens.shape[0], dtype=params.dtype)
     active = jnp.ones(tokens.shape, bool) if active is None else active.astype(bool)
+    if kernels.batch_invariant:
+        return _decode_invariant(params, state, tokens[:, None], active, kernels)
     return _forward(params, state, tokens[:, None], None, return_all_logits=False,
                     kernels=kernels, active=active)

@@ -51,12 +51,12 @@ def fake_mesh(data: int, model: int) -> Mesh:
 
 
 def kernels(attention="xla", deltanet="xla", delta_rule="xla", mesh=None,
-            prefill_attention=None):
+            prefill_attention=None, batch_invariant=False):
     """What choose_kernels returns: interpret=False (it compiles for the GPU it found); the
     prefill attention kernel where the decode one is (None), unless given."""
     return choice.Kernels(attention=attention, deltanet=deltanet, delta_rule=delta_rule,
                           prefill_attention=prefill_attention or attention, interpret=False,
-                          mesh=mesh)
+                          mesh=mesh, batch_invariant=batch_invariant)
 
 
 # ----- the value ----------------------------------------------------------------------------
@@ -120,6 +120,16 @@ def test_hopper_choice_by_batch(hopper, batch):
     assert got == kernels(attention="pallas", deltanet="pallas" if batch < CORE else "xla",
                           delta_rule="pallas" if batch >= RULE else "xla")
     assert got.interpret is False
+
+
+def test_hopper_batch_invariant_choice_is_one_for_every_batch(hopper):
+    """batch_invariant: the attention kernel and the one-kernel DeltaNet core for any batch (one
+    row's tiling, chosen at the call sites), never the batch-dependent thresholds."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = {choice.choose_kernels(SUPPORTED, b, dtype="bfloat16", batch_invariant=True)
+               for b in (1, CORE, RULE, 64, 65)}
+    assert got == {kernels(attention="pallas", deltanet="pallas", batch_invariant=True)}
 
 
 @pytest.mark.parametrize("data, model, batch, rule", [
@@ -196,11 +206,14 @@ def test_hopper_choice_lowers_to_what_it_says(hopper, batch):
 
 # ----- the call sites, with explicit Kernels ------------------------------------------------
 
-ATTENTION_KERNELS = {"xla": choice.XLA, "pallas": choice.Kernels(attention="pallas")}
+ATTENTION_KERNELS = {"xla": choice.XLA, "pallas": choice.Kernels(attention="pallas"),
+                     "xla-invariant": choice.Kernels(batch_invariant=True),
+                     "pallas-invariant": choice.Kernels(attention="pallas",
+                                                        batch_invariant=True)}
 INTERPRETED = pytest.mark.slow  # the Pallas kernels in the Mosaic GPU interpreter
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[INTERPRETED] if n != "xla" else [])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[INTERPRETED] if "pallas" in n else [])
                                   for n in ATTENTION_KERNELS])
 def test_decode_attention_runs_what_kernels_says(name):
     """"xla" is decode_attention_reference bit for bit; "pallas" the kernel (the interpreter on
@@ -216,7 +229,7 @@ def test_decode_attention_runs_what_kernels_says(name):
         np.testing.assert_array_equal(out, jax.jit(da.decode_attention_reference)(q, kc, vc,
                                                                                   kv_len))
     text = fn.lower(q, kc, vc, kv_len).as_text()
-    assert ("mosaic_gpu" in text) == (name == "pallas" and not choice._interpret(k))
+    assert ("mosaic_gpu" in text) == ("pallas" in name and not choice._interpret(k))
 
 
 @INTERPRETED
@@ -231,10 +244,15 @@ def test_decode_attention_kernel_per_device_on_a_mesh():
 
 
 DELTANET_KERNELS = {"xla": choice.XLA, "core-pallas": choice.Kernels(deltanet="pallas"),
-                    "delta-rule-pallas": choice.Kernels(delta_rule="pallas")}
+                    "delta-rule-pallas": choice.Kernels(delta_rule="pallas"),
+                    "xla-invariant": choice.Kernels(batch_invariant=True),
+                    "core-pallas-invariant": choice.Kernels(deltanet="pallas",
+                                                            batch_invariant=True),
+                    "delta-rule-pallas-invariant": choice.Kernels(delta_rule="pallas",
+                                                                  batch_invariant=True)}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[INTERPRETED] if n != "xla" else [])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[INTERPRETED] if "pallas" in n else [])
                                   for n in DELTANET_KERNELS])
 def test_deltanet_decode_runs_what_kernels_says(name):
     """Every choice against the float64 core, with an inactive row left untouched."""

@@ -26,6 +26,8 @@ ROOT = PACKAGE.parent
 
 # module -> modules it must not load, directly or through another module
 FORBIDDEN = {
+    "jaxdecode.invariance": {"jaxdecode.config", "jaxdecode.params", "jaxdecode.state",
+                             "jaxdecode.kernels", "jaxdecode.model", "jaxdecode.memory"},
     "jaxdecode.config": {"jaxdecode.params", "jaxdecode.state", "jaxdecode.model",
                          "jaxdecode.memory"},
     "jaxdecode.memory": {"jaxdecode.params", "jaxdecode.state", "jaxdecode.kernels",

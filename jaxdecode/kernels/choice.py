@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxdecode import invariance
 from jaxdecode.config import Config
 from jaxdecode.kernels import decode_attention as attention_kernel
 from jaxdecode.kernels import deltanet_decode as deltanet_kernel
@@ -49,10 +50,10 @@ class Kernels:
     # (read when a step is traced, not at construction: importing jaxdecode must not start
     # the backend, or jax.distributed.initialize could no longer run)
     mesh: Mesh | None = None  # a ("data", "model") mesh: Pallas kernels run under shard_map
-    # One computation per row whatever else is in the batch (for one max_len): prefill row by
-    # row in fixed chunks (bitwise batch-invariant, measured on an H200); decode GEMMs in fixed
-    # 64-row groups and the same kernels for every batch (bitwise in a small config, not yet at
-    # the published shapes: benchmarks/RESULTS.md)
+    # A row's logits and state bitwise independent of the rest of the batch (for one max_len,
+    # on a GPU with the Pallas kernels): prefill row by row in fixed chunks; decode ops in fixed
+    # 64-row groups (jaxdecode.invariance), the state ops per row or in kernels with one row's
+    # tiling (measured: benchmarks/RESULTS.md)
     batch_invariant: bool = False
 
     def __post_init__(self):
@@ -72,7 +73,7 @@ XLA = Kernels()  # every op in XLA: the reference path, any backend
 # The Pallas kernels behind a jit of their own: the layers of a step call each with the same
 # shapes, and JAX lowers a jitted function once per signature instead of once per layer.
 _attention_pallas = jax.jit(attention_kernel.decode_attention_pallas,
-                            static_argnames=("config", "ordered_combine", "interpret"))
+                            static_argnames=("config", "batch_invariant", "interpret"))
 _deltanet_pallas = jax.jit(deltanet_kernel.deltanet_decode_pallas,
                            static_argnames=("num_key_heads", "block_v", "interpret"))
 _delta_rule_pallas = jax.jit(delta_rule_kernel.gated_delta_decode_pallas,
@@ -100,9 +101,9 @@ def choose_kernels(config: Config, batch_size: int, *, dtype="bfloat16",
     Pallas kernels only on NVIDIA Hopper (compute capability 9.0+); elsewhere all XLA. On a
     GPU, a shape or dtype a kernel does not take falls back to XLA with one warning saying why.
     With a mesh, shapes and batch are per device (rows over "data", heads over "model").
-    ``batch_invariant``: one choice for every batch size (the attention kernels, XLA's DeltaNet
-    core with the delta-rule kernel), with ``Kernels.batch_invariant`` set (what it guarantees:
-    its field comment); not on a mesh.
+    ``batch_invariant``: one choice for every batch size (the attention kernels and the
+    one-kernel DeltaNet core), with ``Kernels.batch_invariant`` set (what it guarantees: its
+    field comment); not on a mesh.
     """
     device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
     cc = _compute_capability(device)
@@ -115,7 +116,7 @@ def choose_kernels(config: Config, batch_size: int, *, dtype="bfloat16",
     c, dtype = config, jnp.dtype(dtype)
     data = mesh.shape[DATA] if mesh is not None else 1
     heads = mesh.shape[MODEL] if mesh is not None else 1
-    rows = max(1, batch_size // data)
+    rows = 1 if batch_invariant else max(1, batch_size // data)  # invariant: one row's tiling
     hq, hkv = c.num_attention_heads // heads, c.num_key_value_heads // heads
     hk, hv = c.linear_num_key_heads // heads, c.linear_num_value_heads // heads
     dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
@@ -128,10 +129,10 @@ def choose_kernels(config: Config, batch_size: int, *, dtype="bfloat16",
 
     attention = supported("decode attention", attention_kernel.check_supported(
         (rows, hq, c.head_dim), (rows, hkv, 64, c.head_dim), dtype))
-    core = (mesh is None and not batch_invariant and rows < DELTANET_CORE_MAX_BATCH
+    core = (mesh is None and (batch_invariant or rows < DELTANET_CORE_MAX_BATCH)
             and supported("the Gated DeltaNet core", deltanet_kernel.check_supported(
                 (rows, hv, dk, dv), c.linear_conv_kernel_dim, dtype)))
-    rule = (batch_invariant or rows >= DELTA_RULE_MIN_BATCH) and supported(
+    rule = not core and (batch_invariant or rows >= DELTA_RULE_MIN_BATCH) and supported(
         "the gated delta rule",
         delta_rule_kernel.check_supported((rows, hk, dk), (rows, hv, dk, dv)))
     prefill = supported("prefill attention", prefill_kernel.check_supported(
@@ -150,21 +151,20 @@ def _interpret(kernels: Kernels) -> bool:
 
 def decode_attention(kernels: Kernels, q, k_cache, v_cache, kv_len):
     """GQA decode attention as ``kernels.attention`` says: q [B, Hq, D], caches [B, Hkv, S, D],
-    kv_len [B] int32 valid keys per row. Returns [B, Hq, D] in q's dtype."""
+    kv_len [B] int32 valid keys per row. Returns [B, Hq, D] in q's dtype. ``batch_invariant``:
+    XLA's one row at a time, the kernel with one row's split count and a fixed-group merge."""
     if kernels.attention == "xla" and kernels.batch_invariant:
-        # One row at a time: XLA (on CPU: Eigen's threading) may reduce over S in another order
-        # for another number of rows.
-        one = lambda a: attention_kernel.decode_attention_reference(  # noqa: E731
-            *(x[None] for x in a))[0]
-        return jax.lax.map(one, (q, k_cache, v_cache, kv_len))
+        return invariance.map_rows(
+            lambda _, *row: attention_kernel.decode_attention_reference(*row), None,
+            q, k_cache, v_cache, kv_len)
     if kernels.attention == "xla":
         return attention_kernel.decode_attention_reference(q, k_cache, v_cache, kv_len)
     config = None
-    if kernels.batch_invariant:  # the split count of one row, merged in a fixed order
+    if kernels.batch_invariant:
         config = attention_kernel.choose_config(1, k_cache.shape[1], k_cache.shape[2],
                                                 k_cache.shape[3], k_cache.dtype)
     attend = functools.partial(_attention_pallas, config=config,
-                               ordered_combine=kernels.batch_invariant,
+                               batch_invariant=kernels.batch_invariant,
                                interpret=_interpret(kernels))
     if kernels.mesh is None:
         return attend(q, k_cache, v_cache, kv_len)
@@ -193,23 +193,21 @@ def prefill_attention(kernels: Kernels, q, k_cache, v_cache, start, num_new, *,
 def deltanet_decode(kernels: Kernels, mixed_qkv, a, b, active, positions, conv_state,
                     recurrent_state, conv_weight, A_log, dt_bias, *, num_key_heads: int):
     """The one-token Gated DeltaNet core as ``kernels.deltanet`` / ``delta_rule`` say (arguments
-    and result as ``deltanet_decode.deltanet_decode_pallas``)."""
+    and result as ``deltanet_decode.deltanet_decode_pallas``). ``batch_invariant``: the one-kernel
+    core with one row's ``block_v``, or the XLA core one row at a time."""
     args = (mixed_qkv, a, b, active, positions, conv_state, recurrent_state, conv_weight, A_log,
             dt_bias)
+    hv, dv = recurrent_state.shape[1], recurrent_state.shape[3]
     if kernels.deltanet == "pallas":
-        return _deltanet_pallas(*args, num_key_heads=num_key_heads, interpret=_interpret(kernels))
-    if kernels.delta_rule == "xla" and kernels.batch_invariant:  # one row at a time, as above
-        rows, weights = args[:7], args[7:]
-        one = lambda r: tuple(y[0] for y in deltanet_kernel.deltanet_decode_xla(  # noqa: E731
-            *(x[None] for x in r), *weights, num_key_heads=num_key_heads))
-        return jax.lax.map(one, rows)
+        block_v = delta_rule_kernel.choose_block_v(1, hv, dv) if kernels.batch_invariant else None
+        return _deltanet_pallas(*args, num_key_heads=num_key_heads, block_v=block_v,
+                                interpret=_interpret(kernels))
     if kernels.delta_rule == "xla":
         rule = delta_rule_kernel.gated_delta_decode_reference
     else:
-        block_v = None  # the kernel picks it from the batch; invariant: batch 1's, always
+        block_v = None  # the kernel picks it from the batch; invariant: one row's
         if kernels.batch_invariant:
-            block_v = delta_rule_kernel.choose_block_v(1, recurrent_state.shape[1],
-                                                       recurrent_state.shape[3])
+            block_v = delta_rule_kernel.choose_block_v(1, hv, dv)
         rule = functools.partial(_delta_rule_pallas, block_v=block_v,
                                  interpret=_interpret(kernels))
         if kernels.mesh is not None:
@@ -218,4 +216,9 @@ def deltanet_decode(kernels: Kernels, mixed_qkv, a, b, active, positions, conv_s
                                  in_specs=(heads, heads, heads, P(DATA, MODEL), P(DATA, MODEL),
                                            state),
                                  out_specs=(heads, state), check_vma=False)
-    return deltanet_kernel.deltanet_decode_xla(*args, num_key_heads=num_key_heads, delta_rule=rule)
+    core = functools.partial(deltanet_kernel.deltanet_decode_xla, num_key_heads=num_key_heads,
+                             delta_rule=rule)
+    if kernels.batch_invariant:
+        return invariance.map_rows(lambda weights, *row: core(*row, *weights), args[7:],
+                                   *args[:7])
+    return core(*args)

@@ -39,6 +39,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from jaxdecode import invariance
 from jaxdecode.kernels import wait_for_inputs
 
 LOG2E = math.log2(math.e)
@@ -350,16 +351,16 @@ def check_supported(q_shape, k_shape, cache_dtype) -> str | None:
 
 def decode_attention_pallas(q, k_cache, v_cache, kv_len, *,
                             config: DecodeAttentionConfig | None = None,
-                            ordered_combine: bool = False, interpret: bool = False):
+                            batch_invariant: bool = False, interpret: bool = False):
     """Decode attention as a Pallas Mosaic GPU kernel (Hopper) plus an XLA split combine.
 
     Arguments and result as :func:`decode_attention_reference`, plus: caches bfloat16, float16
     or float32 (q is cast to their dtype), D a multiple of 64 up to 256, G <= 64, else
     ValueError (:func:`check_supported`); an S not a multiple of ``block_kv`` is zero-padded (a
     copy: allocate multiples of ``MAX_LEN_ALIGN``). ``config``: None picks :func:`choose_config`;
-    ``ordered_combine``: merge the splits by elementwise ops in split order (no reduction whose
-    order XLA may pick by shape: batch-invariant); ``interpret``: run in the Mosaic GPU
-    interpreter (CPU).
+    ``batch_invariant``: merge the splits by elementwise ops in split order, in fixed groups of
+    rows (``jaxdecode.invariance.map_row_groups``), so a row's result does not depend on the
+    batch (with a fixed ``config``); ``interpret``: run in the Mosaic GPU interpreter (CPU).
     """
     batch, num_heads, head_dim = q.shape
     _, num_kv_heads, max_len, _ = k_cache.shape
@@ -431,7 +432,12 @@ def decode_attention_pallas(q, k_cache, v_cache, kv_len, *,
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
     o_part, lse = kernel(kv_len.astype(jnp.int32), qg, k_cache, v_cache)
-    out = _combine(o_part[:, :, :, :group], lse[:, :, :, :group], ordered=ordered_combine)
+    o_part, lse = o_part[:, :, :, :group], lse[:, :, :, :group]
+    if batch_invariant:
+        out = invariance.map_row_groups(lambda _, o, m: _combine(o, m, ordered=True), None,
+                                        o_part, lse)
+    else:
+        out = _combine(o_part, lse)
     return out.reshape(batch, num_heads, head_dim).astype(q.dtype)
 
 
