@@ -3,6 +3,7 @@ per token, and XLA option variants, all in one process.
 
     python benchmarks/generate_loop.py [--cells 0.8b:1,9b:1] [--tokens 512]
         [--sampling greedy,top_p] [--options ';name=value,...'] [--layers N] [--top N]
+        [--logprobs N]
 
 Per cell (model:batch), sampling setting and XLA compiler-option variant (``--options``,
 ';'-separated, '' = the library's ``jd.COMPILER_OPTIONS`` alone, as in
@@ -15,7 +16,9 @@ variant's options, and run ``--tokens`` tokens per row with EOS off. Reported:
   gap ms       ms/token - kernel ms: time the GPU waits for the host (launches, syncs)
   kernels      kernels launched per token
 
-and whether every variant of a cell and sampling setting emits the same tokens.
+and whether every variant of a cell and sampling setting emits the same tokens. ``--logprobs N``
+runs each setting again with ``return_logprobs`` and N top log-probabilities (the loop's
+outputs include them), as the variant "logprobs N".
 The model is the preset's shapes (``--layers`` cuts it, for quick checks), bf16 random weights.
 """
 
@@ -48,8 +51,9 @@ SAMPLING = {"greedy": None, "top_p": S.SamplingParams.create(temperature=0.7, to
                                                     top_p_keep_ties=False)}
 
 
-def compile_loop(params, plan, features, compiler_options=None):
-    """(compiled ``args -> tokens``, its arguments, compile seconds) for the whole loop."""
+def compile_loop(params, plan, features, compiler_options=None, logprobs=None):
+    """(compiled ``args -> tokens`` (and the Logprobs with ``logprobs``), its arguments,
+    compile seconds) for the whole loop."""
     config = params.config
     rows = plan.prompts.shape[0]
 
@@ -57,8 +61,8 @@ def compile_loop(params, plan, features, compiler_options=None):
         state = jd.init_state(config, rows, plan.max_len, dtype=params.dtype)
         out, _ = G.generate_fn(params, state, prompts, lengths, budgets, sampling, keys, eos,
                                max_new_tokens=plan.max_new_tokens, chunk_size=plan.chunk_size,
-                               features=features, kernels=plan.kernels)
-        return out.tokens
+                               features=features, kernels=plan.kernels, logprobs=logprobs)
+        return out.tokens if logprobs is None else (out.tokens, out.logprobs)
 
     args = (params, plan.prompts, plan.prompt_lengths, plan.budgets, plan.sampling, plan.keys,
             plan.eos_token_ids)
@@ -71,13 +75,14 @@ def compile_loop(params, plan, features, compiler_options=None):
 
 def time_loop(compiled, args, tokens_per_row, runs=3):
     """(median ms per generated token, tokens [R, N] of the last run)."""
-    tokens = np.asarray(compiled(*args))
+    jax.block_until_ready(compiled(*args))
     times = []
     for _ in range(runs):
         t0 = time.perf_counter()
-        tokens = compiled(*args)
-        jax.block_until_ready(tokens)
+        out = compiled(*args)
+        jax.block_until_ready(out)
         times.append(time.perf_counter() - t0)
+    tokens = out[0] if isinstance(out, tuple) else out
     return statistics.median(times) / tokens_per_row * 1e3, np.asarray(tokens)
 
 
@@ -91,6 +96,8 @@ def main():
                          "('' = defaults), e.g. ';xla_gpu_graph_min_graph_size=1'")
     ap.add_argument("--layers", type=int, default=0, help="cut each model to N layers (0: all)")
     ap.add_argument("--no-cupti", action="store_true", help="skip the kernel-time run")
+    ap.add_argument("--logprobs", type=int, default=-1,
+                    help="also run with return_logprobs and this many top ones (-1: not)")
     ap.add_argument("--top", type=int, default=0,
                     help="also list the N kernels (by name) with the most time per token")
     args = ap.parse_args()
@@ -135,16 +142,21 @@ def main():
                            max_len=None, num_samples=1, chunk_size=32, pad_id=-1,
                            kernels=None)
             reference = None
-            for opts in variants:
+            runs = [(opts, None) for opts in variants]
+            if args.logprobs >= 0:
+                runs.append(("", args.logprobs))
+            for opts, logprobs in runs:
                 compiled, call_args, compile_s = compile_loop(params, plan, plan.features,
-                                                              parse_options(opts))
+                                                              parse_options(opts), logprobs)
                 ms, tokens = time_loop(compiled, call_args, args.tokens)
                 kernels = [] if args.no_cupti else cupti_kernels(lambda: compiled(*call_args))
                 kernel_ms = sum(t for _, t in kernels) / args.tokens
                 same = reference is None or np.array_equal(tokens, reference)
                 reference = tokens if reference is None else reference
                 timed = bool(kernels)  # no CUPTI (CPU, or --no-cupti): no kernel columns
-                row = (f"{name} b{batch} {sampling_name}", opts or "library defaults", ms,
+                label = opts or ("library defaults" if logprobs is None
+                                 else f"logprobs {logprobs}")
+                row = (f"{name} b{batch} {sampling_name}", label, ms,
                        kernel_ms if timed else None, len(kernels) / args.tokens if timed else None,
                        compile_s, same)
                 rows.append(row)

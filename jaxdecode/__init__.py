@@ -21,13 +21,14 @@ from jaxdecode.config import PRESETS, Config
 from jaxdecode.generation import GenerateOutput, StreamChunk, generate, generate_stream
 from jaxdecode.kernels.choice import Kernels, choose_kernels
 from jaxdecode.params import Params, init_params, num_params, param_specs
-from jaxdecode.sampling import SamplingParams, sample
+from jaxdecode.sampling import Logprobs, SamplingParams, sample
 from jaxdecode.state import DecodeState, KVCache, fork, init_state
 from jaxdecode.step import COMPILER_OPTIONS, decode_step, prefill
 from jaxdecode.tokenizer import load_tokenizer
 
 __all__ = [
-    "__version__", "COMPILER_OPTIONS", "Config", "DecodeState", "GenerateOutput", "KVCache", "Kernels",
+    "__version__", "COMPILER_OPTIONS", "Config", "DecodeState", "GenerateOutput", "KVCache",
+    "Kernels", "Logprobs",
     "PRESETS", "Params", "SamplingParams", "StreamChunk", "choose_kernels", "decode_step",
     "fork", "generate", "generate_stream", "init_params", "init_state", "load_checkpoint",
     "load_tokenizer", "memory", "model", "num_params", "param_specs", "prefill", "sample",

@@ -30,7 +30,7 @@ from jaxdecode.kernels.choice import Kernels, choose_kernels
 from jaxdecode.kernels.decode_attention import MAX_LEN_ALIGN
 from jaxdecode.model import decode_step_fn, prefill_fn
 from jaxdecode.params import Params
-from jaxdecode.sampling import SamplingFeatures, SamplingParams
+from jaxdecode.sampling import Logprobs, SamplingFeatures, SamplingParams
 from jaxdecode.state import DecodeState, fork, init_state
 from jaxdecode.step import COMPILER_OPTIONS, check_state, plan_prefill
 
@@ -56,6 +56,7 @@ class GenerateOutput:
     num_generated: Array  # [R] int32 tokens generated per row (EOS and stop tokens count)
     stop_reason: Array  # [R] int32, STOP_EOS, STOP_SEQUENCE or STOP_LENGTH
     state: DecodeState | None = None  # R rows: prompt + all generated (state= or return_state)
+    logprobs: Logprobs | None = None  # [R, N] leaves (top ones [R, N, n]): return_logprobs
 
     def token_lists(self) -> list[list[int]]:
         """Each row's generated ids, without padding (a host sync)."""
@@ -89,6 +90,7 @@ class StreamChunk:
     num_generated: np.ndarray  # [R] int32 tokens generated per row so far
     stop_reason: np.ndarray  # [R] int32, STOP_RUNNING for rows still going
     state: DecodeState | None = None  # the last chunk's: the final state, as GenerateOutput's
+    logprobs: Logprobs | None = None  # of ``tokens``, [R, n] numpy leaves: return_logprobs
 
 
 def _record(loop: LoopState, state: DecodeState, token: Array, active: Array,
@@ -116,6 +118,19 @@ def _record(loop: LoopState, state: DecodeState, token: Array, active: Array,
     return new, jnp.where(active, token, pad_id).astype(jnp.int32)
 
 
+def _emit(ids: Array, logits: Array, processed: Array, token: Array, active: Array,
+          pad_id: int, logprobs: int | None):
+    """What a step emits: ``ids`` [R], or with ``logprobs`` (the number of top ones) also their
+    :class:`Logprobs` (0 and ``pad_id`` for inactive rows)."""
+    if logprobs is None:
+        return ids
+    lp = sampling_lib.token_logprobs(logits, processed, token, logprobs)
+    zero = lambda x: jnp.where(active.reshape(-1, *[1] * (x.ndim - 1)), x, 0.0)  # noqa: E731
+    return ids, Logprobs(processed=zero(lp.processed), raw=zero(lp.raw),
+                         top_ids=jnp.where(active[:, None], lp.top_ids, pad_id),
+                         top_logprobs=zero(lp.top_logprobs))
+
+
 def _step_keys(keys: Array, num_generated: Array) -> Array:
     return jax.vmap(jax.random.fold_in)(keys, num_generated)
 
@@ -125,9 +140,10 @@ def start_fn(params: Params, state: DecodeState, prompts: Array, prompt_lengths:
              stop_sequences: Array | None = None, num_samples: int = 1,
              track_counts: bool | None = None, features: SamplingFeatures | None = None,
              pad_id: int = -1, kernels: Kernels | None = None,
-             prefill_chunk_size: int | None = None,
-             query_block: int = 512) -> tuple[LoopState, Array]:
-    """Prefill, fork, and sample each row's first token. Returns (LoopState, tokens [R] int32).
+             prefill_chunk_size: int | None = None, query_block: int = 512,
+             logprobs: int | None = None) -> tuple[LoopState, Array]:
+    """Prefill, fork, and sample each row's first token. Returns (LoopState, tokens [R] int32;
+    with ``logprobs``, n >= 0 top ones, (tokens, :class:`Logprobs`)).
 
     ``state``: P = ``prompts.shape[0]`` rows (empty or not); ``prompts`` [P, T] int32, right-
     padded; ``prompt_lengths`` [P] >= 1; ``budgets`` [R] >= 1 (R = P × num_samples); ``sampling``
@@ -160,42 +176,56 @@ def start_fn(params: Params, state: DecodeState, prompts: Array, prompt_lengths:
                      recent=None if stop_sequences is None else
                      jnp.full((rows, stop_sequences.shape[1] - 1), -1, jnp.int32),
                      prompt_mask=prompt_mask)
-    token = sampling_lib.sample(logits, _step_keys(keys, zeros), sampling, loop.token_counts,
-                                prompt_mask=prompt_mask, features=features)
-    return _record(loop, state, token, jnp.ones((rows,), bool), eos_token_ids, stop_sequences,
-                   pad_id)
+    token, processed = sampling_lib.sample(logits, _step_keys(keys, zeros), sampling,
+                                           loop.token_counts, prompt_mask=prompt_mask,
+                                           features=features, return_processed_logits=True)
+    active = jnp.ones((rows,), bool)
+    loop, ids = _record(loop, state, token, active, eos_token_ids, stop_sequences, pad_id)
+    return loop, _emit(ids, logits, processed, token, active, pad_id, logprobs)
 
 
 def step_fn(params: Params, loop: LoopState, sampling: SamplingParams, eos_token_ids: Array, *,
             stop_sequences: Array | None = None, pad_id: int = -1,
-            kernels: Kernels | None = None,
-            features: SamplingFeatures | None = None) -> tuple[LoopState, Array]:
+            kernels: Kernels | None = None, features: SamplingFeatures | None = None,
+            logprobs: int | None = None) -> tuple[LoopState, Array]:
     """One decode step of every running row: feed its last token, sample the next. Returns
-    (LoopState, emitted ids [R] int32, ``pad_id`` for stopped rows)."""
+    (LoopState, emitted ids [R] int32, ``pad_id`` for stopped rows; with ``logprobs`` as
+    :func:`start_fn`)."""
     active = ~loop.done
     logits, state = decode_step_fn(params, loop.state, loop.last_token, active, kernels)
-    token = sampling_lib.sample(logits, _step_keys(loop.keys, loop.num_generated), sampling,
-                                loop.token_counts, prompt_mask=loop.prompt_mask,
-                                features=features)
-    return _record(loop, state, token, active, eos_token_ids, stop_sequences, pad_id)
+    token, processed = sampling_lib.sample(
+        logits, _step_keys(loop.keys, loop.num_generated), sampling, loop.token_counts,
+        prompt_mask=loop.prompt_mask, features=features, return_processed_logits=True)
+    loop, ids = _record(loop, state, token, active, eos_token_ids, stop_sequences, pad_id)
+    return loop, _emit(ids, logits, processed, token, active, pad_id, logprobs)
 
 
 def chunk_fn(params: Params, loop: LoopState, sampling: SamplingParams, eos_token_ids: Array, *,
              chunk_size: int, stop_sequences: Array | None = None, pad_id: int = -1,
              kernels: Kernels | None = None, features: SamplingFeatures | None = None,
-             progress: Callable[[np.ndarray], None] | None = None) -> tuple[LoopState, Array]:
+             progress: Callable[[np.ndarray], None] | None = None,
+             logprobs: int | None = None) -> tuple[LoopState, Array]:
     """``chunk_size`` steps (a ``lax.scan``), skipped once every row is done. Returns
-    (LoopState, emitted ids [R, chunk_size]); then ``progress(num_generated)`` on the host."""
+    (LoopState, emitted ids [R, chunk_size], with ``logprobs`` and their :class:`Logprobs`);
+    then ``progress(num_generated)`` on the host."""
     def run(loop):
         loop, emitted = lax.scan(
             lambda c, _: step_fn(params, c, sampling, eos_token_ids, pad_id=pad_id,
                                  stop_sequences=stop_sequences, kernels=kernels,
-                                 features=features),
+                                 features=features, logprobs=logprobs),
             loop, None, length=chunk_size)
-        return loop, emitted.T
+        return loop, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), emitted)
 
     def skip(loop):
-        return loop, jnp.full((loop.done.shape[0], chunk_size), pad_id, jnp.int32)
+        rows = loop.done.shape[0]
+        ids = jnp.full((rows, chunk_size), pad_id, jnp.int32)
+        if logprobs is None:
+            return loop, ids
+        zeros = jnp.zeros((rows, chunk_size), jnp.float32)
+        return loop, (ids, Logprobs(
+            processed=zeros, raw=zeros,
+            top_ids=jnp.full((rows, chunk_size, logprobs), pad_id, jnp.int32),
+            top_logprobs=jnp.zeros((rows, chunk_size, logprobs), jnp.float32)))
 
     loop, emitted = lax.cond(jnp.all(loop.done), skip, run, loop)
     if progress is not None:
@@ -217,30 +247,37 @@ def generate_fn(params: Params, state: DecodeState, prompts: Array, prompt_lengt
                 pad_id: int = -1, kernels: Kernels | None = None,
                 progress: Callable[[np.ndarray], None] | None = None,
                 stop_sequences: Array | None = None, return_state: bool = False,
-                prefill_chunk_size: int | None = None,
-                query_block: int = 512) -> tuple[GenerateOutput, LoopState]:
+                prefill_chunk_size: int | None = None, query_block: int = 512,
+                logprobs: int | None = None) -> tuple[GenerateOutput, LoopState]:
     """The whole loop as one pure function (un-jitted, unvalidated); args as :func:`start_fn`,
     and (static) ``max_new_tokens``: the token buffer N >= ``max(budgets)``; ``chunk_size``:
-    steps per scan iteration; ``return_state``: set ``.state`` (:func:`feed_last_fn`).
+    steps per scan iteration; ``return_state``: set ``.state`` (:func:`feed_last_fn`);
+    ``logprobs``: set ``.logprobs`` with that many top ones (None: not computed).
     Returns (GenerateOutput with [R, N] tokens, final LoopState)."""
     loop, first = start_fn(params, state, prompts, prompt_lengths, budgets, sampling, keys,
                            eos_token_ids, stop_sequences=stop_sequences, num_samples=num_samples,
                            track_counts=track_counts, features=features, pad_id=pad_id,
                            kernels=kernels, prefill_chunk_size=prefill_chunk_size,
-                           query_block=query_block)
-    tokens = first[:, None]
+                           query_block=query_block, logprobs=logprobs)
+    out = jax.tree.map(lambda x: x[:, None], first)  # [R, 1, ...] per leaf
     num_chunks = math.ceil((max_new_tokens - 1) / chunk_size)
     if num_chunks:
         loop, chunks = lax.scan(
             lambda c, _: chunk_fn(params, c, sampling, eos_token_ids, chunk_size=chunk_size,
                                   stop_sequences=stop_sequences, pad_id=pad_id, kernels=kernels,
-                                  features=features, progress=progress),
+                                  features=features, progress=progress, logprobs=logprobs),
             loop, None, length=num_chunks)
-        rest = jnp.transpose(chunks, (1, 0, 2)).reshape(first.shape[0], -1)
-        tokens = jnp.concatenate([tokens, rest], axis=1)[:, :max_new_tokens]
+
+        def join(head, rest):  # rest [num_chunks, R, chunk, ...] after head [R, 1, ...]
+            rest = jnp.swapaxes(rest, 0, 1).reshape(head.shape[0], rest.shape[0] * rest.shape[2],
+                                                    *rest.shape[3:])
+            return jnp.concatenate([head, rest], axis=1)[:, :max_new_tokens]
+
+        out = jax.tree.map(join, out, chunks)
+    tokens, lp = out if logprobs is not None else (out, None)
     final = feed_last_fn(params, loop.state, loop.last_token, kernels) if return_state else None
     return GenerateOutput(tokens=tokens, num_generated=loop.num_generated,
-                          stop_reason=loop.stop_reason, state=final), loop
+                          stop_reason=loop.stop_reason, state=final, logprobs=lp), loop
 
 
 def bucket(n: int, minimum: int) -> int:
@@ -268,6 +305,7 @@ class _Plan:
     return_state: bool
     fork_state: bool  # a given state is forked: the output cannot reuse (donated) its buffers
     prefill: memory.PrefillPlan  # how the prompts' prefill runs (chunks, query block)
+    logprobs: int | None = None  # return_logprobs: this many top ones (static), else None
 
 
 def _token_lists(x, name: str, vocab: int) -> list[list[int]]:
@@ -294,12 +332,19 @@ def _token_lists(x, name: str, vocab: int) -> list[list[int]]:
 def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids, *, max_len,
           num_samples, chunk_size, pad_id, kernels, features: SamplingFeatures | None = None,
           stop_sequences=None, state: DecodeState | None = None, return_state: bool = False,
-          prefill_chunk_size: int | None = None,
-          activation_budget: int | None = None) -> _Plan:
+          prefill_chunk_size: int | None = None, activation_budget: int | None = None,
+          return_logprobs: bool = False, top_logprobs: int = 0) -> _Plan:
     if kernels is not None and not isinstance(kernels, Kernels):
         raise ValueError(f"kernels={kernels!r} must be a jaxdecode.Kernels (or None)")
     config = params.config
     vocab, limit = config.vocab_size, config.max_position_embeddings
+    if not isinstance(return_logprobs, (bool, np.bool_)):
+        raise ValueError(f"{return_logprobs=} must be a bool")
+    if (isinstance(top_logprobs, bool) or not isinstance(top_logprobs, (int, np.integer))
+            or not 0 <= top_logprobs <= vocab):
+        raise ValueError(f"{top_logprobs=} must be an int in [0, vocab_size={vocab}]")
+    if top_logprobs and not return_logprobs:
+        raise ValueError(f"{top_logprobs=} needs return_logprobs=True")
     prompt_list = _token_lists(prompts, "prompts", vocab)
     if not prompt_list:
         raise ValueError("prompts is empty: pass at least one prompt")
@@ -412,12 +457,13 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
                  max_new_tokens=n_bucket, chunk_size=min(chunk_size, max(n_bucket - 1, 1)),
                  num_samples=num_samples, features=features, pad_id=pad_id, kernels=kernels,
                  return_state=bool(return_state) or state is not None,
-                 fork_state=state is not None and num_samples > 1, prefill=prefill)
+                 fork_state=state is not None and num_samples > 1, prefill=prefill,
+                 logprobs=int(top_logprobs) if return_logprobs else None)
 
 
 def _run(params, state, prompts, prompt_lengths, budgets, sampling, keys, eos_token_ids,
          stop_sequences, pad_id, *, max_len, num_samples, features, kernels, prefill_chunk_size,
-         query_block, **loop):
+         query_block, logprobs, **loop):
     """:func:`start_fn`, or with ``loop``'s statics :func:`generate_fn`, on ``state`` or a new one
     (None). Dynamic arguments positional, static ones keywords; pad_id is traced (a fill value)."""
     if state is None:  # its memory was checked by _plan
@@ -426,25 +472,26 @@ def _run(params, state, prompts, prompt_lengths, budgets, sampling, keys, eos_to
     args = (params, state, prompts, prompt_lengths, budgets, sampling, keys, eos_token_ids)
     kw = dict(stop_sequences=stop_sequences, num_samples=num_samples, features=features,
               pad_id=pad_id, kernels=kernels, prefill_chunk_size=prefill_chunk_size,
-              query_block=query_block)
+              query_block=query_block, logprobs=logprobs)
     return generate_fn(*args, **kw, **loop)[0] if loop else start_fn(*args, **kw)
 
 
 # Two of each: one donating the state, one not, for a forked state (jit would warn).
 _STATIC = ("max_len", "num_samples", "features", "max_new_tokens", "chunk_size", "kernels",
-           "progress", "return_state", "prefill_chunk_size", "query_block")
+           "progress", "return_state", "prefill_chunk_size", "query_block", "logprobs")
 _generate_jit, _fork_jit = (jax.jit(_run, static_argnames=_STATIC, donate_argnames=donate,
                                     compiler_options=COMPILER_OPTIONS)
                             for donate in (("state",), ()))
 _start_jit = _generate_jit  # called without the loop's statics: start_fn
 
 
-@functools.partial(jax.jit, static_argnames=("chunk_size", "kernels", "features"),
+@functools.partial(jax.jit, static_argnames=("chunk_size", "kernels", "features", "logprobs"),
                    donate_argnames=("loop",), compiler_options=COMPILER_OPTIONS)
 def _chunk_jit(params, loop, sampling, eos_token_ids, stop_sequences, pad_id, *, chunk_size,
-               kernels, features):
+               kernels, features, logprobs):
     return chunk_fn(params, loop, sampling, eos_token_ids, chunk_size=chunk_size, pad_id=pad_id,
-                    stop_sequences=stop_sequences, kernels=kernels, features=features)
+                    stop_sequences=stop_sequences, kernels=kernels, features=features,
+                    logprobs=logprobs)
 
 
 _feed_last_jit = jax.jit(feed_last_fn, static_argnames=("kernels",), donate_argnames=("state",),
@@ -456,7 +503,7 @@ def _start_args(params: Params, plan: _Plan, state: DecodeState | None = None):
             plan.keys, plan.eos_token_ids, plan.stop_sequences, np.int32(plan.pad_id))
     return args, dict(max_len=plan.max_len, num_samples=plan.num_samples, features=plan.features,
                       kernels=plan.kernels, prefill_chunk_size=plan.prefill.prefill_chunk_size,
-                      query_block=plan.prefill.query_block)
+                      query_block=plan.prefill.query_block, logprobs=plan.logprobs)
 
 
 def _generate_args(params: Params, plan: _Plan, progress, state: DecodeState | None = None):
@@ -468,7 +515,8 @@ def _generate_args(params: Params, plan: _Plan, progress, state: DecodeState | N
 def _chunk_args(params: Params, plan: _Plan, loop):
     args = (params, loop, plan.sampling, plan.eos_token_ids, plan.stop_sequences,
             np.int32(plan.pad_id))
-    return args, dict(chunk_size=plan.chunk_size, kernels=plan.kernels, features=plan.features)
+    return args, dict(chunk_size=plan.chunk_size, kernels=plan.kernels, features=plan.features,
+                      logprobs=plan.logprobs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -525,6 +573,11 @@ _DOC_ARGS = """
         else is in the batch, for one ``max_len``: ``Kernels.batch_invariant``).
       prefill_chunk_size, activation_budget: the prompts' prefill in chunks (as
         :func:`jaxdecode.prefill`, inside the one jitted call).
+      return_logprobs: also return each generated token's log-probabilities (``.logprobs``, a
+        :class:`~jaxdecode.sampling.Logprobs`: under the distribution it was drawn from and
+        under the model's), computed in the loop (no host sync; off, nothing is computed).
+      top_logprobs: with ``return_logprobs``, also the n most likely ids and their raw
+        log-probabilities at each step (0-vocab_size; a static: each n compiles once).
       features: the sampling steps compiled in (:class:`~jaxdecode.sampling.SamplingFeatures`);
         None: those the sampling values use; ``ALL_FEATURES``: one executable for every setting.
       executables: from :func:`precompile` for the same arguments (optional).
@@ -534,7 +587,8 @@ _DOC_ARGS = """
         ``[0, vocab_size)``, a budget < 1, (cached +) prompt + budget over ``max_len`` or
         ``max_position_embeddings``, invalid sampling values (:func:`~jaxdecode.sampling.
         validate`), ``features`` leaving out a step they use, a mis-shaped key, ``kernels`` not
-        a ``Kernels``, a state of another config, dtype, mesh or row count (``state.lengths`` is
+        a ``Kernels``, ``top_logprobs`` outside [0, vocab_size] or without
+        ``return_logprobs``, a state of another config, dtype, mesh or row count (``state.lengths`` is
         read once), both ``state`` and ``max_len``, or a state or prefill that cannot fit in
         the device's free memory (the bytes named).
 """
@@ -549,7 +603,8 @@ def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParam
              features: SamplingFeatures | None = None,
              progress: Callable[[np.ndarray], None] | None = None,
              executables: Executables | None = None, prefill_chunk_size: int | None = None,
-             activation_budget: int | None = None) -> GenerateOutput:
+             activation_budget: int | None = None, return_logprobs: bool = False,
+             top_logprobs: int = 0) -> GenerateOutput:
     """Generates continuations with the whole loop on device (one jitted call, no per-token sync).
 
     Returns a :class:`GenerateOutput` of device arrays. ``progress``, if given, is called on the
@@ -559,7 +614,8 @@ def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParam
                  num_samples=num_samples, chunk_size=chunk_size, pad_id=pad_id, kernels=kernels,
                  features=features, stop_sequences=stop_sequences, state=state,
                  return_state=return_state, prefill_chunk_size=prefill_chunk_size,
-                 activation_budget=activation_budget)
+                 activation_budget=activation_budget, return_logprobs=return_logprobs,
+                 top_logprobs=top_logprobs)
     fn = _fork_jit if plan.fork_state else _generate_jit
     return _call(fn, *_generate_args(params, plan, progress, state), executables)
 
@@ -574,7 +630,8 @@ def generate_stream(params: Params, prompts, max_new_tokens=64,
                     features: SamplingFeatures | None = None,
                     executables: Executables | None = None,
                     prefill_chunk_size: int | None = None,
-                    activation_budget: int | None = None) -> Iterator[StreamChunk]:
+                    activation_budget: int | None = None, return_logprobs: bool = False,
+                    top_logprobs: int = 0) -> Iterator[StreamChunk]:
     """Generates continuations, yielding a :class:`StreamChunk` to the host per jitted chunk.
 
     The first chunk holds each row's first token (prefill + one sample: the time to first token),
@@ -586,13 +643,16 @@ def generate_stream(params: Params, prompts, max_new_tokens=64,
                  num_samples=num_samples, chunk_size=chunk_size, pad_id=pad_id, kernels=kernels,
                  features=features, stop_sequences=stop_sequences, state=state,
                  return_state=return_state, prefill_chunk_size=prefill_chunk_size,
-                 activation_budget=activation_budget)
+                 activation_budget=activation_budget, return_logprobs=return_logprobs,
+                 top_logprobs=top_logprobs)
     fn = _fork_jit if plan.fork_state else _start_jit
     loop, emitted = _call(fn, *_start_args(params, plan, state), executables)
-    emitted = emitted[:, None]
+    emitted = jax.tree.map(lambda x: x[:, None], emitted)
     while True:
-        chunk = StreamChunk(*map(np.asarray, jax.device_get(
-            (emitted, loop.num_generated, loop.stop_reason))))
+        ids, lp = emitted if plan.logprobs is not None else (emitted, None)
+        ids, lp, num_generated, stop_reason = jax.tree.map(np.asarray, jax.device_get(
+            (ids, lp, loop.num_generated, loop.stop_reason)))
+        chunk = StreamChunk(ids, num_generated, stop_reason, logprobs=lp)
         done = bool((chunk.stop_reason != STOP_RUNNING).all())
         if done and plan.return_state:
             chunk = dataclasses.replace(chunk, state=_call(

@@ -371,7 +371,7 @@ def row_keys(key: Array, batch_size: int) -> Array:
 
 def sample(logits: Array, key: Array, params: SamplingParams,
            token_counts: Array | None = None, *, prompt_mask: Array | None = None,
-           features: SamplingFeatures | None = None) -> Array:
+           features: SamplingFeatures | None = None, return_processed_logits: bool = False):
     """Draws one token per row.
 
     Args:
@@ -390,6 +390,7 @@ def sample(logits: Array, key: Array, params: SamplingParams,
     Returns [B] int32 ids: the argmax of the penalised logits where temperature is 0, else a
     draw from ``softmax(processed_logits(...))``; -1 for a row with NaN logits (a decode step's
     rejected row: full cache, id outside the vocabulary) or all -inf, which the next step rejects.
+    With ``return_processed_logits``: (ids, the [B, V] float32 ``processed_logits``).
     """
     logits = jnp.asarray(logits, jnp.float32)
     if logits.ndim != 2:
@@ -416,4 +417,38 @@ def sample(logits: Array, key: Array, params: SamplingParams,
         tokens = lax.cond(jnp.any(sampled), draw, lambda x: greedy_tokens, x)
     else:
         tokens = draw(x) if features.sampled else greedy_tokens
-    return jnp.where(jnp.isnan(logits).any(-1) | (logits == -jnp.inf).all(-1), -1, tokens)
+    tokens = jnp.where(jnp.isnan(logits).any(-1) | (logits == -jnp.inf).all(-1), -1, tokens)
+    return (tokens, x) if return_processed_logits else tokens
+
+
+@struct.dataclass
+class Logprobs:
+    """Log-probabilities (natural log, float32) of generated tokens, leaves [..., R] (per step)
+    or [R, N] (a whole output; 0, and ids ``pad_id``, after a row's last token; NaN for a -1
+    token). vLLM's "processed" and "raw" logprobs:"""
+    processed: Array  # under the distribution the token was drawn from: softmax of the
+    # processed_logits (penalties, temperature, top-k/p, min-p; temperature 0: the penalised
+    # logits, whose argmax greedy takes)
+    raw: Array  # under the model's distribution, softmax(logits)
+    top_ids: Array  # [..., n] int32: the n most likely ids under the raw distribution
+    top_logprobs: Array  # [..., n] float32: their raw log-probabilities, descending
+
+
+def token_logprobs(logits: Array, processed_logits: Array, tokens: Array,
+                   top_logprobs: int = 0) -> Logprobs:
+    """:class:`Logprobs` of ``tokens`` [B] (from :func:`sample` with
+    ``return_processed_logits``) under logits and processed_logits, both [B, V];
+    ``top_logprobs`` (static, 0-V): how many top raw ids to report."""
+    safe = jnp.maximum(tokens, 0)[:, None]
+
+    def of(x):  # [B, V] -> (logsumexp [B, 1], log-prob of the token [B])
+        x = jnp.asarray(x, jnp.float32)
+        lse = jax.nn.logsumexp(x, axis=-1, keepdims=True)
+        got = jnp.take_along_axis(x, safe, axis=1)[:, 0] - lse[:, 0]
+        return lse, jnp.where(tokens >= 0, got, jnp.nan)
+
+    lse, raw = of(logits)
+    _, processed = of(processed_logits)
+    top_values, top_ids = lax.top_k(jnp.asarray(logits, jnp.float32), top_logprobs)
+    return Logprobs(processed=processed, raw=raw, top_ids=top_ids.astype(jnp.int32),
+                    top_logprobs=top_values - lse)

@@ -185,6 +185,88 @@ def test_batch_invariant_generate_gives_each_prompt_its_tokens_alone(params):
     assert batch.token_lists() == _greedy(params, budget=12).token_lists()
 
 
+# ----- log-probabilities (issue 17) ----------------------------------------------------------
+
+def _teacher_forced(params, prompt, generated):
+    """[n, V] float32 logits predicting each generated token, from one prefill of the prompt
+    and all generated tokens but the last (every position's logits)."""
+    seq = np.array(prompt + generated[:-1], np.int32)[None]
+    state = jd.init_state(params.config, 1, 64)
+    logits, _ = jd.prefill(params, state, seq, np.array([seq.shape[1]]), return_all_logits=True)
+    return np.asarray(logits)[0, len(prompt) - 1:]
+
+
+def _log_softmax(x):
+    x = np.asarray(x, np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def test_generate_logprobs_are_those_of_the_distributions_drawn_from(params):
+    """Per generated token: raw == log_softmax of the teacher-forced logits at that token;
+    processed == log_softmax of sampling.processed_logits of the same logits with the row's
+    penalties (the prompt's and the earlier generated tokens), temperature, top-k and top-p;
+    top ids/logprobs == the raw distribution's largest, descending; 0 and pad_id after a row's
+    last token; the tokens the same as without log-probs (float32)."""
+    sampling = SamplingParams.create(3, temperature=[0.0, 0.8, 1.3], top_k=[0, 20, 0],
+                                     top_p=[1.0, 0.9, 0.7], repetition_penalty=[1.0, 1.3, 1.2],
+                                     penalize_prompt=[True, True, False])
+    budgets = [7, 9, 12]
+    key = jax.random.key(4)
+    out = gen.generate(params, PROMPTS, budgets, sampling, key=key, eos_token_ids=(),
+                       return_logprobs=True, top_logprobs=4)
+    plain = gen.generate(params, PROMPTS, budgets, sampling, key=key, eos_token_ids=())
+    assert plain.logprobs is None
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(plain.tokens))
+    lp = jax.tree.map(np.asarray, out.logprobs)
+    for r, (prompt, generated) in enumerate(zip(PROMPTS, out.token_lists())):
+        n = len(generated)
+        logits = _teacher_forced(params, prompt, generated)
+        raw = _log_softmax(logits)
+        np.testing.assert_allclose(lp.raw[r, :n], raw[np.arange(n), generated], atol=2e-5)
+        order = np.argsort(-raw, axis=-1, kind="stable")[:, :4]
+        np.testing.assert_array_equal(lp.top_ids[r, :n], order)
+        np.testing.assert_allclose(lp.top_logprobs[r, :n],
+                                   np.take_along_axis(raw, order, -1), atol=2e-5)
+        row = jax.tree.map(lambda x: x[r:r + 1], sampling)
+        prompt_mask = sampling_lib.prompt_mask_of(np.array([prompt]), np.array([len(prompt)]),
+                                                  VOCAB)
+        for i in range(n):
+            counts = np.bincount(generated[:i], minlength=VOCAB)[None].astype(np.int32)
+            x = sampling_lib.processed_logits(logits[i:i + 1], row, counts,
+                                              prompt_mask=prompt_mask)
+            want = _log_softmax(np.asarray(x))[0, generated[i]]
+            np.testing.assert_allclose(lp.processed[r, i], want, atol=2e-5, err_msg=f"{r=} {i=}")
+        assert (lp.raw[r, n:] == 0).all() and (lp.processed[r, n:] == 0).all()
+        assert (lp.top_ids[r, n:] == -1).all() and (lp.top_logprobs[r, n:] == 0).all()
+    assert lp.processed[0, :budgets[0]].max() <= 0 and (lp.processed[1:] != lp.raw[1:]).any()
+
+
+def test_stream_logprobs_equal_generates(params):
+    """generate_stream's chunks carry the same log-probabilities as generate (per chunk, with
+    an EOS stopping a row early), top_logprobs=0 gives empty top arrays."""
+    sampling = SamplingParams.create(temperature=0.9)
+    ref = gen.generate(params, PROMPTS, 10, sampling, eos_token_ids=(VOCAB - 1, 7),
+                       return_logprobs=True)
+    chunks = list(gen.generate_stream(params, PROMPTS, 10, sampling, chunk_size=3,
+                                      eos_token_ids=(VOCAB - 1, 7), return_logprobs=True))
+    for field in ("processed", "raw", "top_ids", "top_logprobs"):
+        got = np.concatenate([getattr(c.logprobs, field) for c in chunks], axis=1)
+        want = np.asarray(getattr(ref.logprobs, field))[:, :got.shape[1]]
+        np.testing.assert_allclose(got, want, atol=1e-5, err_msg=field)
+    assert ref.logprobs.top_ids.shape == (3, 16, 0)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(top_logprobs=2), "needs return_logprobs=True"),
+    (dict(return_logprobs=True, top_logprobs=-1), "top_logprobs=-1 must be an int"),
+    (dict(return_logprobs=True, top_logprobs=VOCAB + 1), "must be an int in"),
+    (dict(return_logprobs=1), "must be a bool")])
+def test_logprobs_arguments_are_checked(params, kw, match):
+    with pytest.raises(ValueError, match=match):
+        gen.generate(params, PROMPTS, 4, **kw)
+
+
 # ----- fork / num_samples -----------------------------------------------------------------------------
 
 @pytest.mark.slow
