@@ -10,7 +10,8 @@ Layers, each importing only those above it: ``config`` -> ``memory`` (bytes, the
 chunk plan) -> ``params``, ``state`` -> ``kernels``
 (each kernel beside its reference; ``kernels.choice`` decides which runs) -> ``model`` (pure
 functions) -> ``sharding`` (layouts) -> ``step`` (the jitted, donated entry points),
-``generation`` (sampling loops), ``checkpoint`` -> ``cli``.
+``generation`` (sampling loops) -> ``scoring`` (teacher-forced log-probs), ``checkpoint`` ->
+``cli``.
 """
 
 __version__ = "0.2.0"
@@ -22,6 +23,7 @@ from jaxdecode.generation import GenerateOutput, StreamChunk, generate, generate
 from jaxdecode.kernels.choice import Kernels, choose_kernels
 from jaxdecode.params import Params, init_params, num_params, param_specs
 from jaxdecode.sampling import Logprobs, SamplingParams, sample
+from jaxdecode.scoring import ScoreOutput, score
 from jaxdecode.state import DecodeState, KVCache, fork, init_state
 from jaxdecode.step import COMPILER_OPTIONS, decode_step, prefill
 from jaxdecode.tokenizer import load_tokenizer
@@ -32,5 +34,5 @@ __all__ = [
     "PRESETS", "Params", "SamplingParams", "StreamChunk", "choose_kernels", "decode_step",
     "fork", "generate", "generate_stream", "init_params", "init_state", "load_checkpoint",
     "load_tokenizer", "memory", "model", "num_params", "param_specs", "prefill", "sample",
-    "sharding",
+    "score", "ScoreOutput", "sharding",
 ]

@@ -100,11 +100,14 @@ class PrefillPlan:
 
 def plan_prefill(config: Config, batch_size: int, length: int, max_len: int, dtype, *,
                  budget: int | None = None, return_all_logits: bool = False,
-                 device: jax.Device | None = None, flash: bool = False) -> PrefillPlan:
+                 device: jax.Device | None = None, flash: bool = False,
+                 logits_per_token: bool = False) -> PrefillPlan:
     """The largest chunk (a power of two >= 64, or the whole T) and query block (a power of two
     in [16, 512]) whose activations fit ``budget`` bytes (None: :data:`BUDGET_FRACTION` of the
     device's free memory, :data:`HOST_BUDGET_BYTES` without statistics). ``flash``: the
-    attention is the flash kernel, which holds no scores.
+    attention is the flash kernel, which holds no scores. ``logits_per_token``: every token's
+    float32 logits are live per chunk (teacher-forced scoring), twice (the logits and their
+    exponent).
 
     Raises ValueError naming the bytes when even 64-token chunks and 16-query blocks do not fit,
     or ``return_all_logits``' [B, T, V] float32 output does not.
@@ -116,7 +119,8 @@ def plan_prefill(config: Config, batch_size: int, length: int, max_len: int, dty
         out = 4 * batch_size * length * config.vocab_size
         check_fits(f"return_all_logits' [{batch_size}, {length}, {config.vocab_size}] float32 "
                    "logits", out, device)
-    per_token = prefill_token_bytes(config, dtype)
+    per_token = prefill_token_bytes(config, dtype) + (8 * config.vocab_size
+                                                      if logits_per_token else 0)
 
     def scores(block):
         return 0 if flash else attention_scores_bytes(config, batch_size, block, max_len)

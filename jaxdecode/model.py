@@ -384,30 +384,51 @@ def _rejected(config: Config, state: DecodeState, tokens: Array, num_new: Array)
             | bad_row)
 
 
+def target_logprobs(logits: Array, targets: Array) -> Array:
+    """``log_softmax(logits)[..., targets]``: logits [..., V] float32, targets [...] int32;
+    0 where ``targets < 0``."""
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    got = jnp.take_along_axis(logits, jnp.maximum(targets, 0)[..., None], axis=-1)[..., 0]
+    return jnp.where(targets >= 0, got - lse, 0.0)
+
+
 def _prefill_chunks(params: Params, state: DecodeState, tokens: Array, num_new: Array,
-                    chunk: int, return_all_logits: bool, query_block: int, kernels: Kernels):
+                    chunk: int, return_all_logits: bool, query_block: int, kernels: Kernels,
+                    targets: Array | None = None):
     """The prefill as a ``lax.scan`` over [B, chunk] token chunks, each the continuation of the
     one before (T padded to a multiple of ``chunk``): activations bounded by one chunk. Same
-    result as one call (chunk boundaries at multiples of 64 keep the delta rule's)."""
+    result as one call (chunk boundaries at multiples of 64 keep the delta rule's). With
+    ``targets`` [B, T]: each chunk's logits reduced to :func:`target_logprobs` ([B, T] out)."""
     batch, length = tokens.shape
     rejected = _rejected(params.config, state, tokens, num_new)
     num_new = jnp.where(rejected, 0, num_new)
     n = -(-length // chunk)
-    tokens = jnp.pad(tokens, ((0, 0), (0, n * chunk - length)))
-    chunks = jnp.moveaxis(tokens.reshape(batch, n, chunk), 1, 0)  # [N, B, chunk]
+    split = lambda x: jnp.moveaxis(  # noqa: E731  [B, T] -> [N, B, chunk]
+        jnp.pad(x, ((0, 0), (0, n * chunk - length)), constant_values=-1).reshape(batch, n, chunk),
+        1, 0)
+    chunks = split(tokens)
+    per_chunk = split(targets) if targets is not None else jnp.zeros((n,), jnp.int32)
+    return_all_logits = return_all_logits or targets is not None
 
     def body(carry, xs):
         state, last = carry
-        tok, i = xs
+        tok, i, tgt = xs
+        tok = jnp.maximum(tok, 0)  # the padding's -1: past num_new, never read
         nn = jnp.clip(num_new - i * chunk, 0, chunk)
         logits, state = _forward(params, state, tok, nn, return_all_logits=return_all_logits,
                                  query_block=query_block, kernels=kernels)
+        if targets is not None:
+            return (state, last), target_logprobs(logits, tgt)
         if return_all_logits:
             return (state, last), logits
         return (state, jnp.where((nn > 0)[:, None], logits, last)), None
 
     last = jnp.zeros((batch, params.config.vocab_size), f32)
-    (state, logits), every = jax.lax.scan(body, (state, last), (chunks, jnp.arange(n)))
+    (state, logits), every = jax.lax.scan(body, (state, last),
+                                          (chunks, jnp.arange(n), per_chunk))
+    if targets is not None:
+        lp = jnp.moveaxis(every, 0, 1).reshape(batch, n * chunk)[:, :length]
+        return jnp.where(rejected[:, None], jnp.nan, lp), state
     if return_all_logits:
         logits = jnp.moveaxis(every, 0, 1).reshape(batch, n * chunk, -1)[:, :length]
         return jnp.where(rejected[:, None, None], jnp.nan, logits), state
@@ -471,6 +492,39 @@ def prefill_fn(params: Params, state: DecodeState, tokens: Array, num_new: Array
                                return_all_logits, query_block, kernels)
     return _forward(params, state, tokens, num_new, return_all_logits=return_all_logits,
                     query_block=query_block, kernels=kernels)
+
+
+def prefill_logprobs_fn(params: Params, state: DecodeState, tokens: Array, num_new: Array,
+                        targets: Array, *, prefill_chunk_size: int | None = None,
+                        query_block: int = 512, kernels: Kernels | None = None):
+    """Teacher-forced log-probabilities in prefill's (chunked delta rule) math: appends tokens as
+    :func:`prefill_fn` and returns (logprobs [B, T] float32, new_state): at position t,
+    ``log_softmax(logits_t)[targets[b, t]]`` (targets [B, T] int32; 0 where < 0; NaN rows for a
+    rejected request), never holding more than one chunk's [B, chunk, V] logits."""
+    num_new = num_new.astype(jnp.int32)
+    if kernels is None:
+        kernels = choice.choose_kernels(params.config, tokens.shape[0], dtype=params.dtype)
+    kernels = dataclasses.replace(kernels, batch_invariant=False)
+    chunk = prefill_chunk_size or -(-tokens.shape[1] // CHUNK_SIZE) * CHUNK_SIZE
+    return _prefill_chunks(params, state, tokens, num_new, chunk, False, query_block, kernels,
+                           targets=targets.astype(jnp.int32))
+
+
+def decode_logprobs_fn(params: Params, state: DecodeState, tokens: Array, num_new: Array,
+                       targets: Array, kernels: Kernels | None = None):
+    """Teacher-forced log-probabilities in the decode step's math (the one-token recurrence):
+    a ``lax.scan`` of :func:`decode_step_fn` over tokens [B, T] (row b's first ``num_new[b]``;
+    the rest inactive). Returns (logprobs [B, T] as :func:`prefill_logprobs_fn`'s, new_state)."""
+    num_new = num_new.astype(jnp.int32)
+
+    def body(state, xs):
+        tok, tgt, t = xs
+        logits, state = decode_step_fn(params, state, jnp.maximum(tok, 0), t < num_new, kernels)
+        return state, target_logprobs(logits, tgt)
+
+    xs = (tokens.T, targets.astype(jnp.int32).T, jnp.arange(tokens.shape[1]))
+    state, lp = jax.lax.scan(body, state, xs)
+    return lp.T, state
 
 
 def decode_step_fn(params: Params, state: DecodeState, tokens: Array, active: Array | None = None,

@@ -151,7 +151,8 @@ def _keep_last(last, logits, has_tokens):
 def plan_prefill(params: Params, batch_size: int, length: int, max_len: int, *,
                  mesh: Mesh | None = None, return_all_logits: bool = False,
                  prefill_chunk_size: int | None = None, activation_budget: int | None = None,
-                 kernels: Kernels | None = None) -> memory.PrefillPlan:
+                 kernels: Kernels | None = None,
+                 logits_per_token: bool = False) -> memory.PrefillPlan:
     """How a prefill of [B, T = ``length``] tokens into a ``max_len`` state runs
     (``memory.plan_prefill`` for one device's rows; ``prefill_chunk_size`` given: that,
     validated). ValueError: a ``prefill_chunk_size`` that is not a positive multiple of 64, or
@@ -168,7 +169,8 @@ def plan_prefill(params: Params, batch_size: int, length: int, max_len: int, *,
     flash = kernels is not None and kernels.prefill_attention == "pallas"
     plan = memory.plan_prefill(params.config, rows, length, max_len, params.dtype,
                                budget=activation_budget, return_all_logits=return_all_logits,
-                               device=device, flash=flash)
+                               device=device, flash=flash,
+                               logits_per_token=logits_per_token)
     if chunk is not None:
         plan = dataclasses.replace(plan, prefill_chunk_size=chunk if chunk < length else None)
     return plan

@@ -42,7 +42,8 @@ FORBIDDEN = {
     "jaxdecode.checkpoint": {"jaxdecode.model", "jaxdecode.step", "jaxdecode.generation",
                              "jaxdecode.cli"},
     "jaxdecode.step": {"jaxdecode.generation", "jaxdecode.checkpoint", "jaxdecode.cli"},
-    "jaxdecode.generation": {"jaxdecode.checkpoint", "jaxdecode.cli"},
+    "jaxdecode.generation": {"jaxdecode.checkpoint", "jaxdecode.cli", "jaxdecode.scoring"},
+    "jaxdecode.scoring": {"jaxdecode.checkpoint", "jaxdecode.cli"},
 }
 
 

@@ -1,0 +1,157 @@
+"""Teacher-forced scoring: the log-probabilities of given continuations after given prompts.
+
+:func:`score` runs each (prompt, continuation) row in one jitted call, in one of two maths:
+
+  "chunked"    the prompt and continuation as one prefill (``model.prefill_logprobs_fn``: the
+               chunked gated delta rule), in token chunks under the activation budget;
+  "recurrent"  the prompt as a prefill, then the continuation one token per decode step
+               (``model.decode_logprobs_fn``): the math ``jd.generate`` samples with, so a
+               rollout's raw log-probabilities and their re-scoring agree (tested bitwise in
+               float32 on the CPU; the chunked/recurrent gap: benchmarks/RESULTS.md).
+
+Lengths are bucketed to powers of two (>= 16) as in ``jaxdecode.generation``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxdecode import memory, sharding
+from jaxdecode.generation import MIN_PROMPT_BUCKET, _token_lists, bucket
+from jaxdecode.kernels.choice import Kernels, choose_kernels
+from jaxdecode.kernels.decode_attention import MAX_LEN_ALIGN
+from jaxdecode.model import decode_logprobs_fn, prefill_fn, prefill_logprobs_fn
+from jaxdecode.params import Params
+from jaxdecode.state import DecodeState, init_state
+from jaxdecode.step import COMPILER_OPTIONS, plan_prefill
+
+Array = jax.Array
+MODES = ("chunked", "recurrent")
+
+
+@struct.dataclass
+class ScoreOutput:
+    """Result of :func:`score` (B rows, N >= the longest continuation)."""
+    logprobs: Array  # [B, N] float32: log p(continuation[b][i] | prompt, continuation[:i]),
+    # natural log, under the model's softmax(logits); 0 after the row's continuation
+    num_tokens: Array  # [B] int32 continuation lengths
+    state: DecodeState | None = None  # return_state: prompt + continuation in every row
+
+    def sums(self) -> np.ndarray:
+        """[B] float64 sequence log-likelihoods (a host sync)."""
+        return np.asarray(self.logprobs, np.float64).sum(axis=1)
+
+
+def _score_fn(params, prompts, prompt_lengths, continuations, num_tokens, *, mode, max_len,
+              kernels, prefill_chunk_size, query_block, return_state):
+    batch, n = continuations.shape
+    state = init_state(params.config, batch, max_len, params.dtype, check_memory=False)
+    if mode == "chunked":
+        # one sequence per row: prompt then continuation; position t predicts token t + 1
+        pos = jnp.arange(prompts.shape[1] + n)[None, :]
+        idx = jnp.clip(pos - prompt_lengths[:, None], 0, n - 1)
+        from_cont = jnp.take_along_axis(continuations, idx, axis=1)
+        seq = jnp.where(pos < prompt_lengths[:, None],
+                        jnp.pad(prompts, ((0, 0), (0, n))), from_cont)
+        total = prompt_lengths + num_tokens
+        nxt = jnp.concatenate([seq[:, 1:], jnp.zeros_like(seq[:, :1])], axis=1)
+        scored = (pos >= prompt_lengths[:, None] - 1) & (pos < total[:, None] - 1)
+        targets = jnp.where(scored, nxt, -1)
+        lp, state = prefill_logprobs_fn(params, state, seq, total, targets,
+                                        prefill_chunk_size=prefill_chunk_size,
+                                        query_block=query_block, kernels=kernels)
+        take = jnp.clip(prompt_lengths[:, None] - 1 + jnp.arange(n)[None, :], 0, seq.shape[1] - 1)
+        lp = jnp.take_along_axis(lp, take, axis=1)
+        lp = jnp.where(jnp.arange(n)[None, :] < num_tokens[:, None], lp, 0.0)
+    else:
+        logits, state = prefill_fn(params, state, prompts, prompt_lengths,
+                                   prefill_chunk_size=prefill_chunk_size, query_block=query_block,
+                                   kernels=kernels)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        first = jnp.take_along_axis(logits, continuations[:, :1], axis=1)[:, 0] - lse
+        # feed continuation[i] (i < num_tokens): its logits score continuation[i + 1]
+        targets = jnp.concatenate([continuations[:, 1:], jnp.full((batch, 1), -1)], axis=1)
+        targets = jnp.where(jnp.arange(n)[None, :] + 1 < num_tokens[:, None], targets, -1)
+        rest, state = decode_logprobs_fn(params, state, continuations, num_tokens, targets,
+                                         kernels)
+        lp = jnp.concatenate([first[:, None], rest[:, :-1]], axis=1)
+    return ScoreOutput(logprobs=lp, num_tokens=num_tokens,
+                       state=state if return_state else None)
+
+
+_score_jit = jax.jit(_score_fn, static_argnames=("mode", "max_len", "kernels",
+                                                 "prefill_chunk_size", "query_block",
+                                                 "return_state"),
+                     compiler_options=COMPILER_OPTIONS)
+
+
+def score(params: Params, prompts, continuations, *, mode: str = "chunked",
+          max_len: int | None = None, return_state: bool = False,
+          kernels: Kernels | None = None, prefill_chunk_size: int | None = None,
+          activation_budget: int | None = None) -> ScoreOutput:
+    """Log-probabilities of each continuation's tokens after its prompt, teacher-forced.
+
+    Args:
+      prompts, continuations: lists of token-id lists (ragged), one continuation per prompt,
+        each non-empty (repeat a prompt to score several continuations of it).
+      mode: "chunked" or "recurrent" (the module docstring).
+      max_len: the state's capacity per row (None: the buckets, rounded up to a multiple of 64).
+      return_state: also return the state holding prompt + continuation (``.state``).
+      kernels: as ``jd.generate``'s (``batch_invariant`` is not supported here).
+      prefill_chunk_size, activation_budget: as ``jd.prefill``'s (the prompt's prefill, and in
+        "chunked" mode the whole sequence); the [B, chunk, V] float32 logits of a chunk count.
+
+    Returns a :class:`ScoreOutput`. Raises ValueError before any device work: empty prompts or
+    continuations, a different number of them, ids outside ``[0, vocab_size)``, an unknown
+    mode, prompt + continuation over ``max_len`` or ``max_position_embeddings``, a state or
+    activations that cannot fit in the device's free memory.
+    """
+    config = params.config
+    vocab, limit = config.vocab_size, config.max_position_embeddings
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} must be one of {MODES}")
+    if kernels is not None and not isinstance(kernels, Kernels):
+        raise ValueError(f"kernels={kernels!r} must be a jaxdecode.Kernels (or None)")
+    if kernels is not None and kernels.batch_invariant:
+        raise ValueError("score does not run Kernels(batch_invariant=True)")
+    prompt_list = _token_lists(prompts, "prompts", vocab)
+    cont_list = _token_lists(continuations, "continuations", vocab)
+    if not prompt_list or len(prompt_list) != len(cont_list):
+        raise ValueError(f"need one continuation per prompt, at least one: got "
+                         f"{len(prompt_list)} prompts and {len(cont_list)} continuations")
+    batch = len(prompt_list)
+    p_len = np.array([len(p) for p in prompt_list], np.int32)
+    c_len = np.array([len(c) for c in cont_list], np.int32)
+    need = p_len + c_len
+    t_bucket, n_bucket = bucket(int(p_len.max()), MIN_PROMPT_BUCKET), bucket(int(c_len.max()), 16)
+    if max_len is None:
+        max_len = min(-(-(t_bucket + n_bucket) // MAX_LEN_ALIGN) * MAX_LEN_ALIGN, limit)
+    elif isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len < 1:
+        raise ValueError(f"{max_len=} must be a positive int")
+    for cap, what in ((limit, "the model's max_position_embeddings"), (max_len, "max_len")):
+        if (need > cap).any():
+            i = int(np.argmax(need > cap))
+            raise ValueError(f"row {i}: {p_len[i]} prompt + {c_len[i]} continuation tokens "
+                             f"exceed {what}={cap}")
+    prompts_np = np.zeros((batch, t_bucket), np.int32)
+    conts_np = np.zeros((batch, n_bucket), np.int32)
+    for i, (p, c) in enumerate(zip(prompt_list, cont_list)):
+        prompts_np[i, :len(p)], conts_np[i, :len(c)] = p, c
+    if sharding.mesh_of(params) is not None:
+        raise ValueError("score does not run on a mesh yet")
+    kernels = kernels or choose_kernels(config, batch, dtype=params.dtype)
+    memory.check_fits(f"score's state ({batch} rows x {max_len} positions)",
+                      memory.state_bytes(config, batch, int(max_len), params.dtype), None)
+    length = t_bucket + (n_bucket if mode == "chunked" else 0)
+    plan = plan_prefill(params, batch, length, int(max_len),
+                        prefill_chunk_size=prefill_chunk_size,
+                        activation_budget=activation_budget, kernels=kernels,
+                        logits_per_token=mode == "chunked")
+    return _score_jit(params, prompts_np, p_len, conts_np, c_len, mode=mode,
+                      max_len=int(max_len), kernels=kernels,
+                      prefill_chunk_size=plan.prefill_chunk_size, query_block=plan.query_block,
+                      return_state=bool(return_state))
+

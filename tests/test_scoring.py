@@ -1,0 +1,100 @@
+"""jaxdecode.scoring (jd.score): teacher-forced log-probabilities against the log-softmax of the
+prefill's every-position logits, the recurrent mode bitwise equal to a rollout's raw log-probs
+(float32), chunking, the returned state, validation."""
+
+import jax
+import numpy as np
+import pytest
+
+import jaxdecode as jd
+from jaxdecode import generation as gen
+
+from conftest import FULL, LIN, tiny
+
+VOCAB = 384
+SMALL = tiny(vocab_size=VOCAB, layer_types=(LIN, FULL, LIN, FULL), max_position_embeddings=512,
+             eos_token_id=(VOCAB - 1,))
+PROMPTS = [[5, 17, 33, 2, 9], [100, 7], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]
+
+
+@pytest.fixture(scope="module")
+def params():
+    return jd.init_params(SMALL, jax.random.key(1))
+
+
+def _reference(params, prompt, continuation):
+    """log_softmax (float64) of one prefill's every-position logits at the continuation."""
+    seq = np.array(prompt + continuation, np.int32)[None]
+    state = jd.init_state(params.config, 1, 256)
+    logits, _ = jd.prefill(params, state, seq, np.array([seq.shape[1]]), return_all_logits=True)
+    x = np.asarray(logits, np.float64)[0, len(prompt) - 1:-1]
+    x = x - x.max(-1, keepdims=True)
+    lp = x - np.log(np.exp(x).sum(-1, keepdims=True))
+    return lp[np.arange(len(continuation)), continuation]
+
+
+@pytest.mark.parametrize("mode", ["chunked", "recurrent"])
+def test_score_is_the_teacher_forced_log_softmax(params, mode):
+    """Both modes == the log-softmax of the prefill's logits at each continuation token (ragged
+    rows, a one-token continuation, 0 after each row's end), and sums() their totals."""
+    rng = np.random.default_rng(0)
+    conts = [rng.integers(0, VOCAB, n).tolist() for n in (1, 9, 20)]
+    out = jd.score(params, PROMPTS, conts, mode=mode)
+    lp = np.asarray(out.logprobs)
+    for r, (p, c) in enumerate(zip(PROMPTS, conts)):
+        np.testing.assert_allclose(lp[r, :len(c)], _reference(params, p, c), atol=2e-5)
+        assert (lp[r, len(c):] == 0).all()
+    np.testing.assert_array_equal(np.asarray(out.num_tokens), [1, 9, 20])
+    np.testing.assert_allclose(out.sums(), lp.sum(1), rtol=1e-6)
+    assert out.state is None
+
+
+def test_recurrent_score_reproduces_a_rollouts_raw_logprobs_bitwise(params):
+    """Re-scoring sampled rollouts in "recurrent" mode gives generate's raw log-probs bit for
+    bit (float32); "chunked" (the prefill's delta rule) differs by rounding only."""
+    out = gen.generate(params, PROMPTS, [7, 9, 12], jd.SamplingParams.create(temperature=1.0),
+                       key=jax.random.key(3), eos_token_ids=(), return_logprobs=True)
+    conts = out.token_lists()
+    raw = np.asarray(out.logprobs.raw)
+    rec = np.asarray(jd.score(params, PROMPTS, conts, mode="recurrent").logprobs)
+    chunked = np.asarray(jd.score(params, PROMPTS, conts, mode="chunked").logprobs)
+    n = min(raw.shape[1], rec.shape[1])
+    np.testing.assert_array_equal(rec[:, :n], raw[:, :n])
+    np.testing.assert_allclose(chunked[:, :n], raw[:, :n], atol=1e-5)
+
+
+def test_chunked_score_in_64_token_chunks_and_the_state(params):
+    """prefill_chunk_size=64 over a 150-token sequence == one chunk; return_state holds prompt
+    + continuation, and decoding on from it == decoding on from a prefill of both."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, VOCAB, 70).tolist(), [4]]
+    conts = [rng.integers(0, VOCAB, 80).tolist(), rng.integers(0, VOCAB, 3).tolist()]
+    whole = jd.score(params, prompts, conts, return_state=True)
+    chunked = jd.score(params, prompts, conts, prefill_chunk_size=64, return_state=True)
+    np.testing.assert_allclose(np.asarray(chunked.logprobs), np.asarray(whole.logprobs),
+                               atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(whole.state.lengths), [150, 4])
+    for mode in ("chunked", "recurrent"):
+        state = jd.score(params, prompts, conts, mode=mode, return_state=True).state
+        got, _ = jd.decode_step(params, state, np.array([7, 8], np.int32))
+        ref = jd.init_state(params.config, 2, state.max_len)
+        seqs = [p + c for p, c in zip(prompts, conts)]
+        tok = np.zeros((2, 150), np.int32)
+        for i, s in enumerate(seqs):
+            tok[i, :len(s)] = s
+        _, ref = jd.prefill(params, ref, tok, np.array([150, 4]))
+        want, _ = jd.decode_step(params, ref, np.array([7, 8], np.int32))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4)
+
+
+@pytest.mark.parametrize("prompts, conts, kw, match", [
+    ([[1, 2]], [[3], [4]], {}, "one continuation per prompt"),
+    ([[1, 2]], [[]], {}, "empty"),
+    ([[1, 2]], [[VOCAB]], {}, "outside"),
+    ([[1, 2]], [[3]], dict(mode="exact"), "mode='exact' must be one of"),
+    ([[1] * 40], [[3] * 30], dict(max_len=64), "exceed max_len=64"),
+    ([[1, 2]], [[3]], dict(kernels=jd.Kernels(batch_invariant=True)), "batch_invariant"),
+])
+def test_score_rejects_bad_requests_before_device_work(params, prompts, conts, kw, match):
+    with pytest.raises(ValueError, match=match):
+        jd.score(params, prompts, conts, **kw)
