@@ -394,11 +394,12 @@ def target_logprobs(logits: Array, targets: Array) -> Array:
 
 def _prefill_chunks(params: Params, state: DecodeState, tokens: Array, num_new: Array,
                     chunk: int, return_all_logits: bool, query_block: int, kernels: Kernels,
-                    targets: Array | None = None):
+                    targets: Array | None = None, remat: bool = False):
     """The prefill as a ``lax.scan`` over [B, chunk] token chunks, each the continuation of the
     one before (T padded to a multiple of ``chunk``): activations bounded by one chunk. Same
     result as one call (chunk boundaries at multiples of 64 keep the delta rule's). With
-    ``targets`` [B, T]: each chunk's logits reduced to :func:`target_logprobs` ([B, T] out)."""
+    ``targets`` [B, T]: each chunk's logits reduced to :func:`target_logprobs` ([B, T] out);
+    ``remat``: each chunk under ``jax.checkpoint`` (its activations recomputed for the VJP)."""
     batch, length = tokens.shape
     rejected = _rejected(params.config, state, tokens, num_new)
     num_new = jnp.where(rejected, 0, num_new)
@@ -424,6 +425,7 @@ def _prefill_chunks(params: Params, state: DecodeState, tokens: Array, num_new: 
         return (state, jnp.where((nn > 0)[:, None], logits, last)), None
 
     last = jnp.zeros((batch, params.config.vocab_size), f32)
+    body = jax.checkpoint(body) if remat else body
     (state, logits), every = jax.lax.scan(body, (state, last),
                                           (chunks, jnp.arange(n), per_chunk))
     if targets is not None:
@@ -496,18 +498,22 @@ def prefill_fn(params: Params, state: DecodeState, tokens: Array, num_new: Array
 
 def prefill_logprobs_fn(params: Params, state: DecodeState, tokens: Array, num_new: Array,
                         targets: Array, *, prefill_chunk_size: int | None = None,
-                        query_block: int = 512, kernels: Kernels | None = None):
+                        query_block: int = 512, kernels: Kernels | None = None,
+                        remat: bool = False):
     """Teacher-forced log-probabilities in prefill's (chunked delta rule) math: appends tokens as
     :func:`prefill_fn` and returns (logprobs [B, T] float32, new_state): at position t,
     ``log_softmax(logits_t)[targets[b, t]]`` (targets [B, T] int32; 0 where < 0; NaN rows for a
-    rejected request), never holding more than one chunk's [B, chunk, V] logits."""
+    rejected request), never holding more than one chunk's [B, chunk, V] logits.
+    Differentiable with ``kernels=Kernels()`` (XLA; the Pallas kernels have no VJP); ``remat``
+    recomputes each chunk in the backward pass, so a gradient holds one chunk's activations
+    (plus the state at each chunk boundary)."""
     num_new = num_new.astype(jnp.int32)
     if kernels is None:
         kernels = choice.choose_kernels(params.config, tokens.shape[0], dtype=params.dtype)
     kernels = dataclasses.replace(kernels, batch_invariant=False)
     chunk = prefill_chunk_size or -(-tokens.shape[1] // CHUNK_SIZE) * CHUNK_SIZE
     return _prefill_chunks(params, state, tokens, num_new, chunk, False, query_block, kernels,
-                           targets=targets.astype(jnp.int32))
+                           targets=targets.astype(jnp.int32), remat=remat)
 
 
 def decode_logprobs_fn(params: Params, state: DecodeState, tokens: Array, num_new: Array,

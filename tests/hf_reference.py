@@ -36,6 +36,12 @@ REQUESTS.json is a list of actions, run in order (one torch start-up for all of 
       same with prompt_ignore_length=prompt_lengths (generated ids only), "top_p" =
       TopPLogitsWarper(p) on the logits (filtered entries -inf).
 
+  {"action": "grad", "dir": D, "out": F.npz, "cases": [{"prompt": [ids],
+   "continuation": [ids]}]}
+      Loads D as "run" does; the loss is the sum over cases of the continuation tokens'
+      log-probabilities (log_softmax of the logits at the position before each); writes "loss"
+      and the gradient of every named parameter (float32, torch autograd, HF layout).
+
   {"action": "activations", "in": X.npy, "out": F.npz}
       torch's silu and sigmoid of X (float32 values exact in bfloat16) as bfloat16 tensors,
       and the MLP's silu(gate) * up with gate, up = the two halves of X, written as float32
@@ -192,12 +198,28 @@ def processors(req):
     np.savez(req["out"], **{k: v.numpy() for k, v in out.items()})
 
 
+def grad(req):
+    model = load(req["dir"])
+    total = 0.0
+    for case in req["cases"]:
+        ids = torch.tensor([case["prompt"] + case["continuation"]], dtype=torch.long)
+        logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
+        start = len(case["prompt"]) - 1
+        targets = ids[0, start + 1:]
+        total = total + logp[start:start + len(targets)].gather(1, targets[:, None]).sum()
+    total.backward()
+    out = {name: p.grad.float().numpy() for name, p in model.named_parameters()
+           if p.grad is not None}
+    np.savez(req["out"], loss=np.float32(total.item()), **out)
+
+
 def main():
     torch.set_num_threads(2)
     with open(sys.argv[1]) as f:
         requests = json.load(f)
     for req in requests:
         {"make": make, "run": run, "hidden_states": hidden_states, "activations": activations,
+         "grad": grad,
          "processors": processors}[req["action"]](req)
 
 
