@@ -102,3 +102,23 @@ def test_grad_matches_central_finite_differences():
               - float(_loss(minus, seq, total, targets))) / (2 * eps)
         analytic = float(sum(jnp.vdot(g, v) for g, v in zip(gleaves, d)))
         assert abs(fd - analytic) <= 2e-3 * abs(analytic) + 1e-3, (seed, fd, analytic)
+
+
+def test_new_weights_reuse_the_compiled_executables():
+    """After an update of every weight (same shapes and dtypes), generate, score and the
+    gradient run the executables compiled for the old weights: params are arguments, not
+    constants; the new weights change the results."""
+    from jaxdecode import generation as gen
+    from jaxdecode import scoring
+    params = jd.init_params(CONFIG, jax.random.key(6))
+    prompts = [[3, 4, 5], [9]]
+    old = gen.generate(params, prompts, 6, eos_token_ids=(), return_logprobs=True)
+    old_score = jd.score(params, prompts, [[1, 2], [3]])
+    _, grads = _grad(params, CASES)
+    sizes = (gen._generate_jit._cache_size(), scoring._score_jit._cache_size())
+    new = jax.tree.map(lambda p, g: p - 0.5 * g, params, grads)  # one SGD step
+    out = gen.generate(new, prompts, 6, eos_token_ids=(), return_logprobs=True)
+    new_score = jd.score(new, prompts, [[1, 2], [3]])
+    assert (gen._generate_jit._cache_size(), scoring._score_jit._cache_size()) == sizes
+    assert not np.array_equal(np.asarray(out.logprobs.raw), np.asarray(old.logprobs.raw))
+    assert not np.array_equal(np.asarray(new_score.logprobs), np.asarray(old_score.logprobs))
