@@ -53,9 +53,9 @@ def check(out, q, k, v, lengths, dtype=bf16):
                                   ATTENTION_TOL[dtype])
 
 
-def run_kernel(mode, q, k, v, lengths, config=None, ordered_combine=False):
+def run_kernel(mode, q, k, v, lengths, config=None, batch_invariant=False):
     return jax.jit(lambda *a: da.decode_attention_pallas(
-        *a, config=config, ordered_combine=ordered_combine,
+        *a, config=config, batch_invariant=batch_invariant,
         interpret=(mode == "interpret")))(q, k, v, lengths)
 
 
@@ -104,6 +104,17 @@ def test_kernel_configs(mode, config):
     q, k, v, lengths = attention_inputs(3, (8, 2), 128, 768, lengths, jnp.bfloat16)
     out = run_kernel(mode, q, k, v, lengths, config)
     check(out, q, k, v, lengths)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_kernel_batch_invariant_merge(mode):
+    """batch_invariant=True (the split merge in fixed row groups, in split order) against
+    float64, 66 rows: two row groups, ragged lengths."""
+    rng = np.random.default_rng(8)
+    lengths = tuple(int(n) for n in rng.integers(0, 129, 66))
+    q, k, v, kv_len = attention_inputs(8, (8, 2), 64, 128, lengths, bf16)
+    config = da.choose_config(1, 2, 128, 64, bf16)
+    check(run_kernel(mode, q, k, v, kv_len, config=config, batch_invariant=True), q, k, v, kv_len)
 
 
 def test_ordered_combine_merges_the_splits_as_the_reduction_does():
