@@ -7,10 +7,10 @@
     logits, state = jd.decode_step(params, state, next_tokens)
 
 Layers, each importing only those above it: ``config`` -> ``memory`` (bytes, the prefill's
-chunk plan) -> ``params``, ``state`` -> ``kernels``
-(each kernel beside its reference; ``kernels.choice`` decides which runs) -> ``model`` (pure
-functions) -> ``sharding`` (layouts) -> ``step`` (the jitted, donated entry points),
-``generation`` (sampling loops) -> ``scoring`` (teacher-forced log-probs), ``checkpoint`` ->
+chunk plan) -> ``params``, ``state`` -> ``kernels`` (each kernel beside its reference;
+``kernels.choice`` decides which runs) -> ``model`` (pure functions) -> ``sharding`` (layouts)
+-> ``step`` (the jitted, donated entry points), ``inputs`` (host checks of token lists) ->
+``generation`` (sampling loops), ``scoring`` (teacher-forced log-probs) -> ``checkpoint`` ->
 ``cli``.
 """
 

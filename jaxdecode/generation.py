@@ -24,6 +24,7 @@ from flax import struct
 from jax import lax
 
 from jaxdecode import memory
+from jaxdecode.inputs import MIN_PROMPT_BUCKET, MIN_TOKEN_BUCKET, bucket, token_lists
 from jaxdecode import sampling as sampling_lib
 from jaxdecode import sharding
 from jaxdecode.kernels.choice import Kernels, choose_kernels
@@ -43,8 +44,6 @@ STOP_SEQUENCE = 3  # emitted the last token of a stop sequence (included in the 
 STOP_REASONS = {STOP_RUNNING: "running", STOP_EOS: "eos", STOP_LENGTH: "length",
                 STOP_SEQUENCE: "stop"}
 
-MIN_PROMPT_BUCKET = 16
-MIN_TOKEN_BUCKET = 16
 MAX_EOS_IDS = 8  # EOS id arrays are padded to this many entries (-1 never matches)
 MAX_STOP = 8  # stop sequences: padded to >= 8 rows of >= 8 ids, right-aligned, -1 before
 
@@ -280,11 +279,6 @@ def generate_fn(params: Params, state: DecodeState, prompts: Array, prompt_lengt
                           stop_reason=loop.stop_reason, state=final, logprobs=lp), loop
 
 
-def bucket(n: int, minimum: int) -> int:
-    """The smallest power of two >= max(n, minimum)."""
-    return max(minimum, 1 << max(0, int(n) - 1).bit_length())
-
-
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     """Validated, bucketed host inputs plus the static arguments of the jitted calls."""
@@ -308,27 +302,6 @@ class _Plan:
     logprobs: int | None = None  # return_logprobs: this many top ones (static), else None
 
 
-def _token_lists(x, name: str, vocab: int) -> list[list[int]]:
-    """A list of token-id lists or a [B, T] array as lists, each non-empty and in the vocab."""
-    one, out = name.rstrip("s"), []
-    for i, p in enumerate(np.asarray(x) if isinstance(x, jax.Array) else x):
-        if isinstance(p, (int, np.integer)):
-            raise ValueError(f"{name} must be a batch: a list of token-id lists; got a flat list "
-                             "of ints (wrap it in a list)")
-        arr = np.asarray(p)
-        if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
-            raise ValueError(f"{one} {i} must be a 1-D sequence of integer token ids (tokenize "
-                             f"text first); got shape {arr.shape}, dtype {arr.dtype}")
-        out.append(arr.astype(np.int64).tolist())
-        bad = [t for t in out[-1] if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"{one} {i} has token ids outside [0, vocab_size={vocab}): {bad[:8]}")
-    empty = [i for i, p in enumerate(out) if not p]
-    if empty:
-        raise ValueError(f"{one}(s) {empty} are empty: each needs at least one token")
-    return out
-
-
 def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids, *, max_len,
           num_samples, chunk_size, pad_id, kernels, features: SamplingFeatures | None = None,
           stop_sequences=None, state: DecodeState | None = None, return_state: bool = False,
@@ -345,7 +318,7 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
         raise ValueError(f"{top_logprobs=} must be an int in [0, vocab_size={vocab}]")
     if top_logprobs and not return_logprobs:
         raise ValueError(f"{top_logprobs=} needs return_logprobs=True")
-    prompt_list = _token_lists(prompts, "prompts", vocab)
+    prompt_list = token_lists(prompts, "prompts", vocab)
     if not prompt_list:
         raise ValueError("prompts is empty: pass at least one prompt")
     for name, value in (("num_samples", num_samples), ("chunk_size", chunk_size)):
@@ -422,7 +395,7 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
         raise ValueError(f"eos_token_ids {bad.tolist()} are outside [0, vocab_size={vocab})")
     eos_padded = np.full((max(MAX_EOS_IDS, bucket(eos.size, 1)),), -1, np.int32)
     eos_padded[:eos.size] = eos
-    stops = _token_lists(() if stop_sequences is None else stop_sequences, "stop_sequences",
+    stops = token_lists(() if stop_sequences is None else stop_sequences, "stop_sequences",
                          vocab)
     width = max([MAX_STOP] + [bucket(len(s), 1) for s in stops])
     stop_padded = np.full((max(MAX_STOP, bucket(len(stops), 1)), width), -1, np.int32)

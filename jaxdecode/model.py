@@ -467,7 +467,7 @@ def _prefill_rows(params: Params, state: DecodeState, tokens: Array, num_new: Ar
 
 def prefill_fn(params: Params, state: DecodeState, tokens: Array, num_new: Array,
                return_all_logits: bool = False, *, prefill_chunk_size: int | None = None,
-               query_block: int = 512, kernels: Kernels | None = None):
+               query_block: int = 512, kernels: Kernels | None = None, remat: bool = False):
     """Appends each row's ``num_new[b]`` tokens to the state; pure, un-jitted, unvalidated.
 
     Arguments as :func:`jaxdecode.prefill`; statics: ``prefill_chunk_size`` (a multiple of 64):
@@ -481,7 +481,7 @@ def prefill_fn(params: Params, state: DecodeState, tokens: Array, num_new: Array
     holding an id outside the vocabulary is left untouched and gets NaN logits. HF
     ``Qwen3_5ForCausalLM.forward``: DeltaNet layers run ``torch_chunk_gated_delta_rule`` (chunk
     64), attention ``eager_attention_forward``. Under ``jax.grad`` pass ``kernels=Kernels()``
-    (XLA): the Pallas kernels have no VJP.
+    (XLA): the Pallas kernels have no VJP; ``remat`` recomputes each chunk in the backward pass.
     """
     num_new = num_new.astype(jnp.int32)
     if kernels is None:
@@ -489,9 +489,10 @@ def prefill_fn(params: Params, state: DecodeState, tokens: Array, num_new: Array
     if kernels.batch_invariant:
         return _prefill_rows(params, state, tokens, num_new, return_all_logits, query_block,
                              kernels)
-    if prefill_chunk_size is not None and tokens.shape[1] > prefill_chunk_size:
-        return _prefill_chunks(params, state, tokens, num_new, prefill_chunk_size,
-                               return_all_logits, query_block, kernels)
+    if remat or (prefill_chunk_size is not None and tokens.shape[1] > prefill_chunk_size):
+        chunk = prefill_chunk_size or tokens.shape[1]  # None: one chunk, unpadded
+        return _prefill_chunks(params, state, tokens, num_new, chunk, return_all_logits,
+                               query_block, kernels, remat=remat)
     return _forward(params, state, tokens, num_new, return_all_logits=return_all_logits,
                     query_block=query_block, kernels=kernels)
 
@@ -511,7 +512,7 @@ def prefill_logprobs_fn(params: Params, state: DecodeState, tokens: Array, num_n
     if kernels is None:
         kernels = choice.choose_kernels(params.config, tokens.shape[0], dtype=params.dtype)
     kernels = dataclasses.replace(kernels, batch_invariant=False)
-    chunk = prefill_chunk_size or -(-tokens.shape[1] // CHUNK_SIZE) * CHUNK_SIZE
+    chunk = prefill_chunk_size or tokens.shape[1]  # None: one chunk, unpadded
     return _prefill_chunks(params, state, tokens, num_new, chunk, False, query_block, kernels,
                            targets=targets.astype(jnp.int32), remat=remat)
 

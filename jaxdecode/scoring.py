@@ -2,8 +2,10 @@
 
 :func:`score` runs each (prompt, continuation) row in one jitted call, in one of two maths:
 
-  "chunked"    the prompt and continuation as one prefill (``model.prefill_logprobs_fn``: the
-               chunked gated delta rule), in token chunks under the activation budget;
+  "chunked"    the prompt as a prefill, then the continuation as a second one
+               (``model.prefill_logprobs_fn``: the chunked gated delta rule), in token chunks
+               under the activation budget, logits computed at the continuation's positions
+               only (and the prompt's last);
   "recurrent"  the prompt as a prefill, then the continuation one token per decode step
                (``model.decode_logprobs_fn``): the math ``jd.generate`` samples with, so a
                rollout's raw log-probabilities and their re-scoring agree (tested bitwise in
@@ -20,10 +22,11 @@ import numpy as np
 from flax import struct
 
 from jaxdecode import memory, sharding
-from jaxdecode.generation import MIN_PROMPT_BUCKET, _token_lists, bucket
+from jaxdecode.inputs import MIN_PROMPT_BUCKET, MIN_TOKEN_BUCKET, bucket, token_lists
 from jaxdecode.kernels.choice import Kernels, choose_kernels
 from jaxdecode.kernels.decode_attention import MAX_LEN_ALIGN
-from jaxdecode.model import decode_logprobs_fn, prefill_fn, prefill_logprobs_fn
+from jaxdecode.model import (decode_logprobs_fn, prefill_fn, prefill_logprobs_fn,
+                             target_logprobs)
 from jaxdecode.params import Params
 from jaxdecode.state import DecodeState, init_state
 from jaxdecode.step import COMPILER_OPTIONS, plan_prefill
@@ -45,46 +48,45 @@ class ScoreOutput:
         return np.asarray(self.logprobs, np.float64).sum(axis=1)
 
 
-def _score_fn(params, prompts, prompt_lengths, continuations, num_tokens, *, mode, max_len,
-              kernels, prefill_chunk_size, query_block, return_state):
+def score_fn(params: Params, prompts: Array, prompt_lengths: Array, continuations: Array,
+             num_tokens: Array, *, mode: str = "chunked", max_len: int,
+             kernels: Kernels | None = None, prefill_chunk_size: int | None = None,
+             query_block: int = 512, return_state: bool = False,
+             remat: bool = False) -> ScoreOutput:
+    """:func:`score` as a pure, unvalidated function of padded arrays, to compose inside your own
+    ``jit`` or ``grad`` (a policy-gradient loss: ``examples/grpo.py``).
+
+    prompts [B, T] and continuations [B, N] int32, right-padded (ids in the vocabulary);
+    prompt_lengths, num_tokens [B] int32 (each >= 1, sum <= max_len). Differentiable in "chunked"
+    mode with ``kernels=Kernels()`` (XLA; the Pallas kernels have no VJP); ``remat`` recomputes
+    each prefill chunk in the backward pass (``model.prefill_logprobs_fn``).
+    """
     batch, n = continuations.shape
     state = init_state(params.config, batch, max_len, params.dtype, check_memory=False)
+    # the prompt as a prefill (only its last logits: they score continuation[0]), then the
+    # continuation: feeding continuation[i] (i < num_tokens) gives the logits of continuation[i+1]
+    logits, state = prefill_fn(params, state, prompts, prompt_lengths,
+                               prefill_chunk_size=prefill_chunk_size, query_block=query_block,
+                               kernels=kernels, remat=remat)
+    first = target_logprobs(logits, continuations[:, 0])
+    targets = jnp.concatenate([continuations[:, 1:], jnp.full((batch, 1), -1)], axis=1)
+    targets = jnp.where(jnp.arange(n)[None, :] + 1 < num_tokens[:, None], targets, -1)
     if mode == "chunked":
-        # one sequence per row: prompt then continuation; position t predicts token t + 1
-        pos = jnp.arange(prompts.shape[1] + n)[None, :]
-        idx = jnp.clip(pos - prompt_lengths[:, None], 0, n - 1)
-        from_cont = jnp.take_along_axis(continuations, idx, axis=1)
-        seq = jnp.where(pos < prompt_lengths[:, None],
-                        jnp.pad(prompts, ((0, 0), (0, n))), from_cont)
-        total = prompt_lengths + num_tokens
-        nxt = jnp.concatenate([seq[:, 1:], jnp.zeros_like(seq[:, :1])], axis=1)
-        scored = (pos >= prompt_lengths[:, None] - 1) & (pos < total[:, None] - 1)
-        targets = jnp.where(scored, nxt, -1)
-        lp, state = prefill_logprobs_fn(params, state, seq, total, targets,
-                                        prefill_chunk_size=prefill_chunk_size,
-                                        query_block=query_block, kernels=kernels)
-        take = jnp.clip(prompt_lengths[:, None] - 1 + jnp.arange(n)[None, :], 0, seq.shape[1] - 1)
-        lp = jnp.take_along_axis(lp, take, axis=1)
-        lp = jnp.where(jnp.arange(n)[None, :] < num_tokens[:, None], lp, 0.0)
+        rest, state = prefill_logprobs_fn(params, state, continuations, num_tokens, targets,
+                                          prefill_chunk_size=prefill_chunk_size,
+                                          query_block=query_block, kernels=kernels, remat=remat)
     else:
-        logits, state = prefill_fn(params, state, prompts, prompt_lengths,
-                                   prefill_chunk_size=prefill_chunk_size, query_block=query_block,
-                                   kernels=kernels)
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        first = jnp.take_along_axis(logits, continuations[:, :1], axis=1)[:, 0] - lse
-        # feed continuation[i] (i < num_tokens): its logits score continuation[i + 1]
-        targets = jnp.concatenate([continuations[:, 1:], jnp.full((batch, 1), -1)], axis=1)
-        targets = jnp.where(jnp.arange(n)[None, :] + 1 < num_tokens[:, None], targets, -1)
         rest, state = decode_logprobs_fn(params, state, continuations, num_tokens, targets,
                                          kernels)
-        lp = jnp.concatenate([first[:, None], rest[:, :-1]], axis=1)
+    lp = jnp.concatenate([first[:, None], rest[:, :-1]], axis=1)
+    lp = jnp.where(jnp.arange(n)[None, :] < num_tokens[:, None], lp, 0.0)
     return ScoreOutput(logprobs=lp, num_tokens=num_tokens,
                        state=state if return_state else None)
 
 
-_score_jit = jax.jit(_score_fn, static_argnames=("mode", "max_len", "kernels",
-                                                 "prefill_chunk_size", "query_block",
-                                                 "return_state"),
+_score_jit = jax.jit(score_fn, static_argnames=("mode", "max_len", "kernels",
+                                                "prefill_chunk_size", "query_block",
+                                                "return_state", "remat"),
                      compiler_options=COMPILER_OPTIONS)
 
 
@@ -102,7 +104,7 @@ def score(params: Params, prompts, continuations, *, mode: str = "chunked",
       return_state: also return the state holding prompt + continuation (``.state``).
       kernels: as ``jd.generate``'s (``batch_invariant`` is not supported here).
       prefill_chunk_size, activation_budget: as ``jd.prefill``'s (the prompt's prefill, and in
-        "chunked" mode the whole sequence); the [B, chunk, V] float32 logits of a chunk count.
+        "chunked" mode the continuation's); the [B, chunk, V] float32 logits of a chunk count.
 
     Returns a :class:`ScoreOutput`. Raises ValueError before any device work: empty prompts or
     continuations, a different number of them, ids outside ``[0, vocab_size)``, an unknown
@@ -117,8 +119,8 @@ def score(params: Params, prompts, continuations, *, mode: str = "chunked",
         raise ValueError(f"kernels={kernels!r} must be a jaxdecode.Kernels (or None)")
     if kernels is not None and kernels.batch_invariant:
         raise ValueError("score does not run Kernels(batch_invariant=True)")
-    prompt_list = _token_lists(prompts, "prompts", vocab)
-    cont_list = _token_lists(continuations, "continuations", vocab)
+    prompt_list = token_lists(prompts, "prompts", vocab)
+    cont_list = token_lists(continuations, "continuations", vocab)
     if not prompt_list or len(prompt_list) != len(cont_list):
         raise ValueError(f"need one continuation per prompt, at least one: got "
                          f"{len(prompt_list)} prompts and {len(cont_list)} continuations")
@@ -126,7 +128,8 @@ def score(params: Params, prompts, continuations, *, mode: str = "chunked",
     p_len = np.array([len(p) for p in prompt_list], np.int32)
     c_len = np.array([len(c) for c in cont_list], np.int32)
     need = p_len + c_len
-    t_bucket, n_bucket = bucket(int(p_len.max()), MIN_PROMPT_BUCKET), bucket(int(c_len.max()), 16)
+    t_bucket = bucket(int(p_len.max()), MIN_PROMPT_BUCKET)
+    n_bucket = bucket(int(c_len.max()), MIN_TOKEN_BUCKET)
     if max_len is None:
         max_len = min(-(-(t_bucket + n_bucket) // MAX_LEN_ALIGN) * MAX_LEN_ALIGN, limit)
     elif isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len < 1:
@@ -145,7 +148,7 @@ def score(params: Params, prompts, continuations, *, mode: str = "chunked",
     kernels = kernels or choose_kernels(config, batch, dtype=params.dtype)
     memory.check_fits(f"score's state ({batch} rows x {max_len} positions)",
                       memory.state_bytes(config, batch, int(max_len), params.dtype), None)
-    length = t_bucket + (n_bucket if mode == "chunked" else 0)
+    length = max(t_bucket, n_bucket) if mode == "chunked" else t_bucket  # the longer prefill
     plan = plan_prefill(params, batch, length, int(max_len),
                         prefill_chunk_size=prefill_chunk_size,
                         activation_budget=activation_budget, kernels=kernels,

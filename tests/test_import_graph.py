@@ -26,6 +26,8 @@ ROOT = PACKAGE.parent
 
 # module -> modules it must not load, directly or through another module
 FORBIDDEN = {
+    "jaxdecode.inputs": {"jaxdecode.config", "jaxdecode.params", "jaxdecode.state",
+                         "jaxdecode.kernels", "jaxdecode.model", "jaxdecode.step"},
     "jaxdecode.invariance": {"jaxdecode.config", "jaxdecode.params", "jaxdecode.state",
                              "jaxdecode.kernels", "jaxdecode.model", "jaxdecode.memory"},
     "jaxdecode.config": {"jaxdecode.params", "jaxdecode.state", "jaxdecode.model",
@@ -43,7 +45,7 @@ FORBIDDEN = {
                              "jaxdecode.cli"},
     "jaxdecode.step": {"jaxdecode.generation", "jaxdecode.checkpoint", "jaxdecode.cli"},
     "jaxdecode.generation": {"jaxdecode.checkpoint", "jaxdecode.cli", "jaxdecode.scoring"},
-    "jaxdecode.scoring": {"jaxdecode.checkpoint", "jaxdecode.cli"},
+    "jaxdecode.scoring": {"jaxdecode.checkpoint", "jaxdecode.cli", "jaxdecode.generation"},
 }
 
 
