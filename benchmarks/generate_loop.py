@@ -16,7 +16,12 @@ variant's options, and run ``--tokens`` tokens per row with EOS off. Reported:
   gap ms       ms/token - kernel ms: time the GPU waits for the host (launches, syncs)
   kernels      kernels launched per token
 
-and whether every variant of a cell and sampling setting emits the same tokens. ``--logprobs N``
+and whether every variant of a cell and sampling setting emits the same tokens. ``--per-call``
+also times, in the same process, a Python loop of public ``jd.decode_step`` calls (greedy:
+``argmax`` of the logits on the device, as in the README) for ``--tokens`` steps after a
+prefill of the same prompt, the variant "per-call decode_step" (its ms/token over the loop's
+greedy one: the cost of one step per Python call), and the same loop calling the jitted step
+without the host-side checks (``step.jit_decode_step``). ``--logprobs N``
 runs each setting again with ``return_logprobs`` and N top log-probabilities (the loop's
 outputs include them), as the variant "logprobs N".
 The model is the preset's shapes (``--layers`` cuts it, for quick checks), bf16 random weights.
@@ -44,6 +49,7 @@ from jaxdecode import sampling as S  # noqa: E402
 from step_profile import cupti_kernels, parse_options  # noqa: E402
 
 from jaxdecode import generation as G  # noqa: E402
+from jaxdecode import step  # noqa: E402
 
 SAMPLING = {"greedy": None, "top_p": S.SamplingParams.create(temperature=0.7, top_p=0.9),
             # HF's prefix rule: the second cut-off search over the tied ids
@@ -86,6 +92,37 @@ def time_loop(compiled, args, tokens_per_row, runs=3):
     return statistics.median(times) / tokens_per_row * 1e3, np.asarray(tokens)
 
 
+def time_per_call(params, prompts, tokens_per_row, runs=3, validated=True):
+    """Median ms per token of a Python loop of ``jd.decode_step`` calls (greedy), after a
+    prefill of ``prompts``; every run appends ``tokens_per_row`` tokens to the same state.
+    ``validated=False``: the jitted step it calls (``step.jit_decode_step``), without the
+    host-side checks."""
+    batch, length = len(prompts), len(prompts[0])
+    state = jd.init_state(params.config, batch, length + (runs + 1) * tokens_per_row + 64,
+                          dtype=params.dtype)
+    logits, state = jd.prefill(params, state, np.asarray(prompts, np.int32),
+                               np.full(batch, length, np.int32))
+    argmax = jax.jit(lambda x: x.argmax(-1).astype(np.int32))
+    raw = step.jit_decode_step(params.config, jd.choose_kernels(params.config, batch,
+                                                                dtype=params.dtype))
+
+    def run(logits, state):
+        for _ in range(tokens_per_row):
+            if validated:
+                logits, state = jd.decode_step(params, state, argmax(logits))
+            else:
+                logits, state = raw(params, state, argmax(logits), None)
+        return logits, state
+
+    logits, state = jax.block_until_ready(run(logits, state))  # compile + warm-up
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        logits, state = jax.block_until_ready(run(logits, state))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / tokens_per_row * 1e3
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cells", default="0.8b:1,9b:1", help="model:batch,...")
@@ -98,6 +135,8 @@ def main():
     ap.add_argument("--no-cupti", action="store_true", help="skip the kernel-time run")
     ap.add_argument("--logprobs", type=int, default=-1,
                     help="also run with return_logprobs and this many top ones (-1: not)")
+    ap.add_argument("--per-call", action="store_true",
+                    help="also time a Python loop of jd.decode_step calls (greedy)")
     ap.add_argument("--top", type=int, default=0,
                     help="also list the N kernels (by name) with the most time per token")
     args = ap.parse_args()
@@ -174,15 +213,25 @@ def main():
                         print(f"    {t / args.tokens * 1e3:7.2f} us/token {count / args.tokens:6.2f}"
                               f"/token  {kname}")
                 del compiled
+            if args.per_call and sampling_name == "greedy":
+                loop_ms = next(r[2] for r in rows if r[0] == f"{name} b{batch} greedy")
+                for label, validated in (("per-call jd.decode_step", True),
+                                         ("per-call step.jit_decode_step, unvalidated", False)):
+                    ms = time_per_call(params, prompts, args.tokens, validated=validated)
+                    rows.append((f"{name} b{batch} greedy", label, ms, None, None, 0.0, None))
+                    print(f"  {name} b{batch} {label}: {ms:.4f} ms/token, "
+                          f"{ms / loop_ms:.3f}x the loop", flush=True)
         del params
-    print("\n| cell | XLA options | ms/token | tok/s | kernel ms/token | gap ms | kernels/token "
-          "| compile s | same tokens |\n|---|---|---:|---:|---:|---:|---:|---:|---|")
+    print("\n| cell | XLA options | ms/token | tok/s | x first row of cell | kernel ms/token "
+          "| gap ms | kernels/token | compile s | same tokens |\n"
+          "|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for tag, opts, ms, kernel_ms, n, compile_s, same in rows:
+        first = next(r[2] for r in rows if r[0] == tag)
         batch = int(tag.split()[1][1:])
         kernel_cols = ("n/a | n/a | n/a" if kernel_ms is None else
                        f"{kernel_ms:.4f} | {ms - kernel_ms:.4f} | {n:.0f}")
-        print(f"| {tag} | {opts} | {ms:.4f} | {batch * 1e3 / ms:,.0f} | {kernel_cols} | "
-              f"{compile_s:.1f} | {same} |")
+        print(f"| {tag} | {opts} | {ms:.4f} | {batch * 1e3 / ms:,.0f} | {ms / first:.3f} | "
+              f"{kernel_cols} | {compile_s:.1f} | {'n/a' if same is None else same} |")
     return 0
 
 

@@ -47,6 +47,7 @@ from jaxdecode.params import Params, param_specs, params_from_flat
 from jaxdecode.state import DecodeState, KVCache, init_state
 
 AXIS_NAMES = (DATA, MODEL)
+_TRACER = jax.core.Tracer  # bound once: jax.core's attribute lookup runs Python each time
 
 # Parameter leaf name (HF name without the "model." / "model.layers.{i}." prefix) -> spec;
 # leaves not listed (the RMSNorm gains) are replicated.
@@ -61,7 +62,9 @@ PARAM_RULES: dict[str, P] = {
     "self_attn.v_proj.weight": P(MODEL, None),  # [Hkv·D, H]
     "self_attn.o_proj.weight": P(None, MODEL),  # [H, Hq·D]
     "linear_attn.in_proj_qkv.weight": P(MODEL, None),  # [C, H] key-head groups
-    "linear_attn.conv1d.weight": P(MODEL, None, None),  # [C, 1, Kc]
+    # [C, 1, Kc]; written as a jit's output carries it (trailing Nones dropped), so params
+    # updated in a jit keep an equal sharding and reuse the compiled step
+    "linear_attn.conv1d.weight": P(MODEL),
     "linear_attn.in_proj_z.weight": P(MODEL, None),  # [Hv·dv, H] value heads
     "linear_attn.in_proj_b.weight": P(MODEL, None),  # [Hv, H]
     "linear_attn.in_proj_a.weight": P(MODEL, None),  # [Hv, H]
@@ -234,7 +237,7 @@ def shard_batch(x, mesh: Mesh, dtype=None) -> jax.Array:
     devices' rows. Global ``jax.Array`` are resharded; tracers get a sharding constraint.
     Raises ValueError if the batch does not divide the ``"data"`` axis.
     """
-    if isinstance(x, jax.core.Tracer):
+    if isinstance(x, _TRACER):
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(DATA)))
     if not isinstance(x, jax.Array):
         x = np.asarray(x, dtype)
@@ -263,8 +266,11 @@ def checkpoint_placer(config: Config, mesh: Mesh) -> Callable[[str, np.ndarray],
 def mesh_of(x) -> Mesh | None:
     """The ``("data", "model")`` mesh of a placed state, params or array (its first leaf's
     ``NamedSharding``), or None: single-device, traced, or another layout."""
-    leaf = jax.tree.leaves(x)[0]
-    where = None if isinstance(leaf, jax.core.Tracer) else getattr(leaf, "sharding", None)
+    if isinstance(x, (DecodeState, Params)):  # one leaf, without flattening the whole tree
+        leaf = x.lengths if isinstance(x, DecodeState) else x.embed_tokens
+    else:
+        leaf = jax.tree.leaves(x)[0]
+    where = None if isinstance(leaf, _TRACER) else getattr(leaf, "sharding", None)
     if isinstance(where, NamedSharding) and tuple(where.mesh.axis_names) == AXIS_NAMES:
         return where.mesh
     return None

@@ -187,12 +187,17 @@ def jit_decode_step(config: Config, kernels: Kernels):
     return jax.jit(fn, donate_argnums=1, out_shardings=out, compiler_options=COMPILER_OPTIONS)
 
 
+_TRACER = jax.core.Tracer  # bound once: jax.core's attribute lookup runs Python on every access
+
+
 def _traced(*xs) -> bool:
-    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(xs))
+    return any(isinstance(x, _TRACER) for x in jax.tree.leaves(xs))
 
 
 def _batch_input(x, mesh: Mesh | None, dtype):
-    return jnp.asarray(x, dtype) if mesh is None else sharding.shard_batch(x, mesh, dtype)
+    if mesh is not None:
+        return sharding.shard_batch(x, mesh, dtype)
+    return x if isinstance(x, jax.Array) and x.dtype == dtype else jnp.asarray(x, dtype)
 
 
 def prefill(params: Params, state: DecodeState, tokens, num_new, *,

@@ -83,6 +83,36 @@ def mesh_kernels(mesh):
     return jd.choose_kernels(CONFIG, BATCH, dtype="float32", mesh=mesh)
 
 
+def check_new_weights(params, tokens) -> dict:
+    """After an optimizer-like update of params on a (2, 4) mesh (a jitted tree.map: the layout
+    propagates), jd.prefill / jd.decode_step with the new params keep every param's sharding,
+    reuse the compiled step (no new executable) and give the single-device logits of the same
+    new weights."""
+    mesh = sharding.make_mesh(2, 4)
+    sp = sharding.shard_params(params, mesh)
+    update = jax.jit(lambda p, key: jax.tree.map(
+        lambda x: x + 0.01 * jax.random.normal(key, x.shape, x.dtype), p))
+    new = update(sp, jax.random.key(7))
+    out = {"param_mismatches": spec_mismatches(new, sharding.param_partition_specs(CONFIG),
+                                               mesh)}
+    fn = step.jit_decode_step(CONFIG, mesh_kernels(mesh))
+    state = sharding.init_state_sharded(CONFIG, mesh, BATCH, MAX_LEN)
+    _, state = jd.prefill(sp, state, tokens, PROMPT_LENGTHS)
+    _, state = jd.decode_step(sp, state, tokens[:, 0])  # compiled with the old weights
+    size = fn._cache_size()
+    state = sharding.init_state_sharded(CONFIG, mesh, BATCH, MAX_LEN)
+    got = [jd.prefill(new, state, tokens, PROMPT_LENGTHS)]
+    got.append(jd.decode_step(new, got[0][1], tokens[:, 0]))
+    out["new_executables"] = fn._cache_size() - size
+    host = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), new)  # one device, same values
+    ref = [jd.prefill(host, jd.init_state(CONFIG, BATCH, MAX_LEN), tokens, PROMPT_LENGTHS)]
+    ref.append(jd.decode_step(host, ref[0][1], tokens[:, 0]))
+    scale = max(float(np.abs(np.asarray(r[0])).max()) for r in ref)
+    out["rel_errors"] = [float(np.abs(np.asarray(g[0]) - np.asarray(r[0])).max()) / scale
+                         for g, r in zip(got, ref)]
+    return out
+
+
 def run_meshes() -> dict:
     params, tokens = inputs()
     ref_logits, ref_tokens, _ = greedy(params, jd.init_state(CONFIG, BATCH, MAX_LEN), tokens,
@@ -125,6 +155,7 @@ def run_meshes() -> dict:
     out["unpinned_decode_mismatches"] = check_unpinned(params, tokens)
     out["public_decode_step"] = check_public_decode_step_routes(params, tokens)
     out["chunked_prefill"] = check_chunked_prefill(params)
+    out["new_weights"] = check_new_weights(params, tokens)
     return out
 
 

@@ -227,6 +227,15 @@ def test_public_decode_step_on_a_sharded_state_runs_on_its_mesh(meshes):
 
 
 @pytest.mark.slow
+def test_new_weights_on_a_mesh_reuse_the_step_and_match_one_device(meshes):
+    """Params updated in a jit (as an optimizer step) keep their shardings; prefill and
+    decode_step with them compile nothing new and equal one device with the same weights."""
+    res = meshes["new_weights"]
+    assert res["param_mismatches"] == [] and res["new_executables"] == 0, res
+    assert max(res["rel_errors"]) <= REL_TOL, res
+
+
+@pytest.mark.slow
 def test_load_checkpoint_places_each_tensor_in_its_sharding(meshes):
     assert meshes["checkpoint"] == {"mismatches": [], "values_equal": True}
 
