@@ -24,9 +24,9 @@ from flax import struct
 from jax import lax
 
 from jaxdecode import memory
-from jaxdecode.inputs import MIN_PROMPT_BUCKET, MIN_TOKEN_BUCKET, bucket, token_lists
 from jaxdecode import sampling as sampling_lib
 from jaxdecode import sharding
+from jaxdecode.inputs import MIN_PROMPT_BUCKET, MIN_TOKEN_BUCKET, bucket, token_lists
 from jaxdecode.kernels.choice import Kernels, choose_kernels
 from jaxdecode.kernels.decode_attention import MAX_LEN_ALIGN
 from jaxdecode.model import decode_step_fn, prefill_fn

@@ -465,6 +465,14 @@ def _prefill_rows(params: Params, state: DecodeState, tokens: Array, num_new: Ar
     return logits, state
 
 
+def _chunk(prefill_chunk_size: int | None, length: int) -> int:
+    """The chunk of :func:`_prefill_chunks` for T = ``length`` tokens: ``prefill_chunk_size``
+    when T is longer, else T itself (one chunk, unpadded: no logits computed for padding)."""
+    if prefill_chunk_size is None or prefill_chunk_size >= length:
+        return length
+    return prefill_chunk_size
+
+
 def prefill_fn(params: Params, state: DecodeState, tokens: Array, num_new: Array,
                return_all_logits: bool = False, *, prefill_chunk_size: int | None = None,
                query_block: int = 512, kernels: Kernels | None = None, remat: bool = False):
@@ -490,7 +498,7 @@ def prefill_fn(params: Params, state: DecodeState, tokens: Array, num_new: Array
         return _prefill_rows(params, state, tokens, num_new, return_all_logits, query_block,
                              kernels)
     if remat or (prefill_chunk_size is not None and tokens.shape[1] > prefill_chunk_size):
-        chunk = prefill_chunk_size or tokens.shape[1]  # None: one chunk, unpadded
+        chunk = _chunk(prefill_chunk_size, tokens.shape[1])
         return _prefill_chunks(params, state, tokens, num_new, chunk, return_all_logits,
                                query_block, kernels, remat=remat)
     return _forward(params, state, tokens, num_new, return_all_logits=return_all_logits,
@@ -512,7 +520,7 @@ def prefill_logprobs_fn(params: Params, state: DecodeState, tokens: Array, num_n
     if kernels is None:
         kernels = choice.choose_kernels(params.config, tokens.shape[0], dtype=params.dtype)
     kernels = dataclasses.replace(kernels, batch_invariant=False)
-    chunk = prefill_chunk_size or tokens.shape[1]  # None: one chunk, unpadded
+    chunk = _chunk(prefill_chunk_size, tokens.shape[1])
     return _prefill_chunks(params, state, tokens, num_new, chunk, False, query_block, kernels,
                            targets=targets.astype(jnp.int32), remat=remat)
 

@@ -87,6 +87,19 @@ def test_chunked_score_in_64_token_chunks_and_the_state(params):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4)
 
 
+def test_long_prompt_short_continuation_in_chunks(params):
+    """A 150-token prompt in 64-token chunks, then a 5-token continuation (shorter than a chunk:
+    one unpadded chunk) == both in one chunk each, in both modes."""
+    rng = np.random.default_rng(2)
+    prompts, conts = [rng.integers(0, VOCAB, 150).tolist()], [rng.integers(0, VOCAB, 5).tolist()]
+    for mode in ("chunked", "recurrent"):
+        whole = np.asarray(jd.score(params, prompts, conts, mode=mode).logprobs)
+        chunked = np.asarray(jd.score(params, prompts, conts, mode=mode,
+                                      prefill_chunk_size=64).logprobs)
+        np.testing.assert_allclose(chunked, whole, atol=1e-5)
+    np.testing.assert_allclose(whole[0, :5], _reference(params, prompts[0], conts[0]), atol=2e-5)
+
+
 @pytest.mark.parametrize("prompts, conts, kw, match", [
     ([[1, 2]], [[3], [4]], {}, "one continuation per prompt"),
     ([[1, 2]], [[]], {}, "empty"),
