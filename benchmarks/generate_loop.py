@@ -19,9 +19,9 @@ variant's options, and run ``--tokens`` tokens per row with EOS off. Reported:
 and whether every variant of a cell and sampling setting emits the same tokens. ``--per-call``
 also times, in the same process, a Python loop of public ``jd.decode_step`` calls (greedy:
 ``argmax`` of the logits on the device, as in the README) for ``--tokens`` steps after a
-prefill of the same prompt, the variant "per-call decode_step" (its ms/token over the loop's
-greedy one: the cost of one step per Python call), and the same loop calling the jitted step
-without the host-side checks (``step.jit_decode_step``). ``--logprobs N``
+prefill of the same prompt, the variant "per-call jd.decode_step" (its ms/token over the
+loop's greedy one: the cost of one step per Python call), and the same loop calling the jitted
+step without the host-side checks (``step.jit_decode_step``). ``--logprobs N``
 runs each setting again with ``return_logprobs`` and N top log-probabilities (the loop's
 outputs include them), as the variant "logprobs N".
 The model is the preset's shapes (``--layers`` cuts it, for quick checks), bf16 random weights.

@@ -28,7 +28,8 @@ from jaxdecode.scoring import score_fn
 
 def grpo_loss(params, prompts, prompt_lengths, completions, num_tokens, rollout_logprobs,
               advantages, *, max_len, clip=0.2):
-    """-(clipped surrogate), the per-token mean within each completion, then over completions.
+    """(loss, max |lp - rollout lp|): the loss is -(clipped surrogate), the per-token mean within
+    each completion, then over completions.
     prompts [R, T], completions [R, N] int32 (right-padded); rollout_logprobs [R, N] float32
     (generate's raw log-probs); advantages [R] float32."""
     lp = score_fn(params, prompts, prompt_lengths, completions, num_tokens, mode="chunked",
@@ -54,7 +55,6 @@ def main(argv=None):
     P, G, N = args.prompts, args.samples, args.new_tokens
 
     params = jd.init_params(jd.Config.from_preset("tiny"), jax.random.key(args.seed))
-    vocab = params.config.vocab_size
     rng = np.random.default_rng(args.seed)
     prompts = rng.integers(0, 1000, (P, 8)).astype(np.int32)
     direction = rng.standard_normal(params.config.hidden_size).astype(np.float32)
@@ -73,11 +73,11 @@ def main(argv=None):
         hits = jnp.where(mask, in_class[jnp.maximum(completions, 0)], False).sum(1)
         reward = (hits / jnp.maximum(num_tokens, 1)).reshape(P, G)
         adv = (reward - reward.mean(1, keepdims=True)) / (reward.std(1, keepdims=True) + 1e-4)
-        (loss, gap), grads = jax.value_and_grad(grpo_loss, has_aux=True)(
+        (_, gap), grads = jax.value_and_grad(grpo_loss, has_aux=True)(
             params, rows_prompts, rows_lengths, jnp.maximum(completions, 0), num_tokens,
             rollout_logprobs, adv.reshape(-1), max_len=max_len)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, reward.mean(), loss, gap
+        return optax.apply_updates(params, updates), opt_state, reward.mean(), gap
 
     sampling = jd.SamplingParams.create(temperature=1.0)
     key = jax.random.key(args.seed + 1)
@@ -87,7 +87,7 @@ def main(argv=None):
         t0 = time.perf_counter()
         out = jd.generate(params, prompts, N, sampling, jax.random.fold_in(key, step),
                           eos_token_ids=[], num_samples=G, return_logprobs=True)
-        params, opt_state, reward, loss, gap = train_step(
+        params, opt_state, reward, gap = train_step(
             params, opt_state, out.tokens, out.num_generated, out.logprobs.raw)
         history.append(float(reward))
         distinct = np.mean([len(set(t)) for t in out.token_lists()])  # per completion

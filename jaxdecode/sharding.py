@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer  # imported once: jax.core's module getattr is slow per lookup
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -47,7 +48,6 @@ from jaxdecode.params import Params, param_specs, params_from_flat
 from jaxdecode.state import DecodeState, KVCache, init_state
 
 AXIS_NAMES = (DATA, MODEL)
-_TRACER = jax.core.Tracer  # bound once: jax.core's attribute lookup runs Python each time
 
 # Parameter leaf name (HF name without the "model." / "model.layers.{i}." prefix) -> spec;
 # leaves not listed (the RMSNorm gains) are replicated.
@@ -237,7 +237,7 @@ def shard_batch(x, mesh: Mesh, dtype=None) -> jax.Array:
     devices' rows. Global ``jax.Array`` are resharded; tracers get a sharding constraint.
     Raises ValueError if the batch does not divide the ``"data"`` axis.
     """
-    if isinstance(x, _TRACER):
+    if isinstance(x, Tracer):
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(DATA)))
     if not isinstance(x, jax.Array):
         x = np.asarray(x, dtype)
@@ -270,7 +270,7 @@ def mesh_of(x) -> Mesh | None:
         leaf = x.lengths if isinstance(x, DecodeState) else x.embed_tokens
     else:
         leaf = jax.tree.leaves(x)[0]
-    where = None if isinstance(leaf, _TRACER) else getattr(leaf, "sharding", None)
+    where = None if isinstance(leaf, Tracer) else getattr(leaf, "sharding", None)
     if isinstance(where, NamedSharding) and tuple(where.mesh.axis_names) == AXIS_NAMES:
         return where.mesh
     return None

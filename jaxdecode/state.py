@@ -15,12 +15,12 @@ import operator
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.core import Tracer  # imported once: jax.core's module getattr is slow per lookup
 
 from jaxdecode import memory
 from jaxdecode.config import Config, model_dtype
 
 Array = jax.Array
-_TRACER = jax.core.Tracer  # bound once: jax.core's attribute lookup runs Python each time
 
 
 @struct.dataclass
@@ -124,7 +124,7 @@ def check_not_donated(state: DecodeState) -> None:
     """Raises ValueError if ``state`` was donated to an earlier call (its buffers deleted;
     ``lengths`` stands for all: the library's jits donate every leaf together)."""
     x = state.lengths
-    if isinstance(x, jax.Array) and not isinstance(x, _TRACER) and x.is_deleted():
+    if isinstance(x, jax.Array) and not isinstance(x, Tracer) and x.is_deleted():
         raise ValueError("this DecodeState was donated to an earlier prefill, decode_step or "
                          "generate call, which reused its buffers in place; pass the state that "
                          "call returned (logits, state = jd.decode_step(params, state, tokens))")

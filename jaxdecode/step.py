@@ -16,6 +16,7 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer  # imported once: jax.core's module getattr is slow per lookup
 from jax.sharding import Mesh, NamedSharding
 
 from jaxdecode import memory, model, sharding
@@ -187,11 +188,8 @@ def jit_decode_step(config: Config, kernels: Kernels):
     return jax.jit(fn, donate_argnums=1, out_shardings=out, compiler_options=COMPILER_OPTIONS)
 
 
-_TRACER = jax.core.Tracer  # bound once: jax.core's attribute lookup runs Python on every access
-
-
 def _traced(*xs) -> bool:
-    return any(isinstance(x, _TRACER) for x in jax.tree.leaves(xs))
+    return any(isinstance(x, Tracer) for x in jax.tree.leaves(xs))
 
 
 def _batch_input(x, mesh: Mesh | None, dtype):
