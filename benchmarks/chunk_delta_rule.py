@@ -2,15 +2,18 @@
 the GPU with the same inputs.
 
     python benchmarks/chunk_delta_rule.py [--cells 0.8b:1:8192,0.8b:1:131072,9b:8:2048]
-        [--candidates library,terms only,terms inverse,lean scan,lean scan + inverse,assoc]
+        [--candidates library,terms only,terms inverse,lean scan,lean scan + inverse,assoc,
+                      pallas]
 
 ``terms only`` / ``terms inverse``: the per-chunk terms alone (``gated_delta.chunk_terms``),
-with the two triangular solves or with the inverse formed by squarings
+with T⁻¹ from one triangular solve against I or formed by squarings
 (:func:`unit_lower_inverse`) and applied by matmuls. ``lean scan``: the scan carries only the
 state and the outputs follow it for all chunks at once (:func:`lean_chunk_gated_delta_rule`).
 
 ``library``: ``gated_delta.chunk_gated_delta_rule`` (64-token chunks in parallel, then a
 ``lax.scan`` over the chunks: one sequential step per 64 tokens, a few small kernels each).
+``pallas``: the same terms, the recurrence in one Mosaic GPU kernel
+(``kernels.chunk_gated_delta.chunk_gated_delta_rule_pallas``, what the model runs on Hopper).
 ``assoc``: the same chunk algebra, but the chunk-to-chunk recurrence ``S_{n+1} = A_n S_n + B_n``
 (``A_n = e^{gamma_n} I - K~_n^T W_n``, ``B_n = K~_n^T U_n``) composed by
 ``lax.associative_scan`` (log2 N sequential levels instead of N steps), the initial state
@@ -33,6 +36,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import jaxdecode as jd  # noqa: E402
 from jaxdecode.gated_delta import chunk_gated_delta_rule, chunk_terms, l2_normalize  # noqa: E402
+from jaxdecode.kernels.chunk_gated_delta import chunk_gated_delta_rule_pallas  # noqa: E402
 
 
 def assoc_chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size=64):
@@ -161,6 +165,7 @@ CANDIDATES = {
     "lean scan": lean_chunk_gated_delta_rule,
     "lean scan + inverse": lean_inverse,
     "assoc": assoc_chunk_gated_delta_rule,
+    "pallas": chunk_gated_delta_rule_pallas,
 }
 
 

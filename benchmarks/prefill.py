@@ -3,7 +3,8 @@
 the same run, and peak device memory.
 
     python benchmarks/prefill.py [--cells 0.8b:1:8192,0.8b:8:2048,9b:64:8192,...]
-        [--budget-gib G] [--attention-only]
+        [--budget-gib G] [--attention-only] [--prefill-attention auto|pallas|xla]
+        [--prefill-delta-rule auto|pallas|xla]
 
 Each cell (model:rows:tokens, every row ``tokens`` long, ``max_len`` = tokens) runs in its own
 process, so its peak memory (``peak_bytes_in_use``) is its own: bf16 random weights with the
@@ -16,12 +17,16 @@ first call over 30 s), each on a fresh state (allocated outside the timing). Rep
                  tokens only) and the causal attention (QK and PV over the visible keys, 4 x D
                  x visible pairs x query heads per attention layer), not the delta rule
   plan           the chunk (tokens per continuation) and attention query block the library chose
-  peak GiB       peak device memory of the process, and weights + state for comparison
+  peak GiB       peak device memory of the process up to the end of the prefill calls (the
+                 op timings below run after it, on inputs of their own), and weights + state
   attention ms   the model's attention layers alone on the same shapes: the XLA reference
                  (``prefill_attention_reference``), the flash kernel
                  (``prefill_attention_pallas``) and cuDNN's flash attention
                  (``jax.nn.dot_product_attention(..., is_causal=True, implementation="cudnn")``)
-  delta rule ms  the chunked gated delta rule alone (float32) over every DeltaNet layer
+  delta rule ms  the chunked gated delta rule alone (float32) over every DeltaNet layer: XLA's
+                 form (``gated_delta.chunk_gated_delta_rule``) / with its recurrence in the
+                 kernel (``chunk_gated_delta_rule_pallas``)
+  (kernels)      after the cell: the prefill attention and delta rule the model ran
 """
 
 from __future__ import annotations
@@ -109,18 +114,23 @@ def time_attention(config, rows, tokens, impl):
     return _median_ms(f, args) * len(c.full_attention_layers)
 
 
-def time_delta_rule(config, rows, tokens):
-    """ms of the chunked gated delta rule alone (gated_delta.chunk_gated_delta_rule, float32 as
-    the model runs it) over every DeltaNet layer (inputs: ``chunk_delta_rule.inputs``)."""
+def time_delta_rule(config, rows, tokens, impl):
+    """ms of the chunked gated delta rule alone (float32 as the model runs it; ``impl`` "xla":
+    gated_delta.chunk_gated_delta_rule, "pallas": the kernel's form) over every DeltaNet layer
+    (inputs: ``chunk_delta_rule.inputs``)."""
     import jax
     from chunk_delta_rule import inputs
     from jaxdecode.gated_delta import chunk_gated_delta_rule
-    f = jax.jit(lambda *a: chunk_gated_delta_rule(*a, 64)[0])
+    from jaxdecode.kernels.chunk_gated_delta import chunk_gated_delta_rule_pallas
+    if impl == "pallas":
+        f = jax.jit(lambda *a: chunk_gated_delta_rule_pallas(*a)[0])
+    else:
+        f = jax.jit(lambda *a: chunk_gated_delta_rule(*a, 64)[0])
     return _median_ms(f, inputs(config, rows, tokens)) * len(config.linear_attention_layers)
 
 
 def worker(cell: str, budget_gib: float | None, attention_only: bool,
-           prefill_attention: str = "auto") -> dict:
+           prefill_attention: str = "auto", prefill_delta_rule: str = "auto") -> dict:
     import jax
     import numpy as np
     import jaxdecode as jd
@@ -129,17 +139,8 @@ def worker(cell: str, budget_gib: float | None, attention_only: bool,
     rows, tokens = int(rows), int(tokens)
     config = jd.Config.from_preset(name if name == "tiny" else f"qwen3.5-{name}")
     out = dict(cell=cell, peak_tflops=matmul_peak_tflops())
-    for impl in ("xla", "pallas", "cudnn"):
-        try:
-            out[f"attention_{impl}_ms"] = time_attention(config, rows, tokens, impl)
-        except Exception as e:  # noqa: BLE001 - report, keep going
-            out[f"attention_{impl}_ms"] = f"{type(e).__name__}: {str(e)[:120]}"
-    try:
-        out["delta_rule_ms"] = time_delta_rule(config, rows, tokens)
-    except Exception as e:  # noqa: BLE001
-        out["delta_rule_ms"] = f"{type(e).__name__}: {str(e)[:120]}"
     if attention_only:
-        return out
+        return _time_ops(out, config, rows, tokens)
     params = jd.init_params(config, jax.random.key(0), "bfloat16")
     budget = None if budget_gib is None else int(budget_gib * 2**30)
     rng = np.random.default_rng(0)
@@ -148,7 +149,9 @@ def worker(cell: str, budget_gib: float | None, attention_only: bool,
     kernels = jd.choose_kernels(config, rows, dtype="bfloat16")
     if prefill_attention != "auto":
         kernels = dataclasses.replace(kernels, prefill_attention=prefill_attention)
-    out["prefill_attention"] = kernels.prefill_attention
+    if prefill_delta_rule != "auto":
+        kernels = dataclasses.replace(kernels, prefill_delta_rule=prefill_delta_rule)
+    out["kernels"] = f"{kernels.prefill_attention}/{kernels.prefill_delta_rule}"
     plan = step.plan_prefill(params, rows, tokens, tokens, activation_budget=budget,
                              kernels=kernels)
     out.update(chunk=plan.prefill_chunk_size, query_block=plan.query_block,
@@ -175,6 +178,21 @@ def worker(cell: str, budget_gib: float | None, attention_only: bool,
                pct_peak=100 * prefill_flops(params, rows, tokens) / s / 1e12
                / out["peak_tflops"],
                peak_gib=(jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30)
+    del params
+    return _time_ops(out, config, rows, tokens)  # after the peak: their inputs are their own
+
+
+def _time_ops(out, config, rows, tokens):
+    for impl in ("xla", "pallas", "cudnn"):
+        try:
+            out[f"attention_{impl}_ms"] = time_attention(config, rows, tokens, impl)
+        except Exception as e:  # noqa: BLE001 - report, keep going
+            out[f"attention_{impl}_ms"] = f"{type(e).__name__}: {str(e)[:120]}"
+    for impl in ("xla", "pallas"):
+        try:
+            out[f"delta_rule_{impl}_ms"] = time_delta_rule(config, rows, tokens, impl)
+        except Exception as e:  # noqa: BLE001
+            out[f"delta_rule_{impl}_ms"] = f"{type(e).__name__}: {str(e)[:120]}"
     return out
 
 
@@ -186,11 +204,13 @@ def main():
     ap.add_argument("--attention-only", action="store_true")
     ap.add_argument("--prefill-attention", choices=("auto", "pallas", "xla"), default="auto",
                     help="the model's prefill attention (auto: choose_kernels)")
+    ap.add_argument("--prefill-delta-rule", choices=("auto", "pallas", "xla"), default="auto",
+                    help="the model's chunked delta rule (auto: choose_kernels)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         print("RESULT " + json.dumps(worker(args.worker, args.budget_gib, args.attention_only,
-                                            args.prefill_attention)))
+                                            args.prefill_attention, args.prefill_delta_rule)))
         return 0
     import jax
     print(f"# {jax.devices()[0].device_kind}; jax {jax.__version__}", flush=True)
@@ -201,7 +221,8 @@ def main():
             cmd += ["--budget-gib", str(args.budget_gib)]
         if args.attention_only:
             cmd.append("--attention-only")
-        cmd += ["--prefill-attention", args.prefill_attention]
+        cmd += ["--prefill-attention", args.prefill_attention,
+                "--prefill-delta-rule", args.prefill_delta_rule]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True)
         line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
@@ -218,19 +239,21 @@ def main():
         return format(x, fmt) if isinstance(x, (int, float)) else str(x)
 
     print("\n| cell | s (TTFT) | tok/s | % bf16 peak | chunk / query block | peak GiB (est. act. "
-          "/ weights + state) | attention ms: XLA / kernel / cuDNN | delta rule ms | first call "
+          "/ weights + state) | attention ms: XLA / kernel / cuDNN | delta rule ms: XLA / kernel | "
+          "first call "
           "s | peak TFLOP/s |\n|---|---:|---:|---:|---|---:|---:|---:|---:|---:|")
     for r in results:
         if "error" in r:
             print(f"| {r['cell']} | failed: {r['error']} |||||||")
             continue
-        print(f"| {r['cell']} ({r.get('prefill_attention')}) | {num(r.get('s'), '.3f')} | "
+        print(f"| {r['cell']} ({r.get('kernels')}) | {num(r.get('s'), '.3f')} | "
               f"{num(r.get('tok_s'), ',.0f')} | "
               f"{num(r.get('pct_peak'), '.1f')} | {r.get('chunk')} / {r.get('query_block')} | "
               f"{num(r.get('peak_gib'), '.1f')} ({num(r.get('estimate_gib'), '.1f')} / "
               f"{num(r.get('weights_gib', 0) + r.get('state_gib', 0), '.1f')}) | "
               f"{num(r['attention_xla_ms'], '.1f')} / {num(r['attention_pallas_ms'], '.1f')} / "
-              f"{num(r['attention_cudnn_ms'], '.1f')} | {num(r['delta_rule_ms'], '.1f')} | "
+              f"{num(r['attention_cudnn_ms'], '.1f')} | {num(r['delta_rule_xla_ms'], '.1f')} / "
+              f"{num(r['delta_rule_pallas_ms'], '.1f')} | "
               f"{num(r.get('first_call_s'), '.1f')} | {r['peak_tflops']:.0f} |")
     return 0
 

@@ -80,10 +80,14 @@ def chunk_terms(q, k, v, g, beta, chunk_size: int = 64):
     decay = jnp.exp(jnp.where(causal, gamma[..., :, None] - gamma[..., None, :], -jnp.inf))
     kk = jnp.einsum("...id,...jd->...ij", k, k)
     a = jnp.where(strict, beta[..., :, None] * kk * decay, 0.0)
-    t = a + jnp.eye(c, dtype=a.dtype)
-    u = solve_triangular(t, beta[..., None] * v, lower=True, unit_diagonal=True)
-    w = solve_triangular(t, (beta * jnp.exp(gamma))[..., None] * k, lower=True,
-                         unit_diagonal=True)
+    eye = jnp.eye(c, dtype=a.dtype)
+    # T⁻¹ by one forward substitution against I (C right-hand sides, not dk + dv), applied by
+    # float32 matmuls, as flash-linear-attention's solve_tril + recompute_w_u.
+    t_inv = solve_triangular(a + eye, jnp.broadcast_to(eye, a.shape), lower=True,
+                             unit_diagonal=True)
+    hi = jax.lax.Precision.HIGHEST
+    u = jnp.matmul(t_inv, beta[..., None] * v, precision=hi)
+    w = jnp.matmul(t_inv, (beta * jnp.exp(gamma))[..., None] * k, precision=hi)
     qk = jnp.where(causal, jnp.einsum("...id,...jd->...ij", q, k) * decay, 0.0)
     q_decayed = q * jnp.exp(gamma)[..., None]
     gamma_last = gamma[..., -1]  # [N, B, H]

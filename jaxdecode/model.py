@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jaxdecode import invariance
 from jaxdecode.activations import sigmoid, silu
 from jaxdecode.config import FULL_ATTENTION, Config
-from jaxdecode.gated_delta import chunk_gated_delta_rule, l2_normalize
+from jaxdecode.gated_delta import l2_normalize
 from jaxdecode.kernels import choice
 from jaxdecode.kernels.choice import Kernels
 from jaxdecode.params import AttentionParams, GatedDeltaNetParams, MLPParams, Params
@@ -31,8 +31,6 @@ from jaxdecode.state import DecodeState, KVCache, conv_slot_position, conv_windo
 Array = jax.Array
 f32 = jnp.float32
 
-# Chunk size of the chunked gated delta rule (HF and FLA use 64).
-CHUNK_SIZE = 64
 # Batch-invariant prefill: each row in chunks of this many tokens (one GEMM shape for any prompt).
 INVARIANT_CHUNK = 256
 
@@ -177,7 +175,7 @@ def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurre
     # Value head h reads key head h // r: HF's repeat_interleave, not tiling.
     r = c.linear_num_value_heads_per_key_head
     q, k = jnp.repeat(q, r, axis=2), jnp.repeat(k, r, axis=2)
-    o, new_state = chunk_gated_delta_rule(q, k, v, g, beta, recurrent_state, CHUNK_SIZE)
+    o, new_state = choice.chunk_gated_delta_rule(kernels, q, k, v, g, beta, recurrent_state)
 
     return deltanet_output(p, o, z, c), new_conv_state, new_state
 

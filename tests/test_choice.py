@@ -51,11 +51,12 @@ def fake_mesh(data: int, model: int) -> Mesh:
 
 
 def kernels(attention="xla", deltanet="xla", delta_rule="xla", mesh=None,
-            prefill_attention=None, batch_invariant=False):
+            prefill_attention=None, prefill_delta_rule=None, batch_invariant=False):
     """What choose_kernels returns: interpret=False (it compiles for the GPU it found); the
-    prefill attention kernel where the decode one is (None), unless given."""
+    prefill kernels where the decode attention kernel is (None), unless given."""
     return choice.Kernels(attention=attention, deltanet=deltanet, delta_rule=delta_rule,
-                          prefill_attention=prefill_attention or attention, interpret=False,
+                          prefill_attention=prefill_attention or attention,
+                          prefill_delta_rule=prefill_delta_rule or attention, interpret=False,
                           mesh=mesh, batch_invariant=batch_invariant)
 
 
@@ -150,14 +151,16 @@ def test_hopper_choice_on_a_mesh_is_per_device(hopper, data, model, batch, rule)
 
 @pytest.mark.parametrize("change, batch, op, why, want", [
     (dict(head_dim=32), 1, "decode attention", "head_dim=32",
-     kernels(deltanet="pallas")),
+     kernels(deltanet="pallas", prefill_delta_rule="pallas")),
     (dict(linear_key_head_dim=32), 1, "the Gated DeltaNet core", "not a multiple of 64",
      kernels(attention="pallas")),
     (dict(linear_key_head_dim=32), RULE, "the gated delta rule", "not a multiple of 64",
      kernels(attention="pallas")),
     (dict(linear_value_head_dim=44), RULE, "the gated delta rule", "not a multiple of 8",
-     kernels(attention="pallas")),
-], ids=["attention-head-dim", "core-dk", "delta-rule-dk", "delta-rule-dv"])
+     kernels(attention="pallas", prefill_delta_rule="xla")),
+    (dict(linear_value_head_dim=96), RULE, "the prefill's delta rule", "not a multiple of 64",
+     kernels(attention="pallas", delta_rule="pallas", prefill_delta_rule="xla")),
+], ids=["attention-head-dim", "core-dk", "delta-rule-dk", "delta-rule-dv", "prefill-rule-dv"])
 def test_hopper_unsupported_shape_warns_once_and_falls_back(hopper, change, batch, op, why,
                                                             want):
     config = dataclasses.replace(SUPPORTED, **change)
@@ -166,8 +169,8 @@ def test_hopper_unsupported_shape_warns_once_and_falls_back(hopper, change, batc
         got = choice.choose_kernels(config, batch, dtype="bfloat16")
         again = choice.choose_kernels(config, batch, dtype="bfloat16")  # decided once
     assert got == again == want
-    # head_dim 32 fits neither attention kernel: one warning each
-    ops = 2 if op == "decode attention" else 1
+    # head_dim 32 fits neither attention kernel, dv 44 neither delta-rule kernel: one warning each
+    ops = 2 if op == "decode attention" or change.get("linear_value_head_dim") == 44 else 1
     assert len(record) == ops, [str(w.message) for w in record]
 
 
@@ -277,3 +280,32 @@ def test_delta_rule_kernel_per_device_on_a_mesh():
     assert_rel_close(got[0], want[0], 2e-5, "o")
     assert_rel_close(got[2], want[2], 2e-5, "recurrent_state")
     np.testing.assert_array_equal(np.asarray(got[1]), want[1])
+
+
+@INTERPRETED
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_prefill_delta_rule_runs_what_kernels_says_on_and_off_a_mesh(impl):
+    """choice.chunk_gated_delta_rule, one device and under shard_map (a one-device mesh),
+    against the float64 recurrence."""
+    keys = jax.random.split(jax.random.key(12), 6)
+    b, t, h, dk, dv = 2, 70, 2, 64, 64
+    q = jax.nn.standardize(jax.random.normal(keys[0], (b, t, h, dk)), axis=-1) * dk**-1
+    k = jax.nn.standardize(jax.random.normal(keys[1], (b, t, h, dk)), axis=-1) * dk**-0.5
+    v = jax.random.normal(keys[2], (b, t, h, dv))
+    g = -jax.nn.softplus(jax.random.normal(keys[3], (b, t, h)))
+    beta = jax.nn.sigmoid(jax.random.normal(keys[4], (b, t, h)))
+    s0 = jax.random.normal(keys[5], (b, h, dk, dv))
+    args = (q, k, v, g, beta, s0)
+    # float64 token-by-token recurrence (HF torch_recurrent_gated_delta_rule)
+    qn, kn, vn, gn, bn, s = (np.asarray(x, np.float64) for x in args)
+    want_o = np.zeros(vn.shape)
+    for i in range(t):
+        s = s * np.exp(gn[:, i])[..., None, None]
+        d = bn[:, i, :, None] * (vn[:, i] - np.einsum("bhkv,bhk->bhv", s, kn[:, i]))
+        s = s + kn[:, i, :, :, None] * d[:, :, None, :]
+        want_o[:, i] = np.einsum("bhkv,bhk->bhv", s, qn[:, i])
+    for mesh in (None, sharding.make_mesh(1, 1)):
+        kern = choice.Kernels(prefill_delta_rule=impl, mesh=mesh)
+        o, state = jax.jit(lambda *x: choice.chunk_gated_delta_rule(kern, *x))(*args)
+        assert_rel_close(o, want_o, 2e-5, f"o (mesh={mesh is not None})")
+        assert_rel_close(state, s, 2e-5, f"final state (mesh={mesh is not None})")

@@ -2,6 +2,8 @@
 
 * ``decode_attention``: split-K GQA decode attention.
 * ``prefill_attention``: causal GQA flash attention of a prompt's new tokens over the cache.
+* ``chunk_gated_delta``: the prefill's chunked gated delta rule, its chunk-to-chunk recurrence in
+  one kernel.
 * ``gated_delta_decode``: the one-token gated delta rule in one pass over the state.
 * ``deltanet_decode``: the whole one-token Gated DeltaNet core (conv window, L2 norms, gating,
   delta rule) in one kernel.

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdecode import invariance
 from jaxdecode.config import Config
+from jaxdecode.kernels import chunk_gated_delta as chunk_rule_kernel
 from jaxdecode.kernels import decode_attention as attention_kernel
 from jaxdecode.kernels import deltanet_decode as deltanet_kernel
 from jaxdecode.kernels import gated_delta_decode as delta_rule_kernel
@@ -46,6 +47,7 @@ class Kernels:
     deltanet: str = "xla"  # the one-token DeltaNet core in one kernel, or XLA then delta_rule
     delta_rule: str = "xla"  # with deltanet="xla": the one-pass delta-rule kernel, or XLA
     prefill_attention: str = "xla"  # the flash prefill attention kernel, or its reference
+    prefill_delta_rule: str = "xla"  # the chunked delta rule's recurrence in one kernel, or XLA
     interpret: bool | None = None  # Mosaic GPU interpreter (CPU); None: when not on a GPU
     # (read when a step is traced, not at construction: importing jaxdecode must not start
     # the backend, or jax.distributed.initialize could no longer run)
@@ -57,7 +59,8 @@ class Kernels:
     batch_invariant: bool = False
 
     def __post_init__(self):
-        for name in ("attention", "deltanet", "delta_rule", "prefill_attention"):
+        for name in ("attention", "deltanet", "delta_rule", "prefill_attention",
+                     "prefill_delta_rule"):
             if getattr(self, name) not in CHOICES:
                 raise ValueError(f"Kernels.{name}={getattr(self, name)!r} must be one of "
                                  f"{CHOICES}")
@@ -80,6 +83,8 @@ _delta_rule_pallas = jax.jit(delta_rule_kernel.gated_delta_decode_pallas,
                              static_argnames=("block_v", "interpret"))
 _prefill_attention_pallas = jax.jit(prefill_kernel.prefill_attention_pallas,
                                     static_argnames=("config", "interpret"))
+_prefill_delta_rule_pallas = jax.jit(chunk_rule_kernel.chunk_gated_delta_rule_pallas,
+                                     static_argnames=("interpret",))
 
 
 def _compute_capability(device) -> tuple[int, int] | None:
@@ -137,10 +142,12 @@ def choose_kernels(config: Config, batch_size: int, *, dtype="bfloat16",
         delta_rule_kernel.check_supported((rows, hk, dk), (rows, hv, dk, dv)))
     prefill = supported("prefill attention", prefill_kernel.check_supported(
         (rows, 1, hq, c.head_dim), (rows, hkv, 64, c.head_dim), dtype))
+    chunk_rule = supported("the prefill's delta rule", chunk_rule_kernel.check_supported(
+        (rows, 1, hv, dk), (rows, 1, hv, dv), dtype))
     pick = lambda use: "pallas" if use else "xla"  # noqa: E731
     return Kernels(attention=pick(attention), deltanet=pick(core), delta_rule=pick(rule),
-                   prefill_attention=pick(prefill), interpret=False, mesh=mesh,
-                   batch_invariant=batch_invariant)
+                   prefill_attention=pick(prefill), prefill_delta_rule=pick(chunk_rule),
+                   interpret=False, mesh=mesh, batch_invariant=batch_invariant)
 
 
 def _interpret(kernels: Kernels) -> bool:
@@ -188,6 +195,22 @@ def prefill_attention(kernels: Kernels, q, k_cache, v_cache, start, num_new, *,
     return jax.shard_map(attend, mesh=kernels.mesh,
                          in_specs=(heads, cache, cache, P(DATA), P(DATA)), out_specs=heads,
                          check_vma=False)(q, k_cache, v_cache, start, num_new)
+
+
+def chunk_gated_delta_rule(kernels: Kernels, q, k, v, g, beta, state):
+    """The prefill's chunked gated delta rule (64-token chunks) as ``kernels.prefill_delta_rule``
+    says: arguments and result as ``gated_delta.chunk_gated_delta_rule`` (q, k repeated to the
+    value heads; float32), heads over "model" on a mesh."""
+    if kernels.prefill_delta_rule == "xla":
+        return chunk_rule_kernel.chunk_gated_delta_rule_reference(q, k, v, g, beta, state)
+    rule = functools.partial(_prefill_delta_rule_pallas, interpret=_interpret(kernels))
+    if kernels.mesh is None:
+        return rule(q, k, v, g, beta, state)
+    tokens, gates, heads = P(DATA, None, MODEL, None), P(DATA, None, MODEL), P(DATA, MODEL)
+    return jax.shard_map(rule, mesh=kernels.mesh,
+                         in_specs=(tokens, tokens, tokens, gates, gates, P(DATA, MODEL)),
+                         out_specs=(tokens, P(DATA, MODEL)), check_vma=False)(
+        q, k, v, g, beta, state)
 
 
 def deltanet_decode(kernels: Kernels, mixed_qkv, a, b, active, positions, conv_state,
