@@ -4,14 +4,19 @@ Reads ``config.json`` and ``model.safetensors`` (or the shards of
 ``model.safetensors.index.json``) tensor by tensor, so peak host memory is about one tensor above
 the parameters. Text-only ``Qwen3_5ForCausalLM`` names (``model.layers.*``) and the published
 multimodal ``Qwen3_5ForConditionalGeneration`` ones (``model.language_model.*`` -> ``model.*``, as
-HF's conversion mapping; ``model.visual.*`` and ``mtp.*`` skipped) both load. Every header is
-checked before any data is read, all problems raised together in one ``ValueError``.
+HF's conversion mapping; ``model.visual.*`` and ``mtp.*`` skipped) both load. MoE experts load from
+the fused 3-D tensors (``mlp.experts.gate_up_proj`` / ``down_proj``) or from per-expert 2-D ones
+(``mlp.experts.{e}.{gate,up,down}_proj.weight``, what transformers 5.24's ``save_pretrained``
+writes), stacked as HF's ``qwen2_moe`` conversion rules do. Every header is checked before any
+data is read, all problems raised together in one ``ValueError``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 from collections.abc import Callable, Iterator
 
 import jax
@@ -62,6 +67,44 @@ def canonical_name(name: str) -> str | None:
 
 
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
+_PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def _fuse_experts(config: Config, found: dict, problems: list[str]) -> None:
+    """Replaces per-expert 2-D tensors in ``found`` by entries for the fused 3-D ones, whose
+    "stored" field lists the parts: gate_up_proj [E, 2·I_e, H] = expert e's gate then up rows,
+    down_proj [E, H, I_e]. Appends to ``problems`` a missing, misshapen or doubly stored part."""
+    parts: dict[str, dict[tuple[int, str], tuple]] = {}
+    for name in [n for n in found if _PER_EXPERT.match(n)]:
+        prefix, expert, kind = _PER_EXPERT.match(name).groups()
+        parts.setdefault(prefix, {})[(int(expert), kind)] = found.pop(name)
+    if not parts:
+        return
+    if not config.is_moe:
+        problems.extend(f"unexpected tensor {entry[1]} with shape {entry[2]}"
+                        for layer in parts.values() for entry in layer.values())
+        return
+    e, ie, h = config.num_experts, config.moe_intermediate_size, config.hidden_size
+    want = {"gate": (ie, h), "up": (ie, h), "down": (h, ie)}
+    for prefix, layer in parts.items():
+        for fused in ("gate_up_proj", "down_proj"):
+            if prefix + fused in found:
+                problems.append(f"tensor {prefix}{fused} is stored twice: fused and per expert")
+        for (expert, kind), entry in layer.items():
+            if expert >= e:
+                problems.append(f"unexpected tensor {entry[1]} (num_experts={e})")
+            elif entry[2] != want[kind]:
+                problems.append(f"tensor {entry[1]} has shape {entry[2]}, expected {want[kind]}")
+        for expert in range(e):
+            for kind in want:
+                if (expert, kind) not in layer:
+                    problems.append(f"missing tensor {prefix}{expert}.{kind}_proj.weight "
+                                    f"(expected shape {want[kind]})")
+        entry = lambda key: layer.get(key, (None, None))[:2]  # noqa: E731
+        found[prefix + "gate_up_proj"] = (
+            None, [(entry((x, "gate")), entry((x, "up"))) for x in range(e)], (e, 2 * ie, h))
+        found[prefix + "down_proj"] = (None, [(entry((x, "down")),) for x in range(e)],
+                                       (e, h, ie))
 
 
 def _index_tensors(files: list[str], problems: list[str]):
@@ -139,6 +182,7 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
     specs = param_specs(config)
     problems: list[str] = []
     found = _index_tensors(files or checkpoint_files(directory), problems)
+    _fuse_experts(config, found, problems)
     if config.tie_word_embeddings and "lm_head.weight" in found:
         # A tied checkpoint's stored LM head is not read, but a misshapen one is a wrong file.
         stored_shape = found.pop("lm_head.weight")[2]
@@ -164,6 +208,8 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
         array = array.astype(leaf_dtype(specs[name], dtype), copy=False)
         if check_finite and not np.isfinite(array).all():  # after the cast: overflow counts
             path, stored = found[name][:2]
+            if path is None:  # stacked from per-expert tensors
+                path, stored = directory, f"{name} (stacked from its per-expert tensors)"
             raise ValueError(f"tensor {stored} in {path!r} has {int((~np.isfinite(array)).sum())} "
                              f"NaN or inf values as {array.dtype} (a damaged file?); "
                              "check_finite=False loads it anyway")
@@ -173,15 +219,23 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
 
 
 def _iter_tensors(found) -> Iterator[tuple[str, np.ndarray]]:
-    by_file: dict[str, list[tuple[str, str]]] = {}
-    for name, (path, stored, _) in found.items():
-        by_file.setdefault(path, []).append((name, stored))
-    for path, names in by_file.items():
-        with _open(path) as f:
-            for name, stored in names:
-                try:
-                    array = f.get_tensor(stored)
-                except Exception as e:  # noqa: BLE001 - a truncated data section
-                    raise ValueError(f"cannot read tensor {stored} from {path!r} ({type(e).__name__}: "
-                                     f"{e})") from None
-                yield name, array
+    """(name, array) for every entry of ``found``: a stored tensor, or (path None) the stack of
+    per-expert parts (:func:`_fuse_experts`), each expert's parts concatenated along rows."""
+    with contextlib.ExitStack() as stack:
+        handles = {}
+
+        def read(path, stored):
+            if path not in handles:
+                handles[path] = stack.enter_context(_open(path))
+            try:
+                return handles[path].get_tensor(stored)
+            except Exception as e:  # noqa: BLE001 - a truncated data section
+                raise ValueError(f"cannot read tensor {stored} from {path!r} "
+                                 f"({type(e).__name__}: {e})") from None
+
+        for name, (path, stored, _) in sorted(found.items(), key=lambda kv: str(kv[1][0])):
+            if path is not None:
+                yield name, read(path, stored)
+            else:
+                yield name, np.stack([np.concatenate([read(*part) for part in expert])
+                                      for expert in stored])

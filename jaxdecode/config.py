@@ -15,18 +15,21 @@ import numpy as np
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
 
-SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
-MOE_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+DENSE_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+MOE_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + MOE_MODEL_TYPES
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """A Qwen3.5 dense text decoder's shape; frozen and hashable (a ``jax.jit`` static). Shape
+    """A Qwen3.5 text decoder's shape, dense or mixture-of-experts (``num_experts > 0``: HF
+    ``Qwen3_5MoeTextConfig``, every layer's FFN a routed MoE block with a shared expert; no
+    ``intermediate_size``, which is then 0); frozen and hashable (a ``jax.jit`` static). Shape
     letters: ``jaxdecode.model``'s legend (Hq = ``num_attention_heads``, C = ``linear_conv_dim``).
 
     Raises ``ValueError`` on construction for non-positive sizes, ``layer_types`` that do not
     match ``num_hidden_layers`` or name unknown kinds, no full-attention layer, head counts that
-    do not divide, odd rotary dims or ``linear_conv_kernel_dim`` < 2.
+    do not divide, odd rotary dims, ``linear_conv_kernel_dim`` < 2, or MoE sizes that disagree.
     """
 
     vocab_size: int
@@ -48,6 +51,10 @@ class Config:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 262_144
     eos_token_id: tuple[int, ...] = ()
+    num_experts: int = 0  # E routed experts per layer; 0: a dense model
+    num_experts_per_tok: int = 0  # k experts each token is routed to
+    moe_intermediate_size: int = 0  # I_e of each routed expert
+    shared_expert_intermediate_size: int = 0  # I_s of the shared expert
 
     def __post_init__(self):
         if isinstance(self.layer_types, list):
@@ -56,13 +63,30 @@ class Config:
             ids = (self.eos_token_id,) if isinstance(self.eos_token_id, int) else self.eos_token_id
             object.__setattr__(self, "eos_token_id", tuple(ids))
         problems = []
+        moe = ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+               "shared_expert_intermediate_size")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim",
                      "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                     "linear_value_head_dim", "linear_conv_kernel_dim"):
+                     "linear_value_head_dim", "linear_conv_kernel_dim") + moe:
             value = getattr(self, name)
+            if name in moe + ("intermediate_size",) and isinstance(value, int) and value == 0:
+                continue  # checked below: a dense model's MoE sizes, an MoE's dense size
             if not isinstance(value, int) or value <= 0:
                 problems.append(f"{name}={value!r} must be a positive int")
+        if not problems and self.num_experts:
+            zero = [n for n in moe[1:] if not getattr(self, n)]
+            if zero:
+                problems.append(f"num_experts={self.num_experts} needs positive {zero}")
+            elif self.num_experts_per_tok > self.num_experts:
+                problems.append(f"num_experts_per_tok={self.num_experts_per_tok} > "
+                                f"num_experts={self.num_experts}")
+        elif not problems:
+            if not self.intermediate_size:
+                problems.append("intermediate_size=0 must be a positive int (a dense model)")
+            given = {n: getattr(self, n) for n in moe[1:] if getattr(self, n)}
+            if given:
+                problems.append(f"{given} given without num_experts")
         if problems:
             raise ValueError("invalid Config: " + "; ".join(problems))
         if len(self.layer_types) != self.num_hidden_layers:
@@ -88,6 +112,11 @@ class Config:
             problems.append(f"linear_conv_kernel_dim={self.linear_conv_kernel_dim} must be >= 2")
         if problems:
             raise ValueError("invalid Config: " + "; ".join(problems))
+
+    @property
+    def is_moe(self) -> bool:
+        """Every layer's FFN is a routed mixture of experts (HF ``Qwen3_5MoeSparseMoeBlock``)."""
+        return self.num_experts > 0
 
     @property
     def num_key_value_groups(self) -> int:
@@ -131,21 +160,22 @@ class Config:
 
     @classmethod
     def from_hf_config(cls, hf_config: Mapping[str, Any]) -> "Config":
-        """A Config from an HF ``config.json`` dict, text-only (``qwen3_5_text``) or multimodal
-        (``qwen3_5`` with a ``text_config`` block). ValueError naming what is unsupported (MoE,
-        biases, non-SiLU activations, rope scaling), or for a missing or mistyped field."""
+        """A Config from an HF ``config.json`` dict, text-only (``qwen3_5_text``,
+        ``qwen3_5_moe_text``) or multimodal (``qwen3_5``, ``qwen3_5_moe`` with a ``text_config``
+        block). ValueError naming what is unsupported (another model type such as Qwen3-Next,
+        biases, non-SiLU activations, rope scaling, sparse-step schedules), or for a missing or
+        mistyped field."""
         top = dict(hf_config)
         text = dict(top.get("text_config") or top)
         model_type = text.get("model_type", top.get("model_type"))
-        if top.get("model_type") in MOE_MODEL_TYPES or model_type in MOE_MODEL_TYPES or text.get(
-                "num_experts"):
-            raise ValueError(
-                f"unsupported config: model_type={model_type!r} is a mixture-of-experts model "
-                f"(num_experts={text.get('num_experts')}); jaxdecode supports the dense "
-                f"{SUPPORTED_MODEL_TYPES} models only")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported config: model_type={model_type!r}; jaxdecode supports "
                              f"{SUPPORTED_MODEL_TYPES}")
+        moe = model_type in MOE_MODEL_TYPES
+        if not moe and text.get("num_experts"):
+            raise ValueError(f"unsupported config: model_type={model_type!r} with num_experts="
+                             f"{text['num_experts']} (mixture-of-experts models are "
+                             f"{MOE_MODEL_TYPES})")
         problems = []
         if text.get("hidden_act", "silu") != "silu":
             problems.append(f"hidden_act={text['hidden_act']!r} (only 'silu')")
@@ -155,6 +185,8 @@ class Config:
             problems.append("attn_output_gate=False (the gated attention output is required)")
         if text.get("mlp_only_layers"):
             problems.append(f"mlp_only_layers={text['mlp_only_layers']}")
+        if moe and text.get("decoder_sparse_step", 1) != 1:
+            problems.append(f"decoder_sparse_step={text['decoder_sparse_step']} (every layer MoE)")
         rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
@@ -175,7 +207,7 @@ class Config:
             return cls(
                 vocab_size=text["vocab_size"],
                 hidden_size=text["hidden_size"],
-                intermediate_size=text["intermediate_size"],
+                intermediate_size=0 if moe else text["intermediate_size"],
                 num_hidden_layers=num_layers,
                 num_attention_heads=text["num_attention_heads"],
                 num_key_value_heads=text["num_key_value_heads"],
@@ -193,6 +225,10 @@ class Config:
                 tie_word_embeddings=bool(tie),
                 max_position_embeddings=int(text.get("max_position_embeddings", 262_144)),
                 eos_token_id=eos,
+                **({name: text[name] for name in ("num_experts", "num_experts_per_tok",
+                                                  "moe_intermediate_size",
+                                                  "shared_expert_intermediate_size")}
+                   if moe else {}),
             )
         except KeyError as e:
             raise ValueError(f"config.json is missing the required field {e.args[0]!r}") from None
@@ -219,16 +255,21 @@ class Config:
         return PRESETS[name]
 
     def to_hf_config(self) -> dict[str, Any]:
-        """The ``qwen3_5_text`` config.json dict for this Config (inverse of from_hf_config)."""
+        """The ``qwen3_5_text`` (``qwen3_5_moe_text``) config.json dict for this Config (inverse of
+        from_hf_config)."""
         d = dataclasses.asdict(self)
+        moe = ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+               "shared_expert_intermediate_size")
+        for name in ("intermediate_size",) if self.is_moe else moe:
+            d.pop(name)
         d["layer_types"] = list(self.layer_types)
         d["eos_token_id"] = (list(self.eos_token_id) if len(self.eos_token_id) != 1
                              else self.eos_token_id[0])
         d.pop("rope_theta")
         d["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta,
                                 "partial_rotary_factor": self.partial_rotary_factor}
-        d["model_type"] = "qwen3_5_text"
-        d["architectures"] = ["Qwen3_5ForCausalLM"]
+        d["model_type"] = "qwen3_5_moe_text" if self.is_moe else "qwen3_5_text"
+        d["architectures"] = ["Qwen3_5MoeForCausalLM" if self.is_moe else "Qwen3_5ForCausalLM"]
         d["hidden_act"] = "silu"
         return d
 
@@ -252,7 +293,7 @@ def _schedule(num_layers: int, interval: int = 4) -> tuple[str, ...]:
                  for i in range(num_layers))
 
 
-def _published(hidden, intermediate, layers, hq, hkv, hv, tie) -> Config:
+def _published(hidden, intermediate, layers, hq, hkv, hv, tie, **moe) -> Config:
     # Common to every published Qwen3.5 dense size (their config.json files).
     return Config(
         vocab_size=248_320, hidden_size=hidden, intermediate_size=intermediate,
@@ -260,16 +301,26 @@ def _published(hidden, intermediate, layers, hq, hkv, hv, tie) -> Config:
         linear_num_key_heads=16, linear_num_value_heads=hv, linear_key_head_dim=128,
         linear_value_head_dim=128, linear_conv_kernel_dim=4, layer_types=_schedule(layers),
         partial_rotary_factor=0.25, rope_theta=10_000_000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=tie, max_position_embeddings=262_144, eos_token_id=(248_044,))
+        tie_word_embeddings=tie, max_position_embeddings=262_144, eos_token_id=(248_044,), **moe)
 
 
-# Name -> Config: the published Qwen3.5 dense text shapes (their config.json) and "tiny".
+def _published_moe(hidden, layers, hq, hv, experts, k, intermediate) -> Config:
+    # Common to the published Qwen3.5-MoE sizes (their config.json files).
+    return _published(hidden, 0, layers, hq, 2, hv, False, num_experts=experts,
+                      num_experts_per_tok=k, moe_intermediate_size=intermediate,
+                      shared_expert_intermediate_size=intermediate)
+
+
+# Name -> Config: the published Qwen3.5 text shapes (their config.json) and "tiny".
 PRESETS: dict[str, Config] = {
     "qwen3.5-0.8b": _published(1024, 3584, 24, 8, 2, 16, True),
     "qwen3.5-2b": _published(2048, 6144, 24, 8, 2, 16, True),
     "qwen3.5-4b": _published(2560, 9216, 32, 16, 4, 32, True),
     "qwen3.5-9b": _published(4096, 12288, 32, 16, 4, 32, False),
     "qwen3.5-27b": _published(5120, 17408, 64, 24, 4, 48, False),
+    "qwen3.5-35b-a3b": _published_moe(2048, 40, 16, 32, 256, 8, 512),
+    "qwen3.5-122b-a10b": _published_moe(3072, 48, 32, 64, 256, 8, 1024),
+    "qwen3.5-397b-a17b": _published_moe(4096, 60, 32, 64, 512, 10, 1024),
     # Small enough for CPU tests and the demo, with the real vocabulary (so a real tokenizer fits),
     # GQA (2 query heads per KV head), r = Hv/Hk = 2, dk != dv and two attention layers.
     "tiny": Config(

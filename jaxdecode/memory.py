@@ -68,12 +68,17 @@ def check_fits(what: str, needed: int, device: jax.Device | None = None) -> None
 
 def prefill_token_bytes(config: Config, dtype) -> int:
     """Activation bytes per (row, token) of a prefill: the residual stream plus the widest layer's
-    intermediates (the MLP's gate/up, the DeltaNet projections, conv and chunked delta rule in
-    float32), times :data:`SAFETY_FACTOR`."""
+    intermediates (the MLP's gate/up or the MoE block's routed copies, the DeltaNet projections,
+    conv and chunked delta rule in float32), times :data:`SAFETY_FACTOR`."""
     c, e = config, np.dtype(model_dtype(dtype)).itemsize
     hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
     residual = 4 * c.hidden_size * e
     mlp = 3 * c.intermediate_size * e + c.intermediate_size * 4
+    if c.is_moe:  # router probabilities; k gathered rows, their gate/up and outputs; shared expert
+        k = c.num_experts_per_tok
+        mlp = (c.num_experts * 4 * 2 + k * (2 * c.hidden_size * e + c.hidden_size * 4
+                                            + 3 * c.moe_intermediate_size * e)
+               + 3 * c.shared_expert_intermediate_size * e)
     deltanet = (c.linear_conv_dim * (e + 3 * 4) + hv * dv * e  # mixed, conv, z
                 + hv * (2 * dk + dv) * 4 * 2  # q, k, v repeated to Hv heads
                 + hv * 64 * 4 * 6  # the [64, 64] chunk matrices per token

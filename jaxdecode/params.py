@@ -39,6 +39,17 @@ class MLPParams:
 
 
 @struct.dataclass
+class MoEParams:
+    """HF ``Qwen3_5MoeSparseMoeBlock``: a softmax top-k router over E experts, the experts as
+    fused 3-D tensors (``Qwen3_5MoeExperts``), and a shared expert scaled by a sigmoid gate."""
+    gate: Array  # [E, H] router (``mlp.gate.weight``)
+    experts_gate_up_proj: Array  # [E, 2·I_e, H]: rows [0, I_e) gate, [I_e, 2·I_e) up
+    experts_down_proj: Array  # [E, H, I_e]
+    shared_expert: MLPParams  # I = I_s
+    shared_expert_gate: Array  # [1, H]
+
+
+@struct.dataclass
 class GatedDeltaNetParams:
     """Gated DeltaNet mixer (HF ``Qwen3_5GatedDeltaNet``)."""
     in_proj_qkv: Array  # [C, H]  channels grouped per key head (conv_channel_order)
@@ -68,7 +79,7 @@ class DecoderLayerParams:
     """One pre-norm residual block; exactly one of linear_attn / self_attn is set."""
     input_layernorm: Array  # [H]  (1 + w)
     post_attention_layernorm: Array  # [H]  (1 + w)
-    mlp: MLPParams
+    mlp: MLPParams | MoEParams  # MoEParams when config.is_moe
     linear_attn: GatedDeltaNetParams | None = None
     self_attn: AttentionParams | None = None
 
@@ -118,9 +129,19 @@ def param_specs(config: Config) -> dict[str, ParamSpec]:
         p = f"model.layers.{layer}."
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
-        shapes[p + "mlp.gate_proj.weight"] = (i, h)
-        shapes[p + "mlp.up_proj.weight"] = (i, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, i)
+        if c.is_moe:
+            e, ie, i_s = c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
+            shapes[p + "mlp.gate.weight"] = (e, h)
+            shapes[p + "mlp.experts.gate_up_proj"] = (e, 2 * ie, h)
+            shapes[p + "mlp.experts.down_proj"] = (e, h, ie)
+            shapes[p + "mlp.shared_expert.gate_proj.weight"] = (i_s, h)
+            shapes[p + "mlp.shared_expert.up_proj.weight"] = (i_s, h)
+            shapes[p + "mlp.shared_expert.down_proj.weight"] = (h, i_s)
+            shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
+        else:
+            shapes[p + "mlp.gate_proj.weight"] = (i, h)
+            shapes[p + "mlp.up_proj.weight"] = (i, h)
+            shapes[p + "mlp.down_proj.weight"] = (h, i)
         if kind == FULL_ATTENTION:
             shapes[p + "self_attn.q_proj.weight"] = (2 * hq * d, h)
             shapes[p + "self_attn.k_proj.weight"] = (hkv * d, h)
@@ -157,8 +178,19 @@ def params_from_flat(config: Config, flat: dict[str, Any]) -> Params:
     layers = []
     for layer, kind in enumerate(config.layer_types):
         p = f"model.layers.{layer}."
-        mlp = MLPParams(gate_proj=w(p + "mlp.gate_proj.weight"), up_proj=w(p + "mlp.up_proj.weight"),
-                        down_proj=w(p + "mlp.down_proj.weight"))
+        if config.is_moe:
+            m = p + "mlp."
+            mlp = MoEParams(
+                gate=w(m + "gate.weight"), experts_gate_up_proj=w(m + "experts.gate_up_proj"),
+                experts_down_proj=w(m + "experts.down_proj"),
+                shared_expert=MLPParams(gate_proj=w(m + "shared_expert.gate_proj.weight"),
+                                        up_proj=w(m + "shared_expert.up_proj.weight"),
+                                        down_proj=w(m + "shared_expert.down_proj.weight")),
+                shared_expert_gate=w(m + "shared_expert_gate.weight"))
+        else:
+            mlp = MLPParams(gate_proj=w(p + "mlp.gate_proj.weight"),
+                            up_proj=w(p + "mlp.up_proj.weight"),
+                            down_proj=w(p + "mlp.down_proj.weight"))
         common = dict(input_layernorm=w(p + "input_layernorm.weight"),
                       post_attention_layernorm=w(p + "post_attention_layernorm.weight"), mlp=mlp)
         if kind == FULL_ATTENTION:

@@ -10,14 +10,16 @@ REQUESTS.json is a list of actions, run in order (one torch start-up for all of 
   {"action": "make", "dir": D, "text_config": {...}, "seed": S,
    "layout": "causal_lm" | "conditional_generation", "dtype": "float32" | "bfloat16",
    "max_shard_size": null | "50KB"}
-      Builds a Qwen3.5 model with EVERY parameter randomised (HF's init leaves norm weights,
+      Builds a Qwen3.5 model (Qwen3.5-MoE when text_config has num_experts) with EVERY
+      parameter randomised (HF's init leaves norm weights,
       A_log and dt_bias at constants that would hide bugs) and writes it with save_pretrained.
       dtype "bfloat16" stores bf16 weights with A_log and linear_attn.norm.weight kept float32,
       as in the published checkpoints.
 
   {"action": "run", "dir": D, "out": F.npz, "cases": [{"name": N, "prompt": [ids],
    "decode_steps": K}]}
-      Loads D with from_pretrained in float32 (eager attention, torch reference kernels) and for
+      Loads D with from_pretrained in float32 (eager attention and experts, torch reference
+      kernels) and for
       each case runs the prompt (logits at every position), then K greedy cached decode steps.
       Writes N/prefill_logits [T, V], N/decode_tokens [K] (the token fed at each step) and
       N/decode_logits [K, V] (float32).
@@ -99,16 +101,18 @@ def make(req):
     tf = check_transformers()
     text = dict(req["text_config"])
     layout = req.get("layout", "causal_lm")
+    moe = bool(text.get("num_experts"))  # Qwen3_5Moe* classes (the text config names experts)
     if layout == "causal_lm":
-        config = tf.Qwen3_5TextConfig(**text)
-        model = tf.Qwen3_5ForCausalLM(config)
+        config = (tf.Qwen3_5MoeTextConfig if moe else tf.Qwen3_5TextConfig)(**text)
+        model = (tf.Qwen3_5MoeForCausalLM if moe else tf.Qwen3_5ForCausalLM)(config)
     else:
         tie = text.pop("tie_word_embeddings", False)
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
                       out_hidden_size=text["hidden_size"], num_position_embeddings=16)
-        config = tf.Qwen3_5Config(text_config=text, vision_config=vision,
-                                  tie_word_embeddings=tie)
-        model = tf.Qwen3_5ForConditionalGeneration(config)
+        config = (tf.Qwen3_5MoeConfig if moe else tf.Qwen3_5Config)(
+            text_config=text, vision_config=vision, tie_word_embeddings=tie)
+        model = (tf.Qwen3_5MoeForConditionalGeneration if moe
+                 else tf.Qwen3_5ForConditionalGeneration)(config)
     model = model.float()
     randomize(model, req["seed"])
     if req.get("dtype", "float32") == "bfloat16":
@@ -129,8 +133,12 @@ def load(directory):
     tf = check_transformers()
     with open(f"{directory}/config.json") as f:
         arch = json.load(f)["architectures"][0]
-    cls = tf.Qwen3_5ForConditionalGeneration if "Conditional" in arch else tf.Qwen3_5ForCausalLM
-    model = cls.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager")
+    family = "Qwen3_5Moe" if arch.startswith("Qwen3_5Moe") else "Qwen3_5"
+    cls = getattr(tf, family + ("ForConditionalGeneration" if "Conditional" in arch
+                                else "ForCausalLM"))
+    kwargs = {"experts_implementation": "eager"} if family == "Qwen3_5Moe" else {}
+    model = cls.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager",
+                                **kwargs)
     model.eval()
     return model
 

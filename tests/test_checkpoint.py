@@ -183,3 +183,67 @@ def test_values_that_overflow_the_model_dtype_are_caught(written):
     jd.load_checkpoint(path, "float32")  # finite in float32
     with pytest.raises(ValueError, match=rf"tensor {name} .* has 1 NaN or inf values as bfloat16"):
         jd.load_checkpoint(path, "bfloat16")
+
+
+# ----- MoE experts: fused 3-D or per-expert 2-D tensors ------------------------------------------
+
+MOE_CONFIG = tiny(vocab_size=300, intermediate_size=0, num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=16, shared_expert_intermediate_size=24)
+
+
+def per_expert(tensors, config, *, drop=(), bad_shape=()):
+    """The fused expert tensors of ``tensors`` split into HF's per-expert 2-D names (what
+    transformers' save_pretrained writes), with (layer, expert, kind) entries dropped or
+    misshapen."""
+    out, ie = {}, config.moe_intermediate_size
+    for name, value in tensors.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            parts = {"gate": value[:, :ie], "up": value[:, ie:]}
+        elif name.endswith("mlp.experts.down_proj"):
+            parts = {"down": value}
+        else:
+            out[name] = value
+            continue
+        layer = int(name.split(".")[2])
+        for kind, stacked in parts.items():
+            for e in range(config.num_experts):
+                if (layer, e, kind) in drop:
+                    continue
+                x = stacked[e][:-1] if (layer, e, kind) in bad_shape else stacked[e]
+                out[name.replace("experts.gate_up_proj", "experts.").replace(
+                    "experts.down_proj", "experts.") + f"{e}.{kind}_proj.weight"] = x
+    return out
+
+
+@pytest.mark.parametrize("layout", ["fused", "per_expert"])
+def test_moe_checkpoint_round_trip(tmp_path, layout):
+    params = jd.init_params(MOE_CONFIG, jax.random.key(3))
+    tensors = {k: np.asarray(v, np.float32) for k, v in params_to_hf(params).items()}
+    assert tensors["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 32, 64)
+    if layout == "per_expert":
+        tensors = per_expert(tensors, MOE_CONFIG)
+        assert "model.layers.2.mlp.experts.3.up_proj.weight" in tensors
+    (tmp_path / "config.json").write_text(json.dumps(MOE_CONFIG.to_hf_config()))
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    loaded = load_checkpoint(tmp_path, dtype="float32")
+    assert loaded.config == MOE_CONFIG
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_moe_checkpoint_problems_name_each_expert_tensor(tmp_path):
+    params = jd.init_params(MOE_CONFIG, jax.random.key(3))
+    tensors = {k: np.asarray(v, np.float32) for k, v in params_to_hf(params).items()}
+    tensors = per_expert(tensors, MOE_CONFIG, drop={(1, 2, "up")}, bad_shape={(0, 3, "down")})
+    tensors["model.layers.2.mlp.experts.4.gate_proj.weight"] = np.zeros((16, 64), np.float32)
+    (tmp_path / "config.json").write_text(json.dumps(MOE_CONFIG.to_hf_config()))
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError) as err:
+        load_checkpoint(tmp_path)
+    msg = str(err.value)
+    assert "3 problems" in msg
+    assert ("missing tensor model.layers.1.mlp.experts.2.up_proj.weight (expected shape "
+            "(16, 64))") in msg
+    assert ("tensor model.layers.0.mlp.experts.3.down_proj.weight has shape (63, 16), expected "
+            "(64, 16)") in msg
+    assert "unexpected tensor model.layers.2.mlp.experts.4.gate_proj.weight (num_experts=4)" in msg
