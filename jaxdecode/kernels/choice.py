@@ -208,8 +208,8 @@ def chunk_gated_delta_rule(kernels: Kernels, q, k, v, g, beta, state):
         return rule(q, k, v, g, beta, state)
     tokens, gates, heads = P(DATA, None, MODEL, None), P(DATA, None, MODEL), P(DATA, MODEL)
     return jax.shard_map(rule, mesh=kernels.mesh,
-                         in_specs=(tokens, tokens, tokens, gates, gates, P(DATA, MODEL)),
-                         out_specs=(tokens, P(DATA, MODEL)), check_vma=False)(
+                         in_specs=(tokens, tokens, tokens, gates, gates, heads),
+                         out_specs=(tokens, heads), check_vma=False)(
         q, k, v, g, beta, state)
 
 
