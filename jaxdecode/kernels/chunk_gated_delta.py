@@ -13,7 +13,7 @@ parallel over chunks); the kernel runs the sequential part, per chunk n (C = 64 
 Why it looks the way it does:
 
 * XLA runs that recurrence as a ``lax.scan`` of a few small batched matmuls per chunk, about
-  20 µs a step of launch latency (benchmarks/RESULTS.md, session 12). Here a step is four
+  20 µs a step of launch latency (benchmarks/RESULTS.md). Here a step is four
   ``wgmma`` on shared memory and nothing leaves the SM but the outputs.
 * Columns of S evolve independently (Δ's columns depend only on S's), so programs split dv.
 * Everything is transposed (Sᵀ [64, dk] in registers, the outputs as Oᵀ): ``wgmma`` takes float32
