@@ -12,7 +12,7 @@ state and the outputs follow it for all chunks at once (:func:`lean_chunk_gated_
 
 ``library``: ``gated_delta.chunk_gated_delta_rule`` (64-token chunks in parallel, then a
 ``lax.scan`` over the chunks: one sequential step per 64 tokens, a few small kernels each).
-``pallas``: the same terms, the recurrence in one Mosaic GPU kernel
+``pallas``: the terms and the recurrence in two Mosaic GPU kernels
 (``kernels.chunk_gated_delta.chunk_gated_delta_rule_pallas``, what the model runs on Hopper).
 ``assoc``: the same chunk algebra, but the chunk-to-chunk recurrence ``S_{n+1} = A_n S_n + B_n``
 (``A_n = e^{gamma_n} I - K~_n^T W_n``, ``B_n = K~_n^T U_n``) composed by

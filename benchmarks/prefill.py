@@ -24,8 +24,8 @@ first call over 30 s), each on a fresh state (allocated outside the timing). Rep
                  (``prefill_attention_pallas``) and cuDNN's flash attention
                  (``jax.nn.dot_product_attention(..., is_causal=True, implementation="cudnn")``)
   delta rule ms  the chunked gated delta rule alone (float32) over every DeltaNet layer: XLA's
-                 form (``gated_delta.chunk_gated_delta_rule``) / with its recurrence in the
-                 kernel (``chunk_gated_delta_rule_pallas``)
+                 form (``gated_delta.chunk_gated_delta_rule``) / the kernels'
+                 (``chunk_gated_delta_rule_pallas``: per-chunk terms, then the recurrence)
   (kernels)      after the cell: the prefill attention and delta rule the model ran
 """
 

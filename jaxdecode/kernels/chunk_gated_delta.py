@@ -1,30 +1,38 @@
-"""The chunked gated delta rule of the prefill, its chunk-to-chunk recurrence as a Pallas Mosaic
-GPU kernel: one program per (row, value head, 64 state columns) walks the chunks with its slice
-of the state in registers.
+"""The chunked gated delta rule of the prefill as two Pallas Mosaic GPU kernels: the per-chunk
+terms, one program per (row, head, chunk); then the chunk-to-chunk recurrence, one program per
+(row, value head, 64 state columns) walking the chunks with its slice of the state in registers.
 
 Arguments and result as ``jaxdecode.gated_delta.chunk_gated_delta_rule`` (HF
 ``torch_chunk_gated_delta_rule``): q, k [B, T, H, dk], v [B, T, H, dv], g, beta [B, T, H],
-state [B, H, dk, dv], all float32; returns (o [B, T, H, dv], final state), float32. XLA forms
-the per-chunk terms (``gated_delta.chunk_terms``: decays, K Kᵀ and the two triangular solves,
-parallel over chunks); the kernel runs the sequential part, per chunk n (C = 64 tokens)::
+state [B, H, dk, dv], all float32; returns (o [B, T, H, dv], final state), float32. Per chunk n
+of C = 64 tokens (that function's docstring has the notation)::
 
-    Δ = U - W S;   O = (Q e^Γ) S + (masked decayed Q Kᵀ) Δ;   S <- e^{Γ_C} S + (K e^{Γ_C-Γ})ᵀ Δ
+    terms:       A = β K Kᵀ e^{Γi-Γj} [j<i],  T⁻¹ = (I + A)⁻¹,  W = T⁻¹ diag(β e^Γ) K,
+                 U = T⁻¹ diag(β) V,  masked decayed Q Kᵀ,  Q e^Γ,  K e^{Γ_C-Γ}
+    recurrence:  Δ = U - W S;   O = (Q e^Γ) S + (masked decayed Q Kᵀ) Δ;
+                 S <- e^{Γ_C} S + (K e^{Γ_C-Γ})ᵀ Δ
 
 Why it looks the way it does:
 
-* XLA runs that recurrence as a ``lax.scan`` of a few small batched matmuls per chunk, about
-  20 µs a step of launch latency (benchmarks/RESULTS.md). Here a step is four
-  ``wgmma`` on shared memory and nothing leaves the SM but the outputs.
-* Columns of S evolve independently (Δ's columns depend only on S's), so programs split dv.
-* Everything is transposed (Sᵀ [64, dk] in registers, the outputs as Oᵀ): ``wgmma`` takes float32
-  only as tf32 and only K-major, and in that form every operand is K-major as XLA lays it out.
-  tf32 is what XLA's default precision gives these float32 matmuls on the GPU too, so
-  ``choose_kernels`` picks the kernel for 16-bit models only (errors: benchmarks/RESULTS.md).
-* Loads overlap compute without a second buffer: the next chunk's W and Q are fetched once the
-  first two matmuls have read them, its U, K and Q Kᵀ once the last two have.
+* XLA runs the recurrence as a ``lax.scan`` of a few small batched matmuls per chunk, about
+  20 µs a step of launch latency, and the terms' triangular solve as a batched solver
+  (benchmarks/RESULTS.md). Here a chunk's terms are 24 ``wgmma`` in one program and a
+  recurrence step is four, on shared memory.
+* T⁻¹ is formed by blocks (the inverse of blocks of 2s from those of s: X - X L X), as
+  flash-linear-attention's ``solve_tril`` merges them: as stable as forward substitution, where
+  the product (I - A)(I + A²)(I + A⁴)... cancels powers of A that reach 1e18.
+* Columns of S evolve independently (Δ's columns depend only on S's), so recurrence programs
+  split dv.
+* ``wgmma`` takes float32 only as tf32 and only K-major: the recurrence works on transposes
+  (Sᵀ [64, dk] in registers, the outputs as Oᵀ) and the terms carry Xᵀ beside X, so every operand
+  is K-major. tf32 is what XLA's default precision gives these float32 matmuls on the GPU too, so
+  ``choose_kernels`` picks the kernels for 16-bit models only (errors: benchmarks/RESULTS.md).
+* Recurrence loads overlap compute without a second buffer: the next chunk's W and Q are fetched
+  once the first two matmuls have read them, its U, K and Q Kᵀ once the last two have.
 
-Same math and FLOPs as flash-linear-attention's ``chunk_gated_delta_rule_fwd_h`` +
-``chunk_fwd_o`` (Yang et al., "Gated Delta Networks", ICLR 2025), fused.
+Same math and FLOPs as flash-linear-attention's ``chunk_scaled_dot_kkt`` + ``solve_tril`` +
+``recompute_w_u`` (the terms) and ``chunk_gated_delta_rule_fwd_h`` + ``chunk_fwd_o`` (the
+recurrence) (Yang et al., "Gated Delta Networks", ICLR 2025).
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxdecode.gated_delta import chunk_gated_delta_rule, chunk_terms
+from jaxdecode.gated_delta import chunk_gated_delta_rule
 from jaxdecode.kernels import wait_for_inputs
 from jaxdecode.kernels.decode_attention import _accumulate, _smem_tile
 
@@ -52,10 +60,10 @@ def check_supported(q_shape, v_shape, model_dtype=jnp.bfloat16) -> str | None:
     dk, dv = q_shape[-1], v_shape[-1]
     if jnp.dtype(model_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"model dtype {jnp.dtype(model_dtype)} (tf32 matmuls: for 16-bit models)"
-    if dk % 32 or not 32 <= dk <= 256:
-        return f"linear_key_head_dim={dk} (the kernel takes multiples of 32 up to 256)"
-    if dv % BLOCK_V:
-        return f"linear_value_head_dim={dv} is not a multiple of {BLOCK_V}"
+    if dk not in (64, 128):
+        return f"linear_key_head_dim={dk} (the kernels take 64 or 128)"
+    if dv not in (64, 128):
+        return f"linear_value_head_dim={dv} (the kernels take 64 or 128)"
     return None
 
 
@@ -123,6 +131,156 @@ def _kernel(w_gmem, q_gmem, kt_gmem, ut_gmem, qk_gmem, gl_gmem, s0_gmem,  # inpu
     plgpu.wait_smem_to_gmem(0)
 
 
+def _terms_kernel(q_gmem, k_gmem, kt_gmem, vt_gmem, gamma_gmem, beta_gmem,  # inputs
+                  w_gmem, ut_gmem, qk_gmem, qd_gmem, kdt_gmem,  # outputs
+                  q_smem, k_smem, kt_smem, vt_smem, x_smem, xt_smem, l_smem, lt_smem, qk_smem,
+                  vec_smem, barriers, *, interpret):
+    wait_for_inputs(interpret)
+    n, h, b = lax.axis_index("n"), lax.axis_index("h"), lax.axis_index("b")
+    layout = plgpu.Layout.WGMMA
+    q_bar, k_bar, kt_bar, vt_bar = (barriers.at[i] for i in range(4))
+    # Γ and β each twice: a shared-memory ref is read in one register layout only
+    for i, src in enumerate((gamma_gmem, gamma_gmem, beta_gmem, beta_gmem)):
+        plgpu.copy_gmem_to_smem(src.at[b, h, n], vec_smem.at[i], barriers.at[4 + i])
+    plgpu.copy_gmem_to_smem(q_gmem.at[b, h, n], q_smem, q_bar)
+    plgpu.copy_gmem_to_smem(k_gmem.at[b, h, n], k_smem, k_bar)
+    plgpu.copy_gmem_to_smem(kt_gmem.at[b, h, n], kt_smem, kt_bar)
+    plgpu.copy_gmem_to_smem(vt_gmem.at[b, h, n], vt_smem, vt_bar)
+
+    shape = (CHUNK, CHUNK)
+    row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout)  # i
+    col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=layout)  # j
+
+    def per_row(ref):  # [C] -> [C, C], x_i in row i
+        x = lax.broadcast_in_dim(plgpu.load(ref, layout=layout.reduce(1)), shape, [0])
+        return plgpu.layout_cast(x, layout)
+
+    def per_col(ref):  # [C] -> [C, C], x_j in column j
+        x = lax.broadcast_in_dim(plgpu.load(ref, layout=layout.reduce(0)), shape, [1])
+        return plgpu.layout_cast(x, layout)
+
+    for i in range(4):
+        plgpu.barrier_wait(barriers.at[4 + i])
+    gamma_i, gamma_j = per_row(vec_smem.at[0]), per_col(vec_smem.at[1])
+    beta_i, beta_j = per_row(vec_smem.at[2]), per_col(vec_smem.at[3])
+    decay = jnp.exp(jnp.where(col <= row, gamma_i - gamma_j, -jnp.inf))  # e^{Γi-Γj}, j <= i
+    decay_t = jnp.exp(jnp.where(row <= col, gamma_j - gamma_i, -jnp.inf))  # its transpose
+
+    plgpu.barrier_wait(q_bar)
+    plgpu.barrier_wait(k_bar)
+
+    def products(acc_kk, acc_qk):
+        plgpu.wgmma(acc_kk, k_smem, k_smem.T)  # K Kᵀ
+        plgpu.wgmma(acc_qk, q_smem, k_smem.T)  # Q Kᵀ
+        return acc_kk[...], acc_qk[...]
+
+    kk, qk = pl.run_scoped(products, plgpu.ACC(shape, jnp.float32),
+                           plgpu.ACC(shape, jnp.float32))
+    qk_smem[...] = jnp.where(col <= row, qk * decay, 0.0)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(qk_smem, qk_gmem.at[b, h, n])
+    dk, dv = kt_smem.shape[0], vt_smem.shape[0]
+    exp_gamma = jnp.exp(plgpu.load(vec_smem.at[0], layout=layout.reduce(1)))
+    q_smem[...] = plgpu.load(q_smem, layout=layout) * lax.broadcast_in_dim(
+        exp_gamma, (CHUNK, dk), [0])  # Q e^Γ
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem, qd_gmem.at[b, h, n])
+    a = jnp.where(col < row, beta_i * kk * decay, 0.0)  # A (strictly lower)
+    a_t = jnp.where(row < col, beta_j * kk * decay_t, 0.0)  # Aᵀ (K Kᵀ is symmetric)
+
+    # T⁻¹ = (I + A)⁻¹ by blocks, as flash-linear-attention's solve_tril merges them: with X the
+    # inverse of T's diagonal blocks of size s and L T's blocks just below them (within blocks of
+    # 2s), the inverse of the blocks of 2s is X - X L X. Xᵀ is carried beside X because tf32
+    # wgmma takes K-major operands only.
+    def level_mask(i, j, s):
+        return ((i // s) % 2 == 1) & (j // s == i // s - 1)
+
+    eye = jnp.where(row == col, 1.0, 0.0)
+    x = eye - jnp.where(level_mask(row, col, 1), a, 0.0)
+    x_t = eye - jnp.where(level_mask(col, row, 1), a_t, 0.0)
+    s = 2
+    while s < CHUNK:
+        x_smem[...] = x
+        xt_smem[...] = x_t
+        l_smem[...] = jnp.where(level_mask(row, col, s), a, 0.0)
+        lt_smem[...] = jnp.where(level_mask(col, row, s), a_t, 0.0)
+        plgpu.commit_smem()
+
+        def left(acc_xl, acc_xtlt):
+            plgpu.wgmma(acc_xl, x_smem, lt_smem.T)  # X L
+            plgpu.wgmma(acc_xtlt, xt_smem, l_smem.T)  # Xᵀ Lᵀ
+            return acc_xl[...], acc_xtlt[...]
+
+        xl, xtlt = pl.run_scoped(left, plgpu.ACC(shape, jnp.float32),
+                                 plgpu.ACC(shape, jnp.float32))
+        l_smem[...] = xl
+        lt_smem[...] = xtlt
+        plgpu.commit_smem()
+
+        def right(acc_x, acc_xt):
+            plgpu.wgmma(acc_x, l_smem, xt_smem.T)  # (X L) X
+            plgpu.wgmma(acc_xt, lt_smem, x_smem.T)  # (Xᵀ Lᵀ) Xᵀ
+            return acc_x[...], acc_xt[...]
+
+        xlx, xlx_t = pl.run_scoped(right, plgpu.ACC(shape, jnp.float32),
+                                   plgpu.ACC(shape, jnp.float32))
+        x, x_t = x - xlx, x_t - xlx_t
+        s *= 2
+
+    x_smem[...] = x * beta_j  # T⁻¹ diag(β)
+    xt_smem[...] = x * (beta_j * jnp.exp(gamma_j))  # T⁻¹ diag(β e^Γ)
+    plgpu.commit_smem()
+    plgpu.barrier_wait(kt_bar)
+    plgpu.barrier_wait(vt_bar)
+
+    def apply(acc_w, acc_ut):
+        plgpu.wgmma(acc_w, xt_smem, kt_smem.T)  # W = T⁻¹ diag(β e^Γ) K  [C, dk]
+        plgpu.wgmma(acc_ut, vt_smem, x_smem.T)  # Uᵀ = (T⁻¹ diag(β) V)ᵀ  [dv, C]
+        return acc_w[...], acc_ut[...]
+
+    w, u_t = pl.run_scoped(apply, plgpu.ACC((CHUNK, dk), jnp.float32),
+                           plgpu.ACC((dv, CHUNK), jnp.float32))
+    to_end = jnp.exp(gamma_gmem[b, h, n, CHUNK - 1]
+                     - plgpu.load(vec_smem.at[1], layout=layout.reduce(0)))  # e^{Γ_C-Γ}
+    kt_smem[...] = plgpu.load(kt_smem, layout=layout) * lax.broadcast_in_dim(
+        to_end, (dk, CHUNK), [1])  # (K e^{Γ_C-Γ})ᵀ
+    vt_smem[...] = u_t
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # Q e^Γ has left q_smem
+    q_smem[...] = w
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem, w_gmem.at[b, h, n])
+    plgpu.copy_smem_to_gmem(vt_smem, ut_gmem.at[b, h, n])
+    plgpu.copy_smem_to_gmem(kt_smem, kdt_gmem.at[b, h, n])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def chunk_terms_pallas(q, k, k_t, v_t, gamma, beta, *, interpret: bool = False):
+    """The per-chunk terms, every array float32 and per (row, head, chunk) of C = 64 tokens:
+    q, k [B, H, N, C, dk]; k_t [B, H, N, dk, C]; v_t [B, H, N, dv, C]; gamma (Γ, the decays'
+    cumulative sum within the chunk) and beta [B, H, N, C]. Returns (W [B, H, N, C, dk],
+    Uᵀ [B, H, N, dv, C], masked decayed Q Kᵀ [B, H, N, C, C], Q e^Γ [B, H, N, C, dk],
+    (K e^{Γ_C-Γ})ᵀ [B, H, N, dk, C]): ``gated_delta.chunk_terms``'s, laid out for
+    :func:`chunk_recurrence_pallas`, T⁻¹ formed by blocks in tf32."""
+    batch, heads, n, c, dk = q.shape
+    dv = v_t.shape[3]
+    f32 = jnp.float32
+    cc = _smem_tile((c, c), f32)
+    smem = (_smem_tile((c, dk), f32), _smem_tile((c, dk), f32), _smem_tile((dk, c), f32),
+            _smem_tile((dv, c), f32), cc, cc, cc, cc, cc, plgpu.SMEM((4, c), f32),
+            plgpu.Barrier(num_barriers=8))
+    return plgpu.kernel(
+        functools.partial(_terms_kernel, interpret=interpret),
+        out_type=(jax.ShapeDtypeStruct((batch, heads, n, c, dk), f32),
+                  jax.ShapeDtypeStruct((batch, heads, n, dv, c), f32),
+                  jax.ShapeDtypeStruct((batch, heads, n, c, c), f32),
+                  jax.ShapeDtypeStruct((batch, heads, n, c, dk), f32),
+                  jax.ShapeDtypeStruct((batch, heads, n, dk, c), f32)),
+        scratch_types=smem,
+        grid=(n, heads, batch), grid_names=("n", "h", "b"),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(q, k, k_t, v_t, gamma, beta)
+
+
 def chunk_recurrence_pallas(w, q_decayed, k_decayed_t, u_t, qk, gamma_last, state_t, *,
                             interpret: bool = False):
     """The kernel on the per-chunk terms, every array float32 and per (row, head, chunk):
@@ -167,13 +325,24 @@ def chunk_gated_delta_rule_pallas(q, k, v, g, beta, state, *, interpret: bool = 
         raise ValueError(f"chunk_gated_delta_rule_pallas does not take {why}")
     if batch * heads * length == 0:
         return jnp.zeros(v.shape, jnp.float32), state
-    q_decayed, k_decayed, u, w, qk, gamma_last = chunk_terms(q, k, v, g, beta, CHUNK)
-    per_row = lambda x: jnp.moveaxis(x, 0, 2)  # [N, B, H, ...] -> [B, H, N, ...]  # noqa: E731
+    pad = (-length) % CHUNK
+    if pad:  # inert tokens (beta = g = 0, k = 0) to a whole chunk
+        widths = ((0, 0), (0, pad), (0, 0))
+        q, k, v = (jnp.pad(x, widths + ((0, 0),)) for x in (q, k, v))
+        g, beta = (jnp.pad(x, widths) for x in (g, beta))
+    n = (length + pad) // CHUNK
+
+    def chunked(x):  # [B, N*C, H, ...] -> [B, H, N, C, ...]
+        x = x.reshape(batch, n, CHUNK, heads, *x.shape[3:])
+        return jnp.moveaxis(x, 3, 1)
+
+    q, k, v, g, beta = map(chunked, (q, k, v, g, beta))
+    gamma = jnp.cumsum(g, axis=-1)  # Γ [B, H, N, C]
+    w, u_t, qk, q_decayed, k_decayed_t = chunk_terms_pallas(
+        q, k, jnp.swapaxes(k, -1, -2), jnp.swapaxes(v, -1, -2), gamma, beta, interpret=interpret)
     o_t, state_t = chunk_recurrence_pallas(
-        per_row(w), per_row(q_decayed), jnp.swapaxes(per_row(k_decayed), -1, -2),
-        jnp.swapaxes(per_row(u), -1, -2), per_row(qk), per_row(gamma_last),
-        jnp.swapaxes(state, -1, -2), interpret=interpret)
-    n = o_t.shape[2]
+        w, q_decayed, k_decayed_t, u_t, qk, gamma[..., -1], jnp.swapaxes(state, -1, -2),
+        interpret=interpret)
     o = jnp.transpose(o_t, (0, 2, 4, 1, 3)).reshape(batch, n * CHUNK, heads, dv)
     return o[:, :length], jnp.swapaxes(state_t, -1, -2)
 
