@@ -82,6 +82,24 @@ def test_kernel_equals_the_float64_recurrence(mode, case):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_kernel_on_correlated_keys_and_strong_writes(mode):
+    """Keys sharing a common direction and beta near 1: T = I + A far from I, where T⁻¹ by
+    powers of A would cancel terms near 1e18; the blocked inverse must match float64."""
+    q, k, v, g, beta, state = inputs(21, 2, 192, 2, 128, 64, (192, 150), decay=0.02)
+    base = jax.random.normal(jax.random.key(22), (1, 1, 2, 128))
+    k = l2_normalize(2.0 * base + jax.random.normal(jax.random.key(23), k.shape))
+    k = jnp.where(jnp.arange(192)[None, :, None, None] < jnp.array([192, 150])[:, None, None, None],
+                  k, 0.0)
+    beta = jnp.where(beta > 0, 0.9 + 0.1 * beta, 0.0)
+    args = (q, k, v, g, beta, state)
+    o, state_out = cg.chunk_gated_delta_rule_pallas(*args, interpret=mode == "interpret")
+    want_o, want_state = recurrence_f64(*args)
+    real = np.arange(192)[None, :] < np.array([192, 150])[:, None]
+    assert_rel_close(np.asarray(o)[real], want_o[real], TOL[mode], "outputs")
+    assert_rel_close(state_out, want_state, TOL[mode], "final state")
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_kernel_equals_xla_form(mode):
     """Same inputs through the kernel and ``chunk_gated_delta_rule_reference``."""
     args = inputs(11, 2, 200, 2, 64, 128, (200, 131))
