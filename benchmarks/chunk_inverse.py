@@ -19,23 +19,23 @@ from chunk_delta_rule import inputs, time_ms, unit_lower_inverse
 
 HI = jax.lax.Precision.HIGHEST
 
-def blocked_inverse(a, precision=HI):
+def merge(x, a, s, precision=HI):
+    """From X, the inverse of (I + A)'s diagonal blocks of s, the whole inverse: X <- X - X L X
+    with L A's blocks just below them, s doubling up to C."""
     c = a.shape[-1]
     i = jnp.arange(c)[:, None]; j = jnp.arange(c)[None, :]
-    eye = jnp.eye(c, dtype=a.dtype)
-    x = eye - jnp.where((i // 2 == j // 2) & (i % 2 == 1) & (j == i - 1), a, 0.0)
-    s = 2
     while s < c:
-        mask = (i // (2 * s) == j // (2 * s)) & ((i // s) % 2 == 1) & (j // s == i // s - 1)
+        mask = ((i // s) % 2 == 1) & (j // s == i // s - 1)
         l = jnp.where(mask, a, 0.0)
         x = x - jnp.matmul(x, jnp.matmul(l, x, precision=precision), precision=precision)
         s *= 2
     return x
 
+def blocked_inverse(a, precision=HI):
+    return merge(jnp.eye(a.shape[-1], dtype=a.dtype), a, 1, precision)
+
 def blocked16(a, precision=HI):
     """16x16 diagonal blocks by triangular solve, then two merge levels."""
-    c = a.shape[-1]
-    i = jnp.arange(c)[:, None]; j = jnp.arange(c)[None, :]
     sh = a.shape[:-2]
     blocks = a.reshape(*sh, 4, 16, 4, 16)
     diag = jnp.stack([blocks[..., b, :, b, :] for b in range(4)], axis=-3)  # [..., 4, 16, 16]
@@ -44,14 +44,7 @@ def blocked16(a, precision=HI):
     x = jnp.zeros_like(a).reshape(*sh, 4, 16, 4, 16)
     for b in range(4):
         x = x.at[..., b, :, b, :].set(inv16[..., b, :, :])
-    x = x.reshape(a.shape)
-    s = 16
-    while s < c:
-        mask = (i // (2 * s) == j // (2 * s)) & ((i // s) % 2 == 1) & (j // s == i // s - 1)
-        l = jnp.where(mask, a, 0.0)
-        x = x - jnp.matmul(x, jnp.matmul(l, x, precision=precision), precision=precision)
-        s *= 2
-    return x
+    return merge(x.reshape(a.shape), a, 16, precision)
 
 def solve_inv(a):
     c = a.shape[-1]; eye = jnp.eye(c, dtype=a.dtype)

@@ -55,19 +55,27 @@ def naive_gated_delta_rule(q, k, v, g, beta, state):
     return jnp.moveaxis(o, 0, 1), state
 
 
+def pad_to_chunks(q, k, v, g, beta, chunk_size: int):
+    """The five inputs (module docstring) with T padded to a multiple of ``chunk_size`` by inert
+    tokens (beta = g = 0, k = 0, and q = v = 0)."""
+    pad = (-q.shape[1]) % chunk_size
+    if not pad:
+        return q, k, v, g, beta
+    widths = ((0, 0), (0, pad), (0, 0))
+    q, k, v = (jnp.pad(x, widths + ((0, 0),)) for x in (q, k, v))
+    g, beta = (jnp.pad(x, widths) for x in (g, beta))
+    return q, k, v, g, beta
+
+
 def chunk_terms(q, k, v, g, beta, chunk_size: int = 64):
     """The per-chunk terms of :func:`chunk_gated_delta_rule` (its docstring's notation), every
     chunk at once: returns (Q e^Γ, K e^{Γ_C-Γ}, U, W, the masked decayed Q Kᵀ, Γ_C), each
     [N, B, H, C, ...] (N chunks of C = ``chunk_size`` tokens; the tail padded with inert tokens).
     """
-    batch, length, heads, _ = q.shape
+    batch, _, heads, _ = q.shape
     c = chunk_size
-    pad = (-length) % c
-    if pad:
-        widths = ((0, 0), (0, pad), (0, 0))
-        q, k, v = (jnp.pad(x, widths + ((0, 0),)) for x in (q, k, v))
-        g, beta = (jnp.pad(x, widths) for x in (g, beta))
-    n = (length + pad) // c
+    q, k, v, g, beta = pad_to_chunks(q, k, v, g, beta, c)
+    n = q.shape[1] // c
 
     def chunks(x):  # [B, N*C, H, ...] -> [N, B, H, C, ...]
         x = x.reshape(batch, n, c, heads, *x.shape[3:])

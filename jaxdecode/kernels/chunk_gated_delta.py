@@ -45,7 +45,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxdecode.gated_delta import chunk_gated_delta_rule
+from jaxdecode.gated_delta import chunk_gated_delta_rule, pad_to_chunks
 from jaxdecode.kernels import wait_for_inputs
 from jaxdecode.kernels.decode_attention import _accumulate, _smem_tile
 
@@ -325,12 +325,8 @@ def chunk_gated_delta_rule_pallas(q, k, v, g, beta, state, *, interpret: bool = 
         raise ValueError(f"chunk_gated_delta_rule_pallas does not take {why}")
     if batch * heads * length == 0:
         return jnp.zeros(v.shape, jnp.float32), state
-    pad = (-length) % CHUNK
-    if pad:  # inert tokens (beta = g = 0, k = 0) to a whole chunk
-        widths = ((0, 0), (0, pad), (0, 0))
-        q, k, v = (jnp.pad(x, widths + ((0, 0),)) for x in (q, k, v))
-        g, beta = (jnp.pad(x, widths) for x in (g, beta))
-    n = (length + pad) // CHUNK
+    q, k, v, g, beta = pad_to_chunks(q, k, v, g, beta, CHUNK)
+    n = q.shape[1] // CHUNK
 
     def chunked(x):  # [B, N*C, H, ...] -> [B, H, N, C, ...]
         x = x.reshape(batch, n, CHUNK, heads, *x.shape[3:])
