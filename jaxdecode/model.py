@@ -19,7 +19,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxdecode import invariance
+from jaxdecode import experts, invariance
 from jaxdecode.activations import sigmoid, silu
 from jaxdecode.config import FULL_ATTENTION, Config
 from jaxdecode.gated_delta import l2_normalize
@@ -93,30 +93,20 @@ def moe(p: MoEParams, x: Array, config: Config) -> Array:
     """HF ``Qwen3_5MoeSparseMoeBlock`` over x [..., H] (model dtype).
 
     Router (``Qwen3_5MoeTopKRouter``): logits in the model dtype, softmax in float32 over all E
-    experts, top-k, renormalised, cast to the model dtype. Experts (``Qwen3_5MoeExperts``): the
-    N·k (token, expert) pairs sorted by expert run as two grouped GEMMs
-    (``jax.lax.ragged_dot``: no dense compute over all E, no token dropping), each output times
-    its weight in the model dtype; a token's k outputs are summed in float32 (HF's
-    ``index_add_`` adds them in expert order in the model dtype: equal in float32). Plus the
-    shared expert times ``sigmoid(x · shared_expert_gate)``.
+    experts, top-k, renormalised, cast to the model dtype. Experts (``Qwen3_5MoeExperts``):
+    :func:`jaxdecode.experts.routed_experts` (only the chosen experts' weights read at decode, no
+    dense compute over all E per pair, no token dropping), each output times its weight in the
+    model dtype, a token's k outputs summed in float32 (HF's ``index_add_`` adds them in expert
+    order in the model dtype: equal in float32). Plus the shared expert times
+    ``sigmoid(x · shared_expert_gate)``.
     """
-    c = config
     lead, h = x.shape[:-1], x.shape[-1]
     x = x.reshape(-1, h)
-    n, k, e, ie = x.shape[0], c.num_experts_per_tok, c.num_experts, c.moe_intermediate_size
     probs = jax.nn.softmax(linear(x, p.gate).astype(f32), axis=-1)  # [N, E]
-    weights, experts = jax.lax.top_k(probs, k)  # [N, k], largest first
+    weights, chosen = jax.lax.top_k(probs, config.num_experts_per_tok)  # [N, k], largest first
     weights = (weights / jnp.sum(weights, axis=-1, keepdims=True)).astype(x.dtype)
-    flat = experts.reshape(-1)  # [N·k]
-    order = jnp.argsort(flat, stable=True)  # pairs grouped by expert
-    group_sizes = jnp.bincount(flat, length=e).astype(jnp.int32)  # [E]
-    xs = x[order // k]  # [N·k, H]
-    gate_up = jax.lax.ragged_dot(xs, jnp.swapaxes(p.experts_gate_up_proj, 1, 2), group_sizes)
-    hidden = silu(gate_up[:, :ie]) * gate_up[:, ie:]  # [N·k, I_e]
-    out = jax.lax.ragged_dot(hidden, jnp.swapaxes(p.experts_down_proj, 1, 2), group_sizes)
-    out = out * weights.reshape(-1)[order][:, None]  # [N·k, H], model dtype
-    routed = jnp.zeros((n * k, h), f32).at[order].set(out.astype(f32))  # back to (token, slot)
-    routed = jnp.sum(routed.reshape(n, k, h), axis=1).astype(x.dtype)
+    routed = experts.routed_experts(x, weights, chosen, p.experts_gate_up_proj,
+                                    p.experts_down_proj)
     shared = mlp(p.shared_expert, x) * sigmoid(linear(x, p.shared_expert_gate))
     return (routed + shared).reshape(*lead, h)
 

@@ -35,6 +35,8 @@ FORBIDDEN = {
     "jaxdecode.memory": {"jaxdecode.params", "jaxdecode.state", "jaxdecode.kernels",
                          "jaxdecode.model", "jaxdecode.sharding", "jaxdecode.step"},
     "jaxdecode.state": {"jaxdecode.kernels", "jaxdecode.model"},
+    "jaxdecode.experts": {"jaxdecode.config", "jaxdecode.params", "jaxdecode.state",
+                          "jaxdecode.kernels", "jaxdecode.model", "jaxdecode.step"},
     "jaxdecode.kernels.choice": {"jaxdecode.model", "jaxdecode.sharding", "jaxdecode.step",
                                  "jaxdecode.generation", "jaxdecode.checkpoint"},
     "jaxdecode.model": {"jaxdecode.sharding", "jaxdecode.step", "jaxdecode.generation",

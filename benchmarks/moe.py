@@ -1,0 +1,294 @@
+"""The MoE models' expert computation on one GPU: the sparse MoE block over a stack of layers,
+each way the library could compute it, against the bytes the routing actually touches, and the
+whole decode step.
+
+    python benchmarks/moe.py [--model 35b-a3b] [--tokens 1,8,64,1024] [--variants ...]
+        [--decode 1,8,64] [--context 1024]
+
+Part 1, the block alone: ``model.moe`` for every layer of the preset in one program (random
+bf16 weights with the preset's shapes, E experts per layer; each layer's input is the previous
+layer's output, RMS-normalised, so routing changes from layer to layer), N tokens at a time.
+Reported per variant: ms for all layers, the bytes the routing touched (router + shared expert
++ the distinct experts chosen in each layer, counted from the run's routing), GB/s over those
+bytes and % of the copy bandwidth measured in the same run, and the largest difference from the
+first variant relative to max |out|. Variants:
+
+  library           ``model.moe`` as the library runs it (``experts.routed_experts`` picks)
+  pairs             the routed experts in the pairs form (each pair's expert weights
+                    gathered, batched GEMVs; N <= 64 here)
+  rounds            the rounds form (batched GEMMs over all E experts, E x C slots a round)
+  ragged_dot        two ``jax.lax.ragged_dot`` over pairs sorted by expert (the library's form
+                    until this benchmark; N <= 1024: XLA rewrites it to a dense dot)
+  ragged_dot+cudnn  the same compiled with ``xla_gpu_experimental_use_ragged_dot_fusion``
+
+Part 2, ``--decode``: the library's decode step (``step.jit_decode_step``) for the whole model
+at the given batch sizes and context, ms per token (the library's MoE). Random weights route near-uniformly, the worst case for distinct experts at batch > 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jaxdecode as jd  # noqa: E402
+from jaxdecode import experts, model, step  # noqa: E402
+from jaxdecode.activations import sigmoid, silu  # noqa: E402
+from jaxdecode.params import MLPParams, MoEParams  # noqa: E402
+
+FUSION = {"xla_gpu_experimental_use_ragged_dot_fusion": True}
+
+
+def moe_form(form):
+    """model.moe with the routed experts in one form ("pairs" | "rounds")."""
+    def fn(p, x, config):
+        return _moe(p, x, config, functools.partial(experts.routed_experts, form=form))
+    return fn
+
+
+def _ragged_dot_experts(x, weights, chosen, gate_up_proj, down_proj):
+    """The experts as two ``jax.lax.ragged_dot`` grouped GEMMs over pairs sorted by expert (the
+    library's form before: XLA's GPU compiler rewrites ragged_dot to a dense dot)."""
+    n, k = chosen.shape
+    e, h, ie = gate_up_proj.shape[0], x.shape[1], down_proj.shape[2]
+    flat = chosen.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    group_sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+    gu = jax.lax.ragged_dot(x[order // k], jnp.swapaxes(gate_up_proj, 1, 2), group_sizes)
+    out = jax.lax.ragged_dot(silu(gu[:, :ie]) * gu[:, ie:], jnp.swapaxes(down_proj, 1, 2),
+                             group_sizes) * weights.reshape(-1)[order][:, None]
+    routed = jnp.zeros((n * k, h), jnp.float32).at[order].set(out.astype(jnp.float32))
+    return jnp.sum(routed.reshape(n, k, h), axis=1).astype(x.dtype)
+
+
+def _moe(p: MoEParams, x, config, routed_fn):
+    """model.moe's router and shared expert around ``routed_fn``."""
+    probs = jax.nn.softmax(model.linear(x, p.gate).astype(jnp.float32), axis=-1)
+    weights, chosen = jax.lax.top_k(probs, config.num_experts_per_tok)
+    weights = (weights / jnp.sum(weights, axis=-1, keepdims=True)).astype(x.dtype)
+    routed = routed_fn(x, weights, chosen, p.experts_gate_up_proj, p.experts_down_proj)
+    shared = model.mlp(p.shared_expert, x) * sigmoid(model.linear(x, p.shared_expert_gate))
+    return routed + shared
+
+
+# name: (function, compiler options, largest N it runs at)
+VARIANTS = {
+    "library": (model.moe, None, None),
+    "pairs": (moe_form("pairs"), None, 64),
+    "rounds": (moe_form("rounds"), None, None),
+    "ragged_dot": (lambda p, x, c: _moe(p, x, c, _ragged_dot_experts), None, 1024),
+    "ragged_dot+cudnn": (lambda p, x, c: _moe(p, x, c, _ragged_dot_experts), FUSION, 1024),
+}
+
+
+def layer_params(config, layers, key):
+    """One MoEParams per layer (separate arrays: a scan over stacked weights would hand each
+    layer a slice, which XLA may copy)."""
+    c = config
+    e, h, ie, isz = c.num_experts, c.hidden_size, c.moe_intermediate_size, \
+        c.shared_expert_intermediate_size
+
+    def normal(key, shape, fan_in):
+        return jax.random.normal(key, shape, jnp.bfloat16) * jnp.bfloat16(fan_in**-0.5)
+
+    @jax.jit
+    def make(key):
+        ks = jax.random.split(key, 7)
+        return MoEParams(
+            gate=normal(ks[0], (e, h), h),
+            experts_gate_up_proj=normal(ks[1], (e, 2 * ie, h), h),
+            experts_down_proj=normal(ks[2], (e, h, ie), ie),
+            shared_expert=MLPParams(gate_proj=normal(ks[3], (isz, h), h),
+                                    up_proj=normal(ks[4], (isz, h), h),
+                                    down_proj=normal(ks[5], (h, isz), isz)),
+            shared_expert_gate=normal(ks[6], (1, h), h))
+    return [make(k) for k in jax.random.split(key, layers)]
+
+
+def routing(p: MoEParams, x, config):
+    probs = jax.nn.softmax(model.linear(x, p.gate).astype(jnp.float32), axis=-1)
+    return jax.lax.top_k(probs, config.num_experts_per_tok)[1]
+
+
+def stack_fn(fn, config):
+    """x [N, H] through every layer's block (unrolled); returns (out, experts [L, N, k])."""
+    def run(params, x):
+        chosen = []
+        for p in params:
+            out = fn(p, x, config)
+            chosen.append(routing(p, x, config))
+            x = model.rms_norm(x + out, jnp.ones((x.shape[-1],), jnp.float32), 1e-6).astype(
+                x.dtype)
+        return out, jnp.stack(chosen)
+    return run
+
+
+def median_s(f, args, repeats=10):
+    jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def touched_bytes(config, experts):
+    """Bytes the routing touched in every layer: router, shared expert and gate, and each
+    distinct chosen expert's gate_up and down weights (bf16)."""
+    c = config
+    h, ie, isz = c.hidden_size, c.moe_intermediate_size, c.shared_expert_intermediate_size
+    per_expert = 3 * ie * h * 2
+    fixed = (c.num_experts * h + 3 * isz * h + h) * 2
+    distinct = [len(np.unique(layer)) for layer in np.asarray(experts)]
+    return sum(fixed + d * per_expert for d in distinct), statistics.mean(distinct)
+
+
+def part_blocks(config, tokens, variants, bw):
+    layers = config.num_hidden_layers
+    params = layer_params(config, layers, jax.random.key(0))
+    rows = []
+    for n in tokens:
+        x = jax.random.normal(jax.random.key(n), (n, config.hidden_size), jnp.bfloat16)
+        ref = None
+        for name in variants:
+            fn, options, largest = VARIANTS[name]
+            if largest is not None and n > largest:
+                continue  # pairs: N·k weight copies; ragged_dot: an [E, N·k, H] operand
+            try:
+                f = jax.jit(stack_fn(fn, config)).lower(params, x).compile(
+                    compiler_options=options)
+                s = median_s(f, (params, x))
+                hlo = f.as_text()
+                lowered = ("cuDNN fusion" if "__cudnn$fusion" in hlo or "kCuDnn" in hlo
+                           else "ragged-dot" if "ragged-dot" in hlo else "dense dot/gather")
+                out, experts = f(params, x)
+                nbytes, distinct = touched_bytes(config, experts)
+                # the difference on one layer (chained layers amplify bf16 routing flips)
+                out = np.asarray(jax.jit(fn, static_argnums=2)(params[0], x, config).astype(
+                    jnp.float32))
+                if ref is None:
+                    ref = out
+                diff = float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
+                rows.append((n, name, s * 1e3, nbytes / 2**20, distinct, nbytes / s / 1e9,
+                             100 * nbytes / s / 1e9 / bw, diff, lowered))
+            except Exception as e:  # noqa: BLE001 - report and go on
+                rows.append((n, name, f"{type(e).__name__}: {str(e)[:100]}"))
+            print(rows[-1], flush=True)
+    del params
+    return rows
+
+
+def decode_bytes(config, params, batch, context):
+    """Bytes a decode step reads: the dense model's (``decode.step_bytes``) with the experts
+    counted as the distinct experts B tokens touch under uniform routing, E(1 - (1 - k/E)^B)
+    per layer."""
+    from decode import step_bytes  # noqa: PLC0415
+    c = config
+    parts = step_bytes(c, params, batch, context)
+    moe = [layer.mlp for layer in params.layers]
+    all_experts = sum(m.experts_gate_up_proj.nbytes + m.experts_down_proj.nbytes for m in moe)
+    distinct = c.num_experts * (1 - (1 - c.num_experts_per_tok / c.num_experts) ** batch)
+    return sum(parts.values()) - all_experts + all_experts * distinct / c.num_experts
+
+
+def part_decode(config, batches, context, bw, prefill):
+    params = jd.init_params(config, jax.random.key(0), "bfloat16")
+    from decode import randomize_state, time_decode  # noqa: PLC0415
+    rows = []
+    for batch in batches:
+        state = randomize_state(jd.init_state(config, batch, context + 256, "bfloat16"),
+                                context)
+        try:
+            s, compile_s, _ = time_decode(params, state, batch)
+            nbytes = decode_bytes(config, params, batch, context)
+            rows.append((batch, s * 1e3, batch / s, nbytes / 2**30, 100 * nbytes / s / 1e9 / bw,
+                         compile_s))
+        except Exception as e:  # noqa: BLE001
+            rows.append((batch, f"{type(e).__name__}: {str(e)[:100]}"))
+        print(rows[-1], flush=True)
+        del state
+    pre = []
+    for cell in filter(None, prefill.split(",")):
+        b, t = map(int, cell.split(":"))
+        ids = np.random.default_rng(0).integers(0, config.vocab_size, (b, t)).astype(np.int32)
+        times = []
+        for _ in range(3):
+            state = jd.init_state(config, b, t, "bfloat16")
+            t0 = time.perf_counter()
+            logits, state = jd.prefill(params, state, ids, np.full(b, t, np.int32))
+            logits.block_until_ready()
+            times.append(time.perf_counter() - t0)
+            del state, logits
+        pre.append((cell, times[0], statistics.median(times[1:]), b * t / statistics.median(times[1:])))
+        print(pre[-1], flush=True)
+    return rows, pre
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="35b-a3b")
+    ap.add_argument("--tokens", default="1,8,64,1024")
+    ap.add_argument("--variants", default="library,pairs,rounds,ragged_dot")
+    ap.add_argument("--decode", default="", help="batch sizes for part 2, e.g. 1,8,64")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--prefill", default="", help="rows:tokens cells of jd.prefill, e.g. 1:8192")
+    ap.add_argument("--layers", type=int, default=None, help="fewer layers (CPU smoke runs)")
+    ap.add_argument("--experts", type=int, default=None, help="fewer experts (CPU smoke runs)")
+    args = ap.parse_args()
+    name = args.model
+    config = jd.Config.from_preset(name if name.startswith("tiny") else f"qwen3.5-{name}")
+    if args.layers:
+        config = dataclasses.replace(config, num_hidden_layers=args.layers,
+                                     layer_types=config.layer_types[-args.layers:])
+    if args.experts:
+        config = dataclasses.replace(config, num_experts=args.experts)
+    from decode import copy_bandwidth_gb_per_s  # noqa: PLC0415
+    bw = copy_bandwidth_gb_per_s()
+    print(f"device {jax.devices()[0].device_kind}, JAX {jax.__version__}, copy bandwidth "
+          f"{bw:.0f} GB/s, {config.num_hidden_layers} layers x {config.num_experts} experts, "
+          f"top {config.num_experts_per_tok}")
+    blocks = part_blocks(config, [int(t) for t in args.tokens.split(",") if t],
+                         args.variants.split(","), bw) if args.tokens else []
+    decode, pre = part_decode(config, [int(b) for b in args.decode.split(",") if b],
+                              args.context, bw, args.prefill) \
+        if args.decode or args.prefill else ([], [])
+    print("\n| tokens | variant | ms (all layers) | MiB touched | distinct experts/layer "
+          "| GB/s | % copy bw | max diff | compiled as |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---|")
+    for r in blocks:
+        if len(r) == 3:
+            print(f"| {r[0]} | {r[1]} | {r[2]} |")
+        else:
+            print(f"| {r[0]} | {r[1]} | {r[2]:.3f} | {r[3]:.0f} | {r[4]:.1f} | {r[5]:.0f} "
+                  f"| {r[6]:.1f} | {r[7]:.1e} | {r[8]} |")
+    if decode:
+        print(f"\n| batch | ms/token (context {args.context}) | tok/s | GiB read per step "
+              "(uniform routing) | % copy bw | compile s |")
+        print("|---:|---:|---:|---:|---:|---:|")
+        for r in decode:
+            if len(r) == 2:
+                print(f"| {r[0]} | {r[1]} |")
+            else:
+                print(f"| {r[0]} | {r[1]:.3f} | {r[2]:.0f} | {r[3]:.2f} | {r[4]:.1f} "
+                      f"| {r[5]:.1f} |")
+    if pre:
+        print("\n| prefill rows:tokens | first call s | s | tok/s |")
+        print("|---|---:|---:|---:|")
+        for r in pre:
+            print(f"| {r[0]} | {r[1]:.2f} | {r[2]:.3f} | {r[3]:.0f} |")
+
+
+if __name__ == "__main__":
+    main()

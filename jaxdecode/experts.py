@@ -1,0 +1,158 @@
+"""The routed experts of the MoE block (HF ``Qwen3_5MoeExperts``): each (token, slot) pair's
+SwiGLU through its expert, reading only the experts the routing chose.
+
+``routed_experts(x, weights, experts, gate_up_proj, down_proj)``: x [N, H] (model dtype),
+weights [N, k] (model dtype, renormalised), experts [N, k] int32, gate_up_proj [E, 2·I, H]
+(rows [0, I) gate, [I, 2·I) up), down_proj [E, H, I]; returns [N, H], the sum over a token's k
+slots of ``weight · down(silu(gate(x)) · up(x))``, each product in the model dtype as HF and
+the k terms summed in float32 in slot order (deterministic: no atomics).
+
+Two static-shape forms, picked by the number of pairs P = N·k (:func:`use_pairs`):
+
+* **pairs** (decode, P <= E): each pair's expert weights gathered, then batched GEMVs: reads
+  the chosen experts' weights, as a grouped GEMV would.
+* **rounds** (P > E: prefill, large batches): pairs sorted by expert fill [E, C] slots, C per
+  expert a round (:func:`capacity`); each round is one batched GEMM over all E experts (every
+  weight read once, E·C ≈ 2P + 8E rows), and a ``while_loop`` runs rounds until the largest
+  group is done, so no pair is dropped whatever the routing. Its VJP (:func:`_rounds_bwd`)
+  walks the same rounds.
+
+Why not ``jax.lax.ragged_dot``: XLA's GPU compiler rewrites it to a dense dot over every
+expert (``RaggedDotRewriter``: an [E, P, H] masked operand), reading all E experts at batch 1
+and doing E times the FLOPs in prefill (benchmarks/RESULTS.md, session 16).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxdecode.activations import silu
+
+Array = jax.Array
+f32 = jnp.float32
+
+PAIRS_MAX_BYTES = 4 << 30  # gathered expert weights the pairs form may hold at once
+
+
+def use_pairs(num_pairs: int, num_experts: int, expert_bytes: int) -> bool:
+    """The pairs form up to E pairs while their gathered weights stay under
+    :data:`PAIRS_MAX_BYTES` (the faster one there on the H200: benchmarks/RESULTS.md); else
+    rounds (each reads all E experts once)."""
+    return num_pairs <= num_experts and num_pairs * expert_bytes <= PAIRS_MAX_BYTES
+
+
+def capacity(num_pairs: int, num_experts: int) -> int:
+    """Slots per expert in a round: twice the mean group plus 8, a multiple of 8, so that
+    near-uniform routing takes one round (a second round reads every expert again)."""
+    mean = -(-num_pairs // num_experts)
+    return -(-(2 * mean + 8) // 8) * 8
+
+
+def _swiglu(x, gate_up, down, *, subscripts):
+    """down(silu(gate(x)) · up(x)) in x's dtype; ``subscripts`` (gate_up, down) einsums."""
+    ie = down.shape[-1]
+    gu = jnp.einsum(subscripts[0], x, gate_up)
+    return jnp.einsum(subscripts[1], silu(gu[..., :ie]) * gu[..., ie:], down)
+
+
+def _pairs(x, weights, experts, gate_up_proj, down_proj):
+    """[P, H]: each pair's weighted expert output (model dtype), pair p = token p // k."""
+    k = experts.shape[1]
+    flat = experts.reshape(-1)
+    xs = jnp.repeat(x, k, axis=0)
+    out = _swiglu(xs, gate_up_proj[flat], down_proj[flat], subscripts=("ph,pih->pi",
+                                                                        "pi,phi->ph"))
+    return out * weights.reshape(-1)[:, None]
+
+
+def _slots(r, order, starts, group_sizes, cap):
+    """Round r's [E, C] slots: the sorted pair each holds (0 where empty) and which are real."""
+    rank = r * cap + jnp.arange(cap, dtype=jnp.int32)[None, :]
+    valid = rank < group_sizes[:, None]
+    pair = order[jnp.where(valid, starts[:, None] + rank, 0)]
+    return pair, valid
+
+
+def _round(x, pair_weights, pair, valid, gate_up_proj, down_proj, k):
+    """One round's weighted outputs [E, C, H] (zeros in empty slots)."""
+    xe = jnp.where(valid[..., None], x[pair // k], 0)
+    out = _swiglu(xe, gate_up_proj, down_proj, subscripts=("ech,eih->eci", "eci,ehi->ech"))
+    return out * jnp.where(valid, pair_weights[pair], 0)[..., None]
+
+
+def _routing(experts, num_experts):
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # pairs grouped by expert
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    starts = jnp.cumsum(group_sizes) - group_sizes
+    return order, starts, group_sizes
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _rounds(k, x, pair_weights, order, starts, group_sizes, gate_up_proj, down_proj):
+    """[P, H]: as :func:`_pairs`, by rounds (module docstring); int arguments: no cotangent."""
+    return _rounds_fwd(k, x, pair_weights, order, starts, group_sizes, gate_up_proj,
+                       down_proj)[0]
+
+
+def _num_rounds(group_sizes, cap):
+    return lax.div(jnp.max(group_sizes) + cap - 1, cap)
+
+
+def _rounds_fwd(k, x, pair_weights, order, starts, group_sizes, gate_up_proj, down_proj):
+    e, p, h = gate_up_proj.shape[0], pair_weights.shape[0], x.shape[1]
+    cap = capacity(p, e)
+
+    def body(r, out):
+        pair, valid = _slots(r, order, starts, group_sizes, cap)
+        y = _round(x, pair_weights, pair, valid, gate_up_proj, down_proj, k)
+        # each pair sits in exactly one (round, slot): a set, no adds; empty slots dropped
+        return out.at[jnp.where(valid, pair, p)].set(y, mode="drop")
+
+    out = lax.fori_loop(0, _num_rounds(group_sizes, cap), body, jnp.zeros((p, h), x.dtype))
+    return out, (x, pair_weights, order, starts, group_sizes, gate_up_proj, down_proj)
+
+
+def _rounds_bwd(k, res, g):
+    x, pair_weights, order, starts, group_sizes, gate_up_proj, down_proj = res
+    e, p = gate_up_proj.shape[0], pair_weights.shape[0]
+    cap = capacity(p, e)
+
+    def body(r, acc):
+        pair, valid = _slots(r, order, starts, group_sizes, cap)
+        _, vjp = jax.vjp(lambda *a: _round(*a[:2], pair, valid, *a[2:], k), x, pair_weights,
+                         gate_up_proj, down_proj)
+        grads = vjp(jnp.where(valid[..., None], g[pair], 0))
+        return tuple(a + d.astype(f32) for a, d in zip(acc, grads))
+
+    zeros = tuple(jnp.zeros(a.shape, f32) for a in (x, pair_weights, gate_up_proj, down_proj))
+    dx, dw, dgu, dd = lax.fori_loop(0, _num_rounds(group_sizes, cap), body, zeros)
+    return (dx.astype(x.dtype), dw.astype(pair_weights.dtype), None, None, None,
+            dgu.astype(gate_up_proj.dtype), dd.astype(down_proj.dtype))
+
+
+_rounds.defvjp(_rounds_fwd, _rounds_bwd)
+
+
+def routed_experts(x: Array, weights: Array, experts: Array, gate_up_proj: Array,
+                   down_proj: Array, *, form: str | None = None) -> Array:
+    """The routed experts' output [N, H] (module docstring); ``form`` "pairs" | "rounds" | None
+    (:func:`use_pairs` decides)."""
+    n, k = experts.shape
+    e, two_i, h = gate_up_proj.shape
+    if form is None:
+        expert_bytes = 3 * (two_i // 2) * h * gate_up_proj.dtype.itemsize
+        form = "pairs" if use_pairs(n * k, e, expert_bytes) else "rounds"
+    if form == "pairs":
+        out = _pairs(x, weights, experts, gate_up_proj, down_proj)
+    elif form == "rounds":
+        order, starts, group_sizes = _routing(experts, e)
+        out = _rounds(k, x, weights.reshape(-1), order, starts, group_sizes, gate_up_proj,
+                      down_proj)
+    else:
+        raise ValueError(f"form={form!r}: expected 'pairs', 'rounds' or None")
+    return jnp.sum(out.astype(f32).reshape(n, k, h), axis=1).astype(x.dtype)

@@ -1,0 +1,98 @@
+"""jaxdecode.experts: both forms of the routed experts against a float64 numpy loop over
+(token, slot) pairs (HF ``Qwen3_5MoeExperts``' eager algorithm), routing skewed so the rounds
+form needs several rounds, the rounds form's custom VJP against autodiff of the pairs form, and
+which form runs at which size."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxdecode import experts
+
+E, H, I, K = 8, 16, 12, 3
+
+
+def _weights(seed):
+    k0, k1 = jax.random.split(jax.random.key(seed))
+    return (jax.random.normal(k0, (E, 2 * I, H)) * H**-0.5,
+            jax.random.normal(k1, (E, H, I)) * I**-0.5)
+
+
+def _routing(seed, n, skew):
+    """x [n, H], weights [n, K] summing to 1, experts [n, K] distinct per token; ``skew``: all
+    tokens but two choose experts 0, 1, 2 (groups above the rounds' capacity)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, H)).astype(np.float32)
+    chosen = np.stack([rng.choice(E, K, replace=False) for _ in range(n)]).astype(np.int32)
+    if skew:
+        chosen[: n - 2] = [0, 1, 2]
+    w = rng.uniform(0.1, 1, (n, K)).astype(np.float32)
+    return x, w / w.sum(-1, keepdims=True), chosen
+
+
+def _reference(x, w, chosen, gate_up, down):
+    x, w = np.float64(x), np.float64(w)
+    gate_up, down = np.float64(gate_up), np.float64(down)
+    out = np.zeros_like(x)
+    for n in range(x.shape[0]):
+        for slot in range(K):
+            e = chosen[n, slot]
+            gu = gate_up[e] @ x[n]
+            g, u = gu[:I], gu[I:]
+            out[n] += w[n, slot] * (down[e] @ (g / (1 + np.exp(-g)) * u))
+    return out
+
+
+@pytest.mark.parametrize("form", ["pairs", "rounds"])
+@pytest.mark.parametrize("n,skew", [(1, False), (5, False), (40, False), (100, True)])
+def test_forms_equal_a_float64_loop_over_pairs(form, n, skew):
+    gate_up, down = _weights(n)
+    x, w, chosen = _routing(n, n, skew)
+    if skew:  # the rounds form really takes more than one round here
+        assert np.bincount(chosen.ravel()).max() > experts.capacity(n * K, E)
+    got = experts.routed_experts(jnp.asarray(x), jnp.asarray(w), jnp.asarray(chosen), gate_up,
+                                 down, form=form)
+    want = _reference(x, w, chosen, gate_up, down)
+    err = np.max(np.abs(np.asarray(got, np.float64) - want)) / np.max(np.abs(want))
+    assert err < 1e-6, err
+
+
+@pytest.mark.parametrize("skew", [False, True])
+def test_rounds_vjp_equals_autodiff_of_pairs(skew):
+    # skewed: expert 0's group (98 pairs) exceeds the capacity (88), so two rounds
+    """Gradients of a random linear functional of the output w.r.t. x, the routing weights and
+    both expert tensors: the rounds form's hand-written VJP (under jit) against JAX's autodiff
+    of the pairs form."""
+    gate_up, down = _weights(7)
+    x, w, chosen = _routing(8, 100, skew)
+    r = jax.random.normal(jax.random.key(9), (100, H))
+
+    def loss(form):
+        return lambda *a: jnp.sum(r * experts.routed_experts(*a[:2], chosen, *a[2:], form=form))
+
+    args = (jnp.asarray(x), jnp.asarray(w), gate_up, down)
+    want = jax.grad(loss("pairs"), argnums=(0, 1, 2, 3))(*args)
+    got = jax.jit(jax.grad(loss("rounds"), argnums=(0, 1, 2, 3)))(*args)
+    for name, g, h in zip(("x", "weights", "gate_up_proj", "down_proj"), got, want):
+        err = float(jnp.max(jnp.abs(g - h)) / jnp.max(jnp.abs(h)))
+        assert err < 1e-5, (name, err)
+
+
+def test_form_by_size():
+    """Pairs up to E pairs (decode), rounds above (prefill) or when the gathered weights
+    would pass PAIRS_MAX_BYTES; the jitted pairs form has no loop, rounds one."""
+    assert experts.use_pairs(E, E, 1)
+    assert not experts.use_pairs(E + 1, E, 1)
+    assert not experts.use_pairs(2, E, experts.PAIRS_MAX_BYTES)
+    gate_up, down = _weights(1)
+
+    def jaxpr(n):
+        x, w, chosen = _routing(1, n, False)
+        return str(jax.make_jaxpr(experts.routed_experts)(x, w, chosen, gate_up, down))
+
+    assert "while" not in jaxpr(2) and "while" in jaxpr(40)
+    with pytest.raises(ValueError, match="form='dense'"):
+        experts.routed_experts(*_routing(1, 2, False), gate_up, down, form="dense")
