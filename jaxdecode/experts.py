@@ -19,7 +19,7 @@ Two static-shape forms, picked by the number of pairs P = N·k (:func:`use_pairs
 
 Why not ``jax.lax.ragged_dot``: XLA's GPU compiler rewrites it to a dense dot over every
 expert (``RaggedDotRewriter``: an [E, P, H] masked operand), reading all E experts at batch 1
-and doing E times the FLOPs in prefill (benchmarks/RESULTS.md, session 16).
+and doing E times the FLOPs in prefill (benchmarks/RESULTS.md, the MoE tables).
 """
 
 from __future__ import annotations
@@ -140,8 +140,9 @@ _rounds.defvjp(_rounds_fwd, _rounds_bwd)
 
 def routed_experts(x: Array, weights: Array, experts: Array, gate_up_proj: Array,
                    down_proj: Array, *, form: str | None = None) -> Array:
-    """The routed experts' output [N, H] (module docstring); ``form`` "pairs" | "rounds" | None
-    (:func:`use_pairs` decides)."""
+    """The routed experts' output [N, H] in x's dtype (shapes and math: module docstring; HF
+    ``Qwen3_5MoeExperts.forward``); ``form`` "pairs" | "rounds" | None (:func:`use_pairs`
+    decides). Raises ValueError for any other ``form``."""
     n, k = experts.shape
     e, two_i, h = gate_up_proj.shape
     if form is None:
