@@ -141,6 +141,16 @@ def deltanet_output(p: GatedDeltaNetParams, o: Array, z: Array, config: Config) 
     return linear(o.reshape(batch, length, hv * dv), p.out_proj)
 
 
+def _hist_slice(window: Array, new: Array, j: int, length: int) -> Array:
+    """hist[:, j:j+length] of hist = [window | new] ([B, Kc-1, C], [B, T, C]), without hist."""
+    shift = window.shape[1] - j  # taps before the first new input
+    if shift <= 0:
+        return new[:, -shift:length - shift]
+    if length <= shift:
+        return window[:, j:j + length]
+    return jnp.concatenate([window[:, j:], new[:, :length - shift]], axis=1)
+
+
 def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurrent_state: Array,
                     start: Array, num_new: Array, valid: Array, config: Config, *, decode: bool,
                     kernels: Kernels = choice.XLA):
@@ -165,22 +175,24 @@ def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurre
             recurrent_state, p.conv1d[:, 0, :], p.A_log, p.dt_bias, num_key_heads=hk)
         return deltanet_output(p, o[:, None], z, c), new_conv_state, new_state
 
-    # HF causal_conv1d_fn (depthwise, causal) over [cached Kc-1 inputs | new]; w[:, Kc-1]
+    # HF causal_conv1d_fn (depthwise, causal) over hist = [cached Kc-1 inputs | new]; w[:, Kc-1]
     # multiplies the current token. Pads follow the real tokens, so no real window holds one.
-    window = conv_window(conv_state, start)  # [B, Kc-1, C], positions start-Kc+1 .. start-1
-    hist = jnp.concatenate([window.astype(mixed.dtype), mixed], axis=1)  # [B, Kc-1+T, C]
+    # hist is never built: each tap reads the window and the new inputs in place (a
+    # concatenated [B, Kc-1+T, C] copy is the prefill's largest glue kernel).
+    window = conv_window(conv_state, start).astype(mixed.dtype)  # [B, Kc-1, C], start-Kc+1 ..
     w = p.conv1d[:, 0, :].astype(f32)  # [C, Kc]
-    conv = sum(hist[:, j:j + length, :].astype(f32) * w[:, j] for j in range(kc))
+    conv = sum(_hist_slice(window, mixed, j, length).astype(f32) * w[:, j] for j in range(kc))
     conv = jax.nn.silu(conv).astype(x.dtype)
     # The new ring: slot s holds the last real position p in it (conv_slot_position), which is
     # hist[p - start + Kc - 1]; with no new token (num_new = 0) the slot of p = start - Kc keeps
     # its old value (index -1), and every other slot gets its old value back from the window.
     end = start + num_new
     slot = jnp.arange(kc, dtype=jnp.int32)[None, :]
-    idx = conv_slot_position(end[:, None], slot, kc) - start[:, None] + kc - 1
-    new_conv_state = jnp.take_along_axis(hist, jnp.maximum(idx, 0)[:, :, None], axis=1)
-    new_conv_state = jnp.where((idx >= 0)[:, :, None], new_conv_state.astype(conv_state.dtype),
-                               conv_state)
+    idx = (conv_slot_position(end[:, None], slot, kc) - start[:, None] + kc - 1)[:, :, None]
+    from_new = jnp.take_along_axis(mixed, jnp.clip(idx - (kc - 1), 0, length - 1), axis=1)
+    from_window = jnp.take_along_axis(window, jnp.clip(idx, 0, kc - 2), axis=1)
+    new_conv_state = jnp.where(idx >= kc - 1, from_new, from_window).astype(conv_state.dtype)
+    new_conv_state = jnp.where(idx >= 0, new_conv_state, conv_state)
 
     # Channels grouped per key head: [q_i | k_i | v of its r value heads] (conv_channel_order).
     grouped = conv.reshape(batch, length, hk, 2 * dk + (hv // hk) * dv)
