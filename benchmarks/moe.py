@@ -20,6 +20,10 @@ first variant relative to max |out|. Variants:
   ragged_dot        two ``jax.lax.ragged_dot`` over pairs sorted by expert (the library's form
                     until this benchmark; N <= 1024: XLA rewrites it to a dense dot)
   ragged_dot+cudnn  the same compiled with ``xla_gpu_experimental_use_ragged_dot_fusion``
+  pairs_reduce      the pairs form with each GEMV a multiply + float32 sum (the gather fused
+                    into the reduction; N <= 64)
+  slices            one GEMV pair per (token, slot) on a ``dynamic_slice`` of the stack (N = 1)
+  slices+fusion     the same with ``xla_gpu_enable_dynamic_slice_fusion``
 
 Part 2, ``--decode``: the library's decode step (``step.jit_decode_step``) for the whole model
 at the given batch sizes and context, ms per token (the library's MoE). Random weights route near-uniformly, the worst case for distinct experts at batch > 1.
@@ -72,6 +76,38 @@ def _ragged_dot_experts(x, weights, chosen, gate_up_proj, down_proj):
     return jnp.sum(routed.reshape(n, k, h), axis=1).astype(x.dtype)
 
 
+def _pairs_reduce_experts(x, weights, chosen, gate_up_proj, down_proj):
+    """The pairs form with each GEMV written as a multiply and a float32 sum, so XLA can fuse the
+    expert gather into the reduction (reading each chosen expert's weights once, in place)."""
+    n, k = chosen.shape
+    ie = down_proj.shape[2]
+    flat = chosen.reshape(-1)
+    xs = jnp.repeat(x, k, axis=0).astype(jnp.float32)
+    gu = jnp.sum(xs[:, None, :] * gate_up_proj[flat].astype(jnp.float32), axis=-1).astype(x.dtype)
+    a = (silu(gu[:, :ie]) * gu[:, ie:]).astype(jnp.float32)
+    out = jnp.sum(a[:, None, :] * down_proj[flat].astype(jnp.float32), axis=-1).astype(x.dtype)
+    out = out * weights.reshape(-1)[:, None]
+    return jnp.sum(out.astype(jnp.float32).reshape(n, k, -1), axis=1).astype(x.dtype)
+
+
+def _slices_experts(x, weights, chosen, gate_up_proj, down_proj):
+    """One GEMV pair per (token, slot), each expert's weights a ``dynamic_slice`` of the stack
+    (with ``xla_gpu_enable_dynamic_slice_fusion`` the GEMM reads the slice in place)."""
+    n, k = chosen.shape
+    ie = down_proj.shape[2]
+    outs = []
+    for t in range(n):
+        acc = 0
+        for j in range(k):
+            e = chosen[t, j]
+            gu = x[t:t + 1] @ jax.lax.dynamic_index_in_dim(gate_up_proj, e, keepdims=False).T
+            a = silu(gu[:, :ie]) * gu[:, ie:]
+            y = a @ jax.lax.dynamic_index_in_dim(down_proj, e, keepdims=False).T
+            acc = acc + (y * weights[t, j]).astype(jnp.float32)
+        outs.append(acc)
+    return jnp.concatenate(outs).astype(x.dtype)
+
+
 def _moe(p: MoEParams, x, config, routed_fn):
     """model.moe's router and shared expert around ``routed_fn``."""
     probs = jax.nn.softmax(model.linear(x, p.gate).astype(jnp.float32), axis=-1)
@@ -89,6 +125,10 @@ VARIANTS = {
     "rounds": (moe_form("rounds"), None, None),
     "ragged_dot": (lambda p, x, c: _moe(p, x, c, _ragged_dot_experts), None, 1024),
     "ragged_dot+cudnn": (lambda p, x, c: _moe(p, x, c, _ragged_dot_experts), FUSION, 1024),
+    "pairs_reduce": (lambda p, x, c: _moe(p, x, c, _pairs_reduce_experts), None, 64),
+    "slices": (lambda p, x, c: _moe(p, x, c, _slices_experts), None, 1),
+    "slices+fusion": (lambda p, x, c: _moe(p, x, c, _slices_experts),
+                      {"xla_gpu_enable_dynamic_slice_fusion": True}, 1),
 }
 
 
