@@ -52,6 +52,27 @@ def capacity(num_pairs: int, num_experts: int) -> int:
     return -(-(2 * mean + 8) // 8) * 8
 
 
+RANK_TOP_K_MAX_COMPARES = 1 << 22  # N·E·E: the router's top-k by ranks up to this size
+
+
+def top_k(x: Array, k: int) -> tuple[Array, Array]:
+    """``jax.lax.top_k`` over x [N, E]'s last axis, bitwise the same (values [N, k], indices
+    [N, k] int32; ties to the lower index, as ``lax.top_k``). Up to
+    :data:`RANK_TOP_K_MAX_COMPARES` by ranks: entry e's rank is the number of entries that beat
+    it (larger, or equal at a lower index), and slot j holds the entry of rank j: two fused
+    reductions where XLA's GPU TopK is a sort of all E (the router runs every MoE layer)."""
+    n, e = x.shape
+    if n * e * e > RANK_TOP_K_MAX_COMPARES:
+        return lax.top_k(x, k)
+    idx = jnp.arange(e, dtype=jnp.int32)
+    xi, xj = x[:, :, None], x[:, None, :]
+    beats = (xj > xi) | ((xj == xi) & (idx[None, None, :] < idx[None, :, None]))
+    rank = jnp.sum(beats, axis=-1, dtype=jnp.int32)  # [N, E], a permutation of 0..E-1
+    slot = rank[:, None, :] == jnp.arange(k, dtype=jnp.int32)[None, :, None]  # [N, k, E]
+    return (jnp.sum(jnp.where(slot, x[:, None, :], 0), axis=-1, dtype=x.dtype),
+            jnp.sum(jnp.where(slot, idx, 0), axis=-1, dtype=jnp.int32))
+
+
 def _swiglu(x, gate_up, down, *, subscripts):
     """down(silu(gate(x)) · up(x)) in x's dtype; ``subscripts`` (gate_up, down) einsums."""
     ie = down.shape[-1]
@@ -139,21 +160,24 @@ _rounds.defvjp(_rounds_fwd, _rounds_bwd)
 
 
 def routed_experts(x: Array, weights: Array, experts: Array, gate_up_proj: Array,
-                   down_proj: Array, *, form: str | None = None) -> Array:
-    """The routed experts' output [N, H] in x's dtype (shapes and math: module docstring; HF
-    ``Qwen3_5MoeExperts.forward``); ``form`` "pairs" | "rounds" | None (:func:`use_pairs`
-    decides). Raises ValueError for any other ``form``."""
+                   down_proj: Array, *, form: str | None = None, out_dtype=None) -> Array:
+    """The routed experts' output [N, H] in ``out_dtype`` (default x's dtype; shapes and math:
+    module docstring; HF ``Qwen3_5MoeExperts.forward``); ``form`` "pairs" | "rounds" | None
+    (:func:`use_pairs` decides). A pair whose expert id is outside [0, E) adds nothing (expert
+    parallelism: the experts another device holds). Raises ValueError for any other ``form``."""
     n, k = experts.shape
     e, two_i, h = gate_up_proj.shape
+    here = (experts >= 0) & (experts < e)
+    weights = jnp.where(here, weights, 0)
     if form is None:
         expert_bytes = 3 * (two_i // 2) * h * gate_up_proj.dtype.itemsize
         form = "pairs" if use_pairs(n * k, e, expert_bytes) else "rounds"
-    if form == "pairs":
-        out = _pairs(x, weights, experts, gate_up_proj, down_proj)
-    elif form == "rounds":
-        order, starts, group_sizes = _routing(experts, e)
+    if form == "pairs":  # another device's pair reads an expert of this one, times 0
+        out = _pairs(x, weights, jnp.clip(experts, 0, e - 1), gate_up_proj, down_proj)
+    elif form == "rounds":  # another device's pair sorts last, in no expert's group
+        order, starts, group_sizes = _routing(jnp.where(here, experts, e), e)
         out = _rounds(k, x, weights.reshape(-1), order, starts, group_sizes, gate_up_proj,
                       down_proj)
     else:
         raise ValueError(f"form={form!r}: expected 'pairs', 'rounds' or None")
-    return jnp.sum(out.astype(f32).reshape(n, k, h), axis=1).astype(x.dtype)
+    return jnp.sum(out.astype(f32).reshape(n, k, h), axis=1).astype(out_dtype or x.dtype)

@@ -19,7 +19,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxdecode import experts, invariance
+from jaxdecode import invariance
 from jaxdecode.activations import sigmoid, silu
 from jaxdecode.config import FULL_ATTENTION, Config
 from jaxdecode.gated_delta import l2_normalize
@@ -89,7 +89,7 @@ def mlp(p: MLPParams, x: Array) -> Array:
     return linear(silu(linear(x, p.gate_proj)) * linear(x, p.up_proj), p.down_proj)
 
 
-def moe(p: MoEParams, x: Array, config: Config) -> Array:
+def moe(p: MoEParams, x: Array, config: Config, kernels: Kernels = choice.XLA) -> Array:
     """HF ``Qwen3_5MoeSparseMoeBlock`` over x [..., H] (model dtype).
 
     Router (``Qwen3_5MoeTopKRouter``): logits in the model dtype, softmax in float32 over all E
@@ -103,17 +103,19 @@ def moe(p: MoEParams, x: Array, config: Config) -> Array:
     lead, h = x.shape[:-1], x.shape[-1]
     x = x.reshape(-1, h)
     probs = jax.nn.softmax(linear(x, p.gate).astype(f32), axis=-1)  # [N, E]
-    weights, chosen = jax.lax.top_k(probs, config.num_experts_per_tok)  # [N, k], largest first
+    weights, chosen = choice.top_k(kernels, probs, config.num_experts_per_tok)  # [N, k]
     weights = (weights / jnp.sum(weights, axis=-1, keepdims=True)).astype(x.dtype)
-    routed = experts.routed_experts(x, weights, chosen, p.experts_gate_up_proj,
-                                    p.experts_down_proj)
+    routed = choice.routed_experts(kernels, x, weights, chosen, p.experts_gate_up_proj,
+                                   p.experts_down_proj)
     shared = mlp(p.shared_expert, x) * sigmoid(linear(x, p.shared_expert_gate))
     return (routed + shared).reshape(*lead, h)
 
 
-def ffn(p: MLPParams | MoEParams, x: Array, config: Config) -> Array:
-    """A decoder layer's feed-forward block: :func:`mlp` (dense) or :func:`moe`."""
-    return moe(p, x, config) if isinstance(p, MoEParams) else mlp(p, x)
+def ffn(p: MLPParams | MoEParams, x: Array, config: Config,
+        kernels: Kernels = choice.XLA) -> Array:
+    """A decoder layer's feed-forward block: :func:`mlp` (dense) or :func:`moe` (its experts
+    expert-parallel on ``kernels.mesh``)."""
+    return moe(p, x, config, kernels) if isinstance(p, MoEParams) else mlp(p, x)
 
 
 def token_mask(length: int, num_new: Array) -> Array:
@@ -321,7 +323,7 @@ def _forward(params: Params, state: DecodeState, tokens: Array, num_new: Array |
             lin += 1
         x = x + h
         with jax.named_scope(f"layer{i}_mlp"):
-            x = _mlp_block(layer, x, c)
+            x = _mlp_block(layer, x, c, kernels)
 
     if not return_all_logits and length > 1:  # only each row's last real token: the LM head
         last = jnp.maximum(num_new - 1, 0)
@@ -350,10 +352,10 @@ def _decode_rows(state: DecodeState, in_vocab: Array, active: Array):
     return rejected, valid, valid[:, 0].astype(jnp.int32)
 
 
-def _mlp_block(layer, x: Array, config: Config) -> Array:
+def _mlp_block(layer, x: Array, config: Config, kernels: Kernels = choice.XLA) -> Array:
     """The layer's second residual block: ``x + mlp(post_attention_layernorm(x))``."""
     return x + ffn(layer.mlp, rms_norm(x, layer.post_attention_layernorm, config.rms_norm_eps),
-                   config)
+                   config, kernels)
 
 
 def _decode_invariant(params: Params, state: DecodeState, tokens: Array, active: Array,
@@ -386,7 +388,7 @@ def _decode_invariant(params: Params, state: DecodeState, tokens: Array, active:
                 o = choice.decode_attention(kernels, q[:, 0], kv_cache[full].k,
                                             kv_cache[full].v, start + num_new)[:, None]
                 x = groups(lambda p, x, o, gate: _mlp_block(
-                    p, x + attention_output(p.self_attn, o, gate), c), layer, x, o, gate)
+                    p, x + attention_output(p.self_attn, o, gate), c, kernels), layer, x, o, gate)
             full += 1
         else:
             with jax.named_scope(f"layer{i}_deltanet"):
@@ -398,7 +400,8 @@ def _decode_invariant(params: Params, state: DecodeState, tokens: Array, active:
                     recurrent_state[lin], la.conv1d[:, 0, :], la.A_log, la.dt_bias,
                     num_key_heads=c.linear_num_key_heads)
                 x = groups(lambda p, x, o, z: _mlp_block(
-                    p, x + deltanet_output(p.linear_attn, o[:, None], z, c), c), layer, x, o, z)
+                    p, x + deltanet_output(p.linear_attn, o[:, None], z, c), c, kernels),
+                    layer, x, o, z)
             lin += 1
     with jax.named_scope("lm_head"):
         logits = groups(lambda p, x: linear(rms_norm(x, p[0], c.rms_norm_eps), p[1],

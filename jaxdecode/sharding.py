@@ -10,9 +10,11 @@ The model code never mentions devices: this module gives ``PartitionSpec`` pytre
     logits, state = jd.decode_step(params, state, jnp.argmax(logits, -1))
 
 Layout (:data:`PARAM_RULES`, :data:`STATE_RULES`): every weight split over ``"model"`` but the
-replicated RMSNorm gains, state rows over ``"data"``, logits [B, V] ``(data, model)``. Megatron
-pattern (column-parallel in-, row-parallel out-projections): no weight moves, and each mixer and
-MLP ends with one all-reduce of its [B, T, H] update (tests/test_sharding.py counts them).
+replicated RMSNorm gains (and an MoE router), state rows over ``"data"``, logits [B, V]
+``(data, model)``. Megatron pattern (column-parallel in-, row-parallel out-projections): no
+weight moves, and each mixer and MLP ends with one all-reduce of its [B, T, H] update
+(tests/test_sharding.py counts them). MoE layers: the routed experts split over ``"model"`` by
+expert (expert parallelism), the shared expert as a dense MLP.
 ``q_proj``'s per-head ``[Hq, 2D]`` rows and the per-key-head conv channels
 (``params.conv_channel_order``) make contiguous blocks whole heads. The Pallas kernels run under
 ``shard_map`` (the partitioner cannot split a custom call); the per-row cache write moves no K/V
@@ -71,6 +73,16 @@ PARAM_RULES: dict[str, P] = {
     "linear_attn.dt_bias": P(MODEL),  # [Hv]
     "linear_attn.A_log": P(MODEL),  # [Hv]
     "linear_attn.out_proj.weight": P(None, MODEL),  # [H, Hv·dv]
+    # MoE (expert parallel: E/m consecutive experts a device, kernels.choice.routed_experts);
+    # the router and the shared expert's gate stay replicated (each [E or 1, H]: routing is
+    # computed whole on every device, so no token moves)
+    "mlp.gate.weight": P(),  # [E, H]
+    "mlp.experts.gate_up_proj": P(MODEL, None, None),  # [E, 2·I_e, H]
+    "mlp.experts.down_proj": P(MODEL, None, None),  # [E, H, I_e]
+    "mlp.shared_expert.gate_proj.weight": P(MODEL, None),  # [I_s, H], as the dense MLP
+    "mlp.shared_expert.up_proj.weight": P(MODEL, None),
+    "mlp.shared_expert.down_proj.weight": P(None, MODEL),
+    "mlp.shared_expert_gate.weight": P(),  # [1, H]
 }
 
 # DecodeState field -> spec of each of its arrays.
@@ -108,7 +120,8 @@ def check_mesh(config: Config, mesh: Mesh, batch_size: int | None = None) -> Non
     Raises:
       ValueError: axis names other than ``("data", "model")``, an ``Explicit`` axis, or (in one
         message) every head count, ``intermediate_size``, ``vocab_size`` not divisible by the
-        ``"model"`` size and a batch not divisible by the ``"data"`` size.
+        ``"model"`` size (MoE: ``num_experts``, ``shared_expert_intermediate_size`` too) and a
+        batch not divisible by the ``"data"`` size.
     """
     if tuple(mesh.axis_names) != AXIS_NAMES:
         raise ValueError(f"mesh.axis_names={tuple(mesh.axis_names)} must be {AXIS_NAMES} "
@@ -121,7 +134,8 @@ def check_mesh(config: Config, mesh: Mesh, batch_size: int | None = None) -> Non
     problems = [f"{name}={getattr(config, name)} must be divisible by the 'model' mesh axis "
                 f"size {m}"
                 for name in ("num_attention_heads", "num_key_value_heads", "linear_num_key_heads",
-                             "linear_num_value_heads", "intermediate_size", "vocab_size")
+                             "linear_num_value_heads", "intermediate_size", "vocab_size",
+                             "num_experts", "shared_expert_intermediate_size")
                 if getattr(config, name) % m]
     if batch_size is not None and batch_size % d:
         problems.append(f"{batch_size=} must be divisible by the 'data' mesh axis size {d}")

@@ -38,6 +38,11 @@ MESHES = ((1, 8), (2, 4), (4, 2), (8, 1))
 PROCESS_MESHES = ((2, 2), (1, 4))
 BATCH, MAX_LEN, DECODE_STEPS = 8, 32, 8
 PROMPT_LENGTHS = np.array([12, 5, 9, 1, 12, 7, 3, 10], np.int32)
+# The same with every FFN an MoE block: 16 experts (2 a device on "model" = 8), 3 per token,
+# I_e != I_s (both divide 8)
+MOE_CONFIG = dataclasses.replace(CONFIG, intermediate_size=0, num_experts=16,
+                                 num_experts_per_tok=3, moe_intermediate_size=24,
+                                 shared_expert_intermediate_size=40)
 
 
 def inputs():
@@ -156,6 +161,7 @@ def run_meshes() -> dict:
     out["public_decode_step"] = check_public_decode_step_routes(params, tokens)
     out["chunked_prefill"] = check_chunked_prefill(params)
     out["new_weights"] = check_new_weights(params, tokens)
+    out["moe"] = check_moe()
     return out
 
 
@@ -187,6 +193,8 @@ def check_errors(params) -> dict:
         "shard_params": lambda: sharding.shard_params(jd.init_params(small, jax.random.key(0)),
                                                       sharding.make_mesh(2, 4)),
         "devices": lambda: sharding.make_mesh(3, 4),
+        "experts": lambda: sharding.check_mesh(
+            dataclasses.replace(MOE_CONFIG, num_experts=12), sharding.make_mesh(1, 8)),
         "explicit_mesh": lambda: sharding.check_mesh(CONFIG, jax.make_mesh((2, 4),
                                                                            ("data", "model"))),
     }.items():
@@ -198,7 +206,7 @@ def check_errors(params) -> dict:
     return msgs
 
 
-def check_checkpoint(params) -> dict:
+def check_checkpoint(params, config=CONFIG) -> dict:
     """load_checkpoint(mesh=...) puts every tensor in its sharding with the stored values."""
     import tempfile
 
@@ -208,14 +216,49 @@ def check_checkpoint(params) -> dict:
     mesh = sharding.make_mesh(2, 4)
     with tempfile.TemporaryDirectory() as tmp:
         with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(CONFIG.to_hf_config(), f)
+            json.dump(config.to_hf_config(), f)
         save_file({k: np.asarray(v) for k, v in params_to_hf(params).items()},
                   os.path.join(tmp, "model.safetensors"))
         loaded = jd.load_checkpoint(tmp, "float32", mesh=mesh)
     same = all(np.array_equal(np.asarray(a), np.asarray(b))
                for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)))
-    return {"mismatches": spec_mismatches(loaded, sharding.param_partition_specs(CONFIG), mesh),
+    return {"mismatches": spec_mismatches(loaded, sharding.param_partition_specs(config), mesh),
             "values_equal": same}
+
+
+def check_moe() -> dict:
+    """The MoE model expert-parallel on each mesh against one device: greedy prefill + decode
+    logits (relative to their scale), param layouts, the decode step's collectives and the
+    bytes of expert weights one device holds; load_checkpoint into the shardings."""
+    params = jd.init_params(MOE_CONFIG, jax.random.key(1))
+    tokens = np.random.default_rng(2).integers(0, MOE_CONFIG.vocab_size, (BATCH, 12))
+    ref_logits, ref_tokens, _ = greedy(params, jd.init_state(MOE_CONFIG, BATCH, MAX_LEN),
+                                       tokens, jd.prefill, jd.decode_step)
+    scale = max(float(np.abs(np.asarray(x)).max()) for x in ref_logits)
+    out = {"meshes": {}, "checkpoint": check_checkpoint(params, MOE_CONFIG)}
+    for shape in MESHES:
+        mesh = sharding.make_mesh(*shape)
+        sp = sharding.shard_params(params, mesh)
+        state = sharding.init_state_sharded(MOE_CONFIG, mesh, BATCH, MAX_LEN)
+        logits, state = jd.prefill(sp, state, tokens, PROMPT_LENGTHS)
+        errors = [float(np.abs(np.asarray(logits) - np.asarray(ref_logits[0])).max()) / scale]
+        for i in range(DECODE_STEPS):
+            logits, state = jd.decode_step(sp, state, np.asarray(ref_tokens[i]))
+            errors.append(float(np.abs(np.asarray(logits) - np.asarray(ref_logits[i + 1])).max())
+                          / scale)
+        kernels = jd.choose_kernels(MOE_CONFIG, BATCH, dtype="float32", mesh=mesh)
+        tok = sharding.shard_batch(np.zeros(BATCH, np.int32), mesh)
+        hlo = step.jit_decode_step(MOE_CONFIG, kernels).lower(sp, state, tok, None).compile(
+            ).as_text()
+        experts = sp.layers[0].mlp.experts_gate_up_proj
+        out["meshes"][f"{shape[0]},{shape[1]}"] = {
+            "rel_errors": errors,
+            "param_mismatches": spec_mismatches(sp, sharding.param_partition_specs(MOE_CONFIG),
+                                                mesh),
+            "collectives": collectives(hlo),
+            "expert_fraction_per_device":
+                experts.addressable_shards[0].data.size / experts.size}
+    return out
 
 
 def check_unpinned(params, tokens) -> list[str]:

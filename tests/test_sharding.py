@@ -48,7 +48,7 @@ def _result(stdout: str, stderr: str, what: str) -> dict:
 @pytest.fixture(scope="module")
 def meshes():
     proc = subprocess.run([sys.executable, str(WORKER), "meshes"], capture_output=True,
-                          text=True, timeout=300, env=_env())
+                          text=True, timeout=900, env=_env())
     assert proc.returncode == 0, f"sharding_worker.py meshes failed:\n{proc.stderr[-3000:]}"
     return _result(proc.stdout, proc.stderr, "sharding_worker.py meshes")
 
@@ -206,6 +206,25 @@ def test_tensor_parallel_step_moves_activations_only(meshes):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mesh", MESHES)
+def test_moe_expert_parallel_equals_single_device(meshes, mesh):
+    """An MoE model on each mesh: the routed experts split by expert over "model" (each device
+    holds 1/m of them), the same greedy prefill + decode logits as one device, and per decode
+    step only the all-reduces of the dense model (no weight, token or routing moves)."""
+    res = meshes["moe"]["meshes"][mesh]
+    assert max(res["rel_errors"]) <= REL_TOL, res["rel_errors"]
+    assert res["param_mismatches"] == []
+    model_size = int(mesh.split(",")[1])
+    assert res["expert_fraction_per_device"] == 1 / model_size
+    assert res["collectives"] == ({"all-reduce": 2 * 4 + 1} if model_size > 1 else {}), res
+
+
+@pytest.mark.slow
+def test_moe_checkpoint_loads_into_the_expert_shardings(meshes):
+    assert meshes["moe"]["checkpoint"] == {"mismatches": [], "values_equal": True}
+
+
+@pytest.mark.slow
 def test_unpinned_jit_of_the_model_step_keeps_the_layout_too(meshes):
     """A user's own jax.jit of model.decode_step_fn (no out_shardings) also keeps the layout."""
     assert meshes["unpinned_decode_mismatches"] == []
@@ -252,6 +271,8 @@ def test_errors_name_the_sizes(meshes):
         errors["shard_params"])
     assert "data=3 x model=4 = 12 devices, but 8 are available" in errors["devices"]
     assert "AxisType.Auto" in errors["explicit_mesh"]
+    assert "num_experts=12 must be divisible by the 'model' mesh axis size 8" in (
+        errors["experts"])
 
 
 # ----- two processes (jax.distributed on 127.0.0.1) -------------------------------------------

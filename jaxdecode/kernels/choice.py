@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxdecode import invariance
+from jaxdecode import experts, invariance
 from jaxdecode.config import Config
 from jaxdecode.kernels import chunk_gated_delta as chunk_rule_kernel
 from jaxdecode.kernels import decode_attention as attention_kernel
@@ -195,6 +195,44 @@ def prefill_attention(kernels: Kernels, q, k_cache, v_cache, start, num_new, *,
     return jax.shard_map(attend, mesh=kernels.mesh,
                          in_specs=(heads, cache, cache, P(DATA), P(DATA)), out_specs=heads,
                          check_vma=False)(q, k_cache, v_cache, start, num_new)
+
+
+def top_k(kernels: Kernels, x, k: int):
+    """The MoE router's top-k over x [N, E]'s last axis (``experts.top_k``), per "data" shard
+    on a mesh: the SPMD partitioner all-gathers a row-sharded operand of TopK (one collective
+    per layer)."""
+    if kernels.mesh is None or x.shape[0] % kernels.mesh.shape[DATA]:
+        return experts.top_k(x, k)
+    rows = P(DATA, None)
+    return jax.shard_map(lambda x: experts.top_k(x, k), mesh=kernels.mesh, in_specs=rows,
+                         out_specs=(rows, rows), check_vma=False)(x)
+
+
+def routed_experts(kernels: Kernels, x, weights, chosen, gate_up_proj, down_proj):
+    """The MoE block's routed experts (``experts.routed_experts``: x [N, H], weights/chosen
+    [N, k], gate_up_proj [E, 2·I, H], down_proj [E, H, I]; returns [N, H] in x's dtype).
+
+    On a mesh, expert parallel: each "model" device holds E/m consecutive experts
+    (``sharding.PARAM_RULES``) and computes only the pairs routed to them from the replicated
+    routing (no token moves, no weight moves); one float32 psum over "model" adds the devices'
+    parts (GShard's expert parallelism, Lepikhin et al., 2020, with the all-to-alls replaced by
+    the all-reduce tensor parallelism already ends each block with)."""
+    if kernels.mesh is None:
+        return experts.routed_experts(x, weights, chosen, gate_up_proj, down_proj)
+
+    def local(x, weights, chosen, gate_up_proj, down_proj):
+        first = jax.lax.axis_index(MODEL) * gate_up_proj.shape[0]
+        out = experts.routed_experts(x, weights, chosen - first, gate_up_proj, down_proj,
+                                     out_dtype=jnp.float32)
+        if kernels.mesh.shape[MODEL] > 1:  # (a psum over one device still launches)
+            out = jax.lax.psum(out, MODEL)
+        return out.astype(x.dtype)
+
+    rows = P(DATA, None) if x.shape[0] % kernels.mesh.shape[DATA] == 0 else P(None, None)
+    stack = P(MODEL, None, None)
+    return jax.shard_map(local, mesh=kernels.mesh, in_specs=(rows, rows, rows, stack, stack),
+                         out_specs=rows, check_vma=False)(x, weights, chosen, gate_up_proj,
+                                                          down_proj)
 
 
 def chunk_gated_delta_rule(kernels: Kernels, q, k, v, g, beta, state):
