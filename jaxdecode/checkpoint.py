@@ -151,8 +151,9 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
         ``model.safetensors.index.json``, or the path of one ``.safetensors`` file beside its
         ``config.json``; bf16 or float32 on disk.
       dtype: "bfloat16" or "float32"; ``A_log`` and the gated-norm weight stay float32.
-      place: optional ``(name, host_array) -> jax.Array`` putting each tensor (already cast, in
-        jaxdecode's layout: ``params.conv_channel_order``) on device; default ``jnp.asarray``.
+      place: optional ``(name, host_array) -> jax.Array`` putting each parameter (its
+        ``param_specs`` name: Qwen3-Next's fused tensors already split; cast, in jaxdecode's
+        layout: ``params.conv_channel_order``) on device; default ``jnp.asarray``.
       mesh: a ``("data", "model")`` mesh: each tensor goes straight into its sharding as it is
         read (``sharding.checkpoint_placer``). Not together with ``place``.
       check_finite: raise if a tensor holds NaN or inf (one host pass over each tensor as read;
