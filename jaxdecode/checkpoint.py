@@ -4,11 +4,14 @@ Reads ``config.json`` and ``model.safetensors`` (or the shards of
 ``model.safetensors.index.json``) tensor by tensor, so peak host memory is about one tensor above
 the parameters. Text-only ``Qwen3_5ForCausalLM`` names (``model.layers.*``) and the published
 multimodal ``Qwen3_5ForConditionalGeneration`` ones (``model.language_model.*`` -> ``model.*``, as
-HF's conversion mapping; ``model.visual.*`` and ``mtp.*`` skipped) both load. MoE experts load from
-the fused 3-D tensors (``mlp.experts.gate_up_proj`` / ``down_proj``) or from per-expert 2-D ones
-(``mlp.experts.{e}.{gate,up,down}_proj.weight``, what transformers 5.24's ``save_pretrained``
-writes), stacked as HF's ``qwen2_moe`` conversion rules do. Every header is checked before any
-data is read, all problems raised together in one ``ValueError``.
+HF's conversion mapping; ``model.visual.*`` and ``mtp.*`` skipped) both load, and
+``Qwen3NextForCausalLM`` ones (``model.*``; ``mtp.*`` skipped), whose fused DeltaNet projections
+``in_proj_qkvz`` / ``in_proj_ba`` are split by row permutation (``params.split_fused``). MoE
+experts load from the fused 3-D tensors (``mlp.experts.gate_up_proj`` / ``down_proj``) or from
+per-expert 2-D ones (``mlp.experts.{e}.{gate,up,down}_proj.weight``, what transformers 5.24's
+``save_pretrained`` writes for both families), stacked as HF's ``qwen2_moe`` conversion rules do.
+Every header is checked before any data is read, all problems raised together in one
+``ValueError``.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from safetensors import safe_open
 
 from jaxdecode import sharding
 from jaxdecode.config import Config, model_dtype
-from jaxdecode.params import Params, hf_to_internal, leaf_dtype, param_specs, params_from_flat
+from jaxdecode.params import (Params, checkpoint_specs, hf_to_internal, leaf_dtype,
+                              params_from_flat, split_fused)
 
 TEXT_PREFIX = "model.language_model."
 SKIPPED_PREFIXES = ("mtp.", "model.visual.", "visual.")
@@ -73,17 +77,15 @@ _PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(\d+)\.(gate|up|
 def _fuse_experts(config: Config, found: dict, problems: list[str]) -> None:
     """Replaces per-expert 2-D tensors in ``found`` by entries for the fused 3-D ones, whose
     "stored" field lists the parts: gate_up_proj [E, 2·I_e, H] = expert e's gate then up rows,
-    down_proj [E, H, I_e]. Appends to ``problems`` a missing, misshapen or doubly stored part."""
+    down_proj [E, H, I_e]. Appends to ``problems`` a missing, misshapen or doubly stored part,
+    and the per-expert tensors of a layer outside ``config.moe_layers`` (unexpected)."""
     parts: dict[str, dict[tuple[int, str], tuple]] = {}
     for name in [n for n in found if _PER_EXPERT.match(n)]:
         prefix, expert, kind = _PER_EXPERT.match(name).groups()
         parts.setdefault(prefix, {})[(int(expert), kind)] = found.pop(name)
-    if not parts:
-        return
-    if not config.is_moe:
+    for prefix in [p for p in parts if int(p.split(".")[2]) not in config.moe_layers]:
         problems.extend(f"unexpected tensor {entry[1]} with shape {entry[2]}"
-                        for layer in parts.values() for entry in layer.values())
-        return
+                        for entry in parts.pop(prefix).values())
     e, ie, h = config.num_experts, config.moe_intermediate_size, config.hidden_size
     want = {"gate": (ie, h), "up": (ie, h), "down": (h, ie)}
     for prefix, layer in parts.items():
@@ -142,15 +144,16 @@ def _open(path: str):
 def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
                     place: Callable[[str, np.ndarray], jax.Array] | None = None,
                     mesh: jax.sharding.Mesh | None = None, check_finite: bool = True) -> Params:
-    """Loads a Hugging Face Qwen3.5 checkpoint directory.
+    """Loads a Hugging Face Qwen3.5 or Qwen3-Next checkpoint directory.
 
     Args:
       directory: ``config.json`` plus ``model.safetensors`` or shards with
         ``model.safetensors.index.json``, or the path of one ``.safetensors`` file beside its
         ``config.json``; bf16 or float32 on disk.
       dtype: "bfloat16" or "float32"; ``A_log`` and the gated-norm weight stay float32.
-      place: optional ``(name, host_array) -> jax.Array`` putting each tensor (already cast, in
-        jaxdecode's layout: ``params.conv_channel_order``) on device; default ``jnp.asarray``.
+      place: optional ``(name, host_array) -> jax.Array`` putting each parameter (its
+        ``param_specs`` name: Qwen3-Next's fused tensors already split; cast, in jaxdecode's
+        layout: ``params.conv_channel_order``) on device; default ``jnp.asarray``.
       mesh: a ``("data", "model")`` mesh: each tensor goes straight into its sharding as it is
         read (``sharding.checkpoint_placer``). Not together with ``place``.
       check_finite: raise if a tensor holds NaN or inf (one host pass over each tensor as read;
@@ -162,9 +165,11 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
     Raises:
       FileNotFoundError: missing ``config.json`` or safetensors files.
       ValueError: a damaged, truncated or empty safetensors file (named); a tensor with NaN or
-        inf values (named, with the file); an unsupported or malformed config (``Config.from_hf_config``) or index file;
-        one message listing every missing, unexpected, misshapen, duplicated or non-float
-        tensor; a config that cannot be split over ``mesh``; both ``place`` and ``mesh``.
+        inf values (named, with the file); an unsupported or malformed config
+        (``Config.from_hf_config``) or index file; one message listing every missing,
+        unexpected, misshapen (both shapes), duplicated or non-float tensor, by its name in the
+        checkpoint (``params.checkpoint_specs``); a config that cannot be split over ``mesh``;
+        both ``place`` and ``mesh``.
     """
     directory = os.fspath(directory)
     files = None
@@ -179,7 +184,7 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
         if place is not None:
             raise ValueError("pass place or mesh to load_checkpoint, not both")
         place = sharding.checkpoint_placer(config, mesh)
-    specs = param_specs(config)
+    specs = checkpoint_specs(config)
     problems: list[str] = []
     found = _index_tensors(files or checkpoint_files(directory), problems)
     _fuse_experts(config, found, problems)
@@ -213,8 +218,8 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
             raise ValueError(f"tensor {stored} in {path!r} has {int((~np.isfinite(array)).sum())} "
                              f"NaN or inf values as {array.dtype} (a damaged file?); "
                              "check_finite=False loads it anyway")
-        array = hf_to_internal(config, name, array)
-        flat[name] = place(name, array)
+        for leaf, part in split_fused(config, name, array).items():
+            flat[leaf] = place(leaf, hf_to_internal(config, leaf, part))
     return params_from_flat(config, flat)
 
 

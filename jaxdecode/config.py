@@ -1,5 +1,6 @@
-"""Model configuration: the HF ``Qwen3_5TextConfig`` fields jaxdecode reads, named as in
-``config.json`` (transformers 5.24.0 ``configuration_qwen3_5.py``); derived sizes are properties.
+"""Model configuration: the HF ``Qwen3_5TextConfig`` / ``Qwen3NextConfig`` fields jaxdecode reads,
+named as in ``config.json`` (transformers 5.24.0 ``configuration_qwen3_5.py``,
+``configuration_qwen3_next.py``); derived sizes are properties.
 """
 
 from __future__ import annotations
@@ -17,19 +18,29 @@ FULL_ATTENTION = "full_attention"
 
 DENSE_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 MOE_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
-SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + MOE_MODEL_TYPES
+NEXT_MODEL_TYPES = ("qwen3_next",)
+SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + MOE_MODEL_TYPES + NEXT_MODEL_TYPES
+# Config.model_type: the HF family, which fixes the checkpoint layout and the HF class names.
+QWEN3_5, QWEN3_NEXT = "qwen3_5", "qwen3_next"
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """A Qwen3.5 text decoder's shape, dense or mixture-of-experts (``num_experts > 0``: HF
-    ``Qwen3_5MoeTextConfig``, every layer's FFN a routed MoE block with a shared expert; no
-    ``intermediate_size``, which is then 0); frozen and hashable (a ``jax.jit`` static). Shape
-    letters: ``jaxdecode.model``'s legend (Hq = ``num_attention_heads``, C = ``linear_conv_dim``).
+    """A Qwen3.5 or Qwen3-Next text decoder's shape; frozen and hashable (a ``jax.jit`` static).
+    Shape letters: ``jaxdecode.model``'s legend (Hq = ``num_attention_heads``, C =
+    ``linear_conv_dim``).
+
+    ``model_type`` is the HF family: "qwen3_5" (``Qwen3_5TextConfig``, or with ``num_experts > 0``
+    ``Qwen3_5MoeTextConfig``: every layer's FFN a routed MoE block with a shared expert, no
+    ``intermediate_size``, which is then 0) or "qwen3_next" (``Qwen3NextConfig``: the same
+    decoder with fused DeltaNet projections on disk, a ``norm_topk_prob`` switch, and a dense
+    ``intermediate_size`` MLP in the layers ``decoder_sparse_step`` / ``mlp_only_layers`` name:
+    :attr:`moe_layers`).
 
     Raises ``ValueError`` on construction for non-positive sizes, ``layer_types`` that do not
     match ``num_hidden_layers`` or name unknown kinds, no full-attention layer, head counts that
-    do not divide, odd rotary dims, ``linear_conv_kernel_dim`` < 2, or MoE sizes that disagree.
+    do not divide, odd rotary dims, ``linear_conv_kernel_dim`` < 2, MoE sizes that disagree, an
+    unknown ``model_type``, or Qwen3-Next switches on a "qwen3_5" config.
     """
 
     vocab_size: int
@@ -55,10 +66,16 @@ class Config:
     num_experts_per_tok: int = 0  # k experts each token is routed to
     moe_intermediate_size: int = 0  # I_e of each routed expert
     shared_expert_intermediate_size: int = 0  # I_s of the shared expert
+    model_type: str = QWEN3_5  # QWEN3_5 or QWEN3_NEXT
+    # Qwen3-Next only (HF Qwen3_5Moe* always renormalises and routes every layer):
+    norm_topk_prob: bool = True  # renormalise the top-k router weights to sum 1
+    decoder_sparse_step: int = 1  # layer i is MoE when (i + 1) % decoder_sparse_step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
 
     def __post_init__(self):
-        if isinstance(self.layer_types, list):
-            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        for name in ("layer_types", "mlp_only_layers"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         if isinstance(self.eos_token_id, (list, int)):
             ids = (self.eos_token_id,) if isinstance(self.eos_token_id, int) else self.eos_token_id
             object.__setattr__(self, "eos_token_id", tuple(ids))
@@ -87,6 +104,8 @@ class Config:
             given = {n: getattr(self, n) for n in moe[1:] if getattr(self, n)}
             if given:
                 problems.append(f"{given} given without num_experts")
+        if not problems:
+            problems += self._family_problems()
         if problems:
             raise ValueError("invalid Config: " + "; ".join(problems))
         if len(self.layer_types) != self.num_hidden_layers:
@@ -113,10 +132,47 @@ class Config:
         if problems:
             raise ValueError("invalid Config: " + "; ".join(problems))
 
+    def _family_problems(self) -> list[str]:
+        """The ``model_type`` and Qwen3-Next switch problems of :meth:`__post_init__`."""
+        if self.model_type not in (QWEN3_5, QWEN3_NEXT):
+            return [f"model_type={self.model_type!r} must be {QWEN3_5!r} or {QWEN3_NEXT!r}"]
+        problems = []
+        switches = {"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": ()}
+        if self.model_type == QWEN3_5:
+            problems += [f"{name}={getattr(self, name)!r} needs model_type={QWEN3_NEXT!r} (HF "
+                         f"Qwen3.5 has no such switch)"
+                         for name, default in switches.items() if getattr(self, name) != default]
+            return problems
+        if not isinstance(self.decoder_sparse_step, int) or self.decoder_sparse_step <= 0:
+            problems.append(f"decoder_sparse_step={self.decoder_sparse_step!r} must be a positive "
+                            "int")
+        bad = [i for i in self.mlp_only_layers
+               if not isinstance(i, int) or not 0 <= i < self.num_hidden_layers]
+        if bad:
+            problems.append(f"mlp_only_layers {bad} are not layer indices in "
+                            f"[0, num_hidden_layers={self.num_hidden_layers})")
+        if not problems and self.num_experts and not self.intermediate_size and (
+                len(self.moe_layers) < self.num_hidden_layers):
+            dense = sorted(set(range(self.num_hidden_layers)) - set(self.moe_layers))
+            problems.append(f"intermediate_size=0 must be a positive int (layers {dense} have a "
+                            "dense MLP)")
+        return problems
+
     @property
     def is_moe(self) -> bool:
-        """Every layer's FFN is a routed mixture of experts (HF ``Qwen3_5MoeSparseMoeBlock``)."""
+        """The model has routed experts: the FFN of each layer in :attr:`moe_layers` is a routed
+        mixture of experts (HF ``Qwen3_5MoeSparseMoeBlock``, ``Qwen3NextSparseMoeBlock``)."""
         return self.num_experts > 0
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Indices of the layers whose FFN is the MoE block, the others a dense MLP of
+        ``intermediate_size`` (HF ``Qwen3NextDecoderLayer``: not in ``mlp_only_layers``, and
+        ``(i + 1) % decoder_sparse_step == 0``); every layer of a Qwen3.5-MoE model."""
+        if not self.is_moe:
+            return ()
+        return tuple(i for i in range(self.num_hidden_layers)
+                     if i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0)
 
     @property
     def num_key_value_groups(self) -> int:
@@ -160,22 +216,28 @@ class Config:
 
     @classmethod
     def from_hf_config(cls, hf_config: Mapping[str, Any]) -> "Config":
-        """A Config from an HF ``config.json`` dict, text-only (``qwen3_5_text``,
-        ``qwen3_5_moe_text``) or multimodal (``qwen3_5``, ``qwen3_5_moe`` with a ``text_config``
-        block). ValueError naming what is unsupported (another model type such as Qwen3-Next,
-        biases, non-SiLU activations, rope scaling, sparse-step schedules), or for a missing or
-        mistyped field."""
+        """A Config from an HF ``config.json`` dict: text-only (``qwen3_5_text``,
+        ``qwen3_5_moe_text``), multimodal (``qwen3_5``, ``qwen3_5_moe`` with a ``text_config``
+        block) or ``qwen3_next``. Qwen3-Next's legacy top-level ``rope_theta`` /
+        ``partial_rotary_factor`` (its published config.json) are read as HF 5.24's
+        ``RotaryEmbeddingConfigMixin.convert_rope_params_to_dict`` does: ``rope_scaling`` (or
+        ``rope_parameters``) first, then the top-level fields, then ``Qwen3NextConfig``'s defaults
+        (theta 10000, factor 0.25). ValueError naming every unsupported field (another model
+        type, biases, non-SiLU activations, rope scaling, a Qwen3.5 sparse-step schedule) at
+        once, or for a missing or mistyped field."""
         top = dict(hf_config)
         text = dict(top.get("text_config") or top)
         model_type = text.get("model_type", top.get("model_type"))
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported config: model_type={model_type!r}; jaxdecode supports "
                              f"{SUPPORTED_MODEL_TYPES}")
-        moe = model_type in MOE_MODEL_TYPES
-        if not moe and text.get("num_experts"):
+        nxt = model_type in NEXT_MODEL_TYPES
+        # Qwen3-Next is MoE unless num_experts is 0 (HF's default is 512; the field is required).
+        moe = model_type in MOE_MODEL_TYPES or (nxt and text.get("num_experts", 512) != 0)
+        if not moe and not nxt and text.get("num_experts"):
             raise ValueError(f"unsupported config: model_type={model_type!r} with num_experts="
                              f"{text['num_experts']} (mixture-of-experts models are "
-                             f"{MOE_MODEL_TYPES})")
+                             f"{MOE_MODEL_TYPES + NEXT_MODEL_TYPES})")
         problems = []
         if text.get("hidden_act", "silu") != "silu":
             problems.append(f"hidden_act={text['hidden_act']!r} (only 'silu')")
@@ -183,17 +245,22 @@ class Config:
             problems.append("attention_bias=True (Qwen3.5 has no biases)")
         if text.get("attn_output_gate", True) is False:
             problems.append("attn_output_gate=False (the gated attention output is required)")
-        if text.get("mlp_only_layers"):
-            problems.append(f"mlp_only_layers={text['mlp_only_layers']}")
-        if moe and text.get("decoder_sparse_step", 1) != 1:
+        if not nxt and text.get("mlp_only_layers"):
+            problems.append(f"mlp_only_layers={text['mlp_only_layers']} (Qwen3.5: every layer "
+                            "the same FFN)")
+        if not nxt and moe and text.get("decoder_sparse_step", 1) != 1:
             problems.append(f"decoder_sparse_step={text['decoder_sparse_step']} (every layer MoE)")
-        rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+        # HF: rope_scaling, when set, replaces rope_parameters (convert_rope_params_to_dict).
+        rope = dict(text.get("rope_scaling") or text.get("rope_parameters") or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             problems.append(f"rope_type={rope_type!r} (only 'default')")
         if problems:
             raise ValueError("unsupported config: " + "; ".join(problems))
-        rope_theta = rope.get("rope_theta", text.get("rope_theta", 10_000_000.0))
+        # Theta when config.json names none: HF's default_theta for Qwen3-Next; for Qwen3.5 the
+        # published value.
+        rope_theta = rope.get("rope_theta", text.get("rope_theta", 10_000.0 if nxt
+                                                      else 10_000_000.0))
         partial = rope.get("partial_rotary_factor",
                            text.get("partial_rotary_factor", top.get("partial_rotary_factor", 0.25)))
         num_layers = text["num_hidden_layers"]
@@ -203,11 +270,19 @@ class Config:
         eos = text.get("eos_token_id", top.get("eos_token_id"))
         eos = () if eos is None else eos
         tie = top.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+        moe_names = ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                     "shared_expert_intermediate_size")
         try:
+            family = {}
+            if nxt:
+                family = dict(model_type=QWEN3_NEXT,
+                              norm_topk_prob=text.get("norm_topk_prob", True),
+                              decoder_sparse_step=text.get("decoder_sparse_step", 1),
+                              mlp_only_layers=tuple(text.get("mlp_only_layers") or ()))
             return cls(
                 vocab_size=text["vocab_size"],
                 hidden_size=text["hidden_size"],
-                intermediate_size=0 if moe else text["intermediate_size"],
+                intermediate_size=0 if moe and not nxt else text["intermediate_size"],
                 num_hidden_layers=num_layers,
                 num_attention_heads=text["num_attention_heads"],
                 num_key_value_heads=text["num_key_value_heads"],
@@ -225,10 +300,8 @@ class Config:
                 tie_word_embeddings=bool(tie),
                 max_position_embeddings=int(text.get("max_position_embeddings", 262_144)),
                 eos_token_id=eos,
-                **({name: text[name] for name in ("num_experts", "num_experts_per_tok",
-                                                  "moe_intermediate_size",
-                                                  "shared_expert_intermediate_size")}
-                   if moe else {}),
+                **({name: text[name] for name in moe_names} if moe else {}),
+                **family,
             )
         except KeyError as e:
             raise ValueError(f"config.json is missing the required field {e.args[0]!r}") from None
@@ -248,28 +321,40 @@ class Config:
 
     @classmethod
     def from_preset(cls, name: str) -> "Config":
-        """The published Qwen3.5 text shapes, plus ``tiny`` for tests and the demo (ValueError for
+        """The published Qwen3.5 and Qwen3-Next text shapes, plus ``tiny`` for tests and the demo (ValueError for
         an unknown name, listing the presets)."""
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; available: {sorted(PRESETS)}")
         return PRESETS[name]
 
     def to_hf_config(self) -> dict[str, Any]:
-        """The ``qwen3_5_text`` (``qwen3_5_moe_text``) config.json dict for this Config (inverse of
-        from_hf_config)."""
+        """The ``qwen3_5_text`` (``qwen3_5_moe_text``, ``qwen3_next``) config.json dict for this
+        Config (inverse of from_hf_config)."""
         d = dataclasses.asdict(self)
         moe = ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
                "shared_expert_intermediate_size")
-        for name in ("intermediate_size",) if self.is_moe else moe:
-            d.pop(name)
+        nxt = self.model_type == QWEN3_NEXT
+        if nxt:
+            d["num_experts"] = self.num_experts  # 0 must be written: HF's default is 512
+            d["mlp_only_layers"] = list(self.mlp_only_layers)
+        else:
+            for name in ("model_type", "norm_topk_prob", "decoder_sparse_step",
+                         "mlp_only_layers"):
+                d.pop(name)
+            for name in ("intermediate_size",) if self.is_moe else moe:
+                d.pop(name)
         d["layer_types"] = list(self.layer_types)
         d["eos_token_id"] = (list(self.eos_token_id) if len(self.eos_token_id) != 1
                              else self.eos_token_id[0])
         d.pop("rope_theta")
         d["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta,
                                 "partial_rotary_factor": self.partial_rotary_factor}
-        d["model_type"] = "qwen3_5_moe_text" if self.is_moe else "qwen3_5_text"
-        d["architectures"] = ["Qwen3_5MoeForCausalLM" if self.is_moe else "Qwen3_5ForCausalLM"]
+        if nxt:
+            d["model_type"], d["architectures"] = QWEN3_NEXT, ["Qwen3NextForCausalLM"]
+        else:
+            d["model_type"] = "qwen3_5_moe_text" if self.is_moe else "qwen3_5_text"
+            d["architectures"] = ["Qwen3_5MoeForCausalLM" if self.is_moe
+                                  else "Qwen3_5ForCausalLM"]
         d["hidden_act"] = "silu"
         return d
 
@@ -311,7 +396,7 @@ def _published_moe(hidden, layers, hq, hv, experts, k, intermediate) -> Config:
                       shared_expert_intermediate_size=intermediate)
 
 
-# Name -> Config: the published Qwen3.5 text shapes (their config.json) and "tiny".
+# Name -> Config: the published Qwen3.5 and Qwen3-Next text shapes (their config.json) and "tiny".
 PRESETS: dict[str, Config] = {
     "qwen3.5-0.8b": _published(1024, 3584, 24, 8, 2, 16, True),
     "qwen3.5-2b": _published(2048, 6144, 24, 8, 2, 16, True),
@@ -321,6 +406,12 @@ PRESETS: dict[str, Config] = {
     "qwen3.5-35b-a3b": _published_moe(2048, 40, 16, 32, 256, 8, 512),
     "qwen3.5-122b-a10b": _published_moe(3072, 48, 32, 64, 256, 8, 1024),
     "qwen3.5-397b-a17b": _published_moe(4096, 60, 32, 64, 512, 10, 1024),
+    # Qwen/Qwen3-Next-80B-A3B-Instruct's config.json: vocabulary 151936, theta 5e6, every layer
+    # MoE (its intermediate_size 5120 unused), norm_topk_prob true.
+    "qwen3-next-80b-a3b": dataclasses.replace(
+        _published_moe(2048, 48, 16, 32, 512, 10, 512), vocab_size=151_936,
+        intermediate_size=5120, rope_theta=5_000_000.0, eos_token_id=(151_645,),
+        model_type=QWEN3_NEXT),
     # Small enough for CPU tests and the demo, with the real vocabulary (so a real tokenizer fits),
     # GQA (2 query heads per KV head), r = Hv/Hk = 2, dk != dv and two attention layers.
     "tiny": Config(

@@ -73,14 +73,15 @@ def prefill_token_bytes(config: Config, dtype) -> int:
     c, e = config, np.dtype(model_dtype(dtype)).itemsize
     hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
     residual = 4 * c.hidden_size * e
-    mlp = 3 * c.intermediate_size * e + c.intermediate_size * 4
+    dense = len(c.moe_layers) < c.num_hidden_layers  # some layer has the dense MLP
+    mlp = (3 * c.intermediate_size * e + c.intermediate_size * 4) if dense else 0
     if c.is_moe:  # router probabilities; per pair, the rounds' two slots (experts.capacity) of
         # input rows, gate/up, hidden and outputs, its output and float32 sum; shared expert
         k = c.num_experts_per_tok
-        mlp = (c.num_experts * 4 * 2
-               + k * (2 * (2 * c.hidden_size * e + 3 * c.moe_intermediate_size * e)
-                      + c.hidden_size * (e + 4))
-               + 3 * c.shared_expert_intermediate_size * e)
+        mlp = max(mlp, c.num_experts * 4 * 2
+                  + k * (2 * (2 * c.hidden_size * e + 3 * c.moe_intermediate_size * e)
+                         + c.hidden_size * (e + 4))
+                  + 3 * c.shared_expert_intermediate_size * e)
     deltanet = (c.linear_conv_dim * (e + 3 * 4) + hv * dv * e  # mixed, conv, z
                 + hv * (2 * dk + dv) * 4 * 2  # q, k, v repeated to Hv heads
                 + hv * 64 * 4 * 6  # the [64, 64] chunk matrices per token

@@ -2,6 +2,9 @@
 
 Every equation, cast and weight name follows HF ``transformers/models/qwen3_5/modeling_qwen3_5.py``
 (transformers 5.24.0); each piece's docstring names the HF class or function it mirrors.
+Qwen3-Next (``modeling_qwen3_next.py``) is the same decoder: its fused DeltaNet projections are
+split at load (``params.split_fused``); it differs here only in the router's ``norm_topk_prob``
+and in the dense MLP of the layers outside ``config.moe_layers``.
 
 Shape legend (one for the library): B batch, T new tokens in this call, S cache positions
 (max_len), H hidden_size, I intermediate_size, Hq/Hkv attention heads/KV heads, G = Hq/Hkv, D
@@ -58,11 +61,14 @@ def gated_rms_norm(x: Array, z: Array, w: Array, eps: float) -> Array:
 
 
 def rope_cos_sin(positions: Array, config: Config) -> tuple[Array, Array]:
-    """Partial rotate-half RoPE tables (HF ``Qwen3_5TextRotaryEmbedding``).
+    """Partial rotate-half RoPE tables (HF ``Qwen3_5TextRotaryEmbedding``,
+    ``Qwen3NextRotaryEmbedding``).
 
     positions: [B, T] int32. Returns (cos, sin), each [B, T, rotary_dim] float32,
     ``cat(freqs, freqs)`` with ``inv_freq_i = theta^(-2i / rotary_dim)`` (the rotary dim, not
-    head_dim). Text-only mRoPE, whose three position rows are equal, reduces to this.
+    head_dim). Text-only mRoPE, whose three position rows are equal, reduces to this; Qwen3-Next's
+    RoPE is this 1-D form (``compute_default_rope_parameters``: rotary dim
+    ``int(head_dim * rope_parameters["partial_rotary_factor"])``).
     """
     rd = config.rotary_dim
     inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, rd, 2, dtype=f32) / rd))
@@ -90,10 +96,12 @@ def mlp(p: MLPParams, x: Array) -> Array:
 
 
 def moe(p: MoEParams, x: Array, config: Config, kernels: Kernels = choice.XLA) -> Array:
-    """HF ``Qwen3_5MoeSparseMoeBlock`` over x [..., H] (model dtype).
+    """HF ``Qwen3_5MoeSparseMoeBlock`` (``Qwen3NextSparseMoeBlock``) over x [..., H] (model
+    dtype).
 
-    Router (``Qwen3_5MoeTopKRouter``): logits in the model dtype, softmax in float32 over all E
-    experts, top-k, renormalised, cast to the model dtype. Experts (``Qwen3_5MoeExperts``):
+    Router (``Qwen3_5MoeTopKRouter``, ``Qwen3NextTopKRouter``): logits in the model dtype,
+    softmax in float32 over all E experts, top-k, renormalised to sum 1 (Qwen3-Next: only when
+    ``config.norm_topk_prob``), cast to the model dtype. Experts (``Qwen3_5MoeExperts``):
     :func:`jaxdecode.experts.routed_experts` (only the chosen experts' weights read at decode, no
     dense compute over all E per pair, no token dropping), each output times its weight in the
     model dtype, a token's k outputs summed in float32 (HF's ``index_add_`` adds them in expert
@@ -104,7 +112,9 @@ def moe(p: MoEParams, x: Array, config: Config, kernels: Kernels = choice.XLA) -
     x = x.reshape(-1, h)
     probs = jax.nn.softmax(linear(x, p.gate).astype(f32), axis=-1)  # [N, E]
     weights, chosen = choice.top_k(kernels, probs, config.num_experts_per_tok)  # [N, k]
-    weights = (weights / jnp.sum(weights, axis=-1, keepdims=True)).astype(x.dtype)
+    if config.norm_topk_prob:  # else the k softmax probabilities as they are (sum < 1)
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    weights = weights.astype(x.dtype)
     routed = choice.routed_experts(kernels, x, weights, chosen, p.experts_gate_up_proj,
                                    p.experts_down_proj)
     shared = mlp(p.shared_expert, x) * sigmoid(linear(x, p.shared_expert_gate))
@@ -113,8 +123,8 @@ def moe(p: MoEParams, x: Array, config: Config, kernels: Kernels = choice.XLA) -
 
 def ffn(p: MLPParams | MoEParams, x: Array, config: Config,
         kernels: Kernels = choice.XLA) -> Array:
-    """A decoder layer's feed-forward block: :func:`mlp` (dense) or :func:`moe` (its experts
-    expert-parallel on ``kernels.mesh``)."""
+    """A decoder layer's feed-forward block: :func:`mlp` (dense) or :func:`moe` (the layers in
+    ``config.moe_layers``; its experts expert-parallel on ``kernels.mesh``)."""
     return moe(p, x, config, kernels) if isinstance(p, MoEParams) else mlp(p, x)
 
 

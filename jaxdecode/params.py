@@ -3,7 +3,9 @@
 :func:`param_specs` lists every leaf by its HF ``Qwen3_5ForCausalLM`` checkpoint name with its
 shape; :func:`init_params`, ``jaxdecode.checkpoint`` and ``jax.eval_shape`` all derive from it.
 :func:`params_from_flat` / :func:`params_to_flat` map ``{hf_name: array}`` to the typed tree and
-back in jaxdecode's layout, :func:`params_from_hf` / :func:`params_to_hf` in the checkpoint's.
+back in jaxdecode's layout, :func:`params_from_hf` / :func:`params_to_hf` in the checkpoint's
+(:func:`checkpoint_specs`: a Qwen3-Next checkpoint fuses each DeltaNet layer's four input
+projections into two tensors, :func:`split_fused` / :func:`fuse_split`).
 
 Weights keep the PyTorch ``[out, in]`` layout. One change from the checkpoint: the C channels of
 ``in_proj_qkv`` and ``conv1d`` are grouped per key head (:func:`conv_channel_order`), so a
@@ -21,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxdecode.config import FULL_ATTENTION, Config, model_dtype
+from jaxdecode.config import FULL_ATTENTION, QWEN3_NEXT, Config, model_dtype
 
 Array = jax.Array
 
@@ -79,7 +81,7 @@ class DecoderLayerParams:
     """One pre-norm residual block; exactly one of linear_attn / self_attn is set."""
     input_layernorm: Array  # [H]  (1 + w)
     post_attention_layernorm: Array  # [H]  (1 + w)
-    mlp: MLPParams | MoEParams  # MoEParams when config.is_moe
+    mlp: MLPParams | MoEParams  # MoEParams in config.moe_layers
     linear_attn: GatedDeltaNetParams | None = None
     self_attn: AttentionParams | None = None
 
@@ -116,7 +118,8 @@ class ParamSpec:
 
 def param_specs(config: Config) -> dict[str, ParamSpec]:
     """``{name: ParamSpec}`` of every parameter, keyed by its ``Qwen3_5ForCausalLM`` checkpoint
-    name, in a fixed order (embedding, final norm, LM head unless tied, then layer by layer)."""
+    name, in a fixed order (embedding, final norm, LM head unless tied, then layer by layer; the
+    MoE block in ``config.moe_layers``, the dense MLP elsewhere)."""
     c = config
     h, i, hq, hkv, d = (c.hidden_size, c.intermediate_size, c.num_attention_heads,
                         c.num_key_value_heads, c.head_dim)
@@ -129,7 +132,7 @@ def param_specs(config: Config) -> dict[str, ParamSpec]:
         p = f"model.layers.{layer}."
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
-        if c.is_moe:
+        if layer in c.moe_layers:
             e, ie, i_s = c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
             shapes[p + "mlp.gate.weight"] = (e, h)
             shapes[p + "mlp.experts.gate_up_proj"] = (e, 2 * ie, h)
@@ -178,7 +181,7 @@ def params_from_flat(config: Config, flat: dict[str, Any]) -> Params:
     layers = []
     for layer, kind in enumerate(config.layer_types):
         p = f"model.layers.{layer}."
-        if config.is_moe:
+        if layer in config.moe_layers:
             m = p + "mlp."
             mlp = MoEParams(
                 gate=w(m + "gate.weight"), experts_gate_up_proj=w(m + "experts.gate_up_proj"),
@@ -220,18 +223,104 @@ def params_to_flat(params: Params) -> dict[str, Array]:
 
 
 def params_to_hf(params: Params) -> dict[str, Array]:
-    """``{hf_name: array}`` in the checkpoint (HF) layout: what ``save_pretrained`` would write,
-    so ``load_checkpoint`` of these tensors (or :func:`params_from_hf`) gives ``params`` back."""
-    return {name: internal_to_hf(params.config, name, x)
-            for name, x in params_to_flat(params).items()}
+    """``{hf_name: array}`` in the checkpoint (HF) layout, :func:`checkpoint_specs` names and
+    shapes: the HF model's ``state_dict`` (MoE experts as fused 3-D tensors; Qwen3-Next's fused
+    ``in_proj_qkvz`` / ``in_proj_ba``), so ``load_checkpoint`` of these tensors (or
+    :func:`params_from_hf`) gives ``params`` back."""
+    return fuse_split(params.config, {name: internal_to_hf(params.config, name, x)
+                                      for name, x in params_to_flat(params).items()})
 
 
 def params_from_hf(config: Config, flat: dict[str, Any]) -> Params:
     """:class:`Params` from ``{hf_name: array}`` in the checkpoint (HF) layout (e.g. a
     transformers ``state_dict`` converted to arrays); inverse of :func:`params_to_hf`. No shape
     checks: ``jaxdecode.load_checkpoint`` validates files."""
-    return params_from_flat(config, {name: hf_to_internal(config, name, x)
-                                     for name, x in flat.items()})
+    return params_from_flat(config, {leaf: hf_to_internal(config, leaf, part)
+                                     for name, x in flat.items()
+                                     for leaf, part in split_fused(config, name, x).items()})
+
+
+# Qwen3-Next checkpoint leaf -> the two split (Qwen3.5) leaves whose rows it holds.
+FUSED_PROJECTIONS = {
+    "linear_attn.in_proj_qkvz.weight": ("linear_attn.in_proj_qkv.weight",
+                                        "linear_attn.in_proj_z.weight"),
+    "linear_attn.in_proj_ba.weight": ("linear_attn.in_proj_b.weight",
+                                      "linear_attn.in_proj_a.weight"),
+}
+
+
+def checkpoint_specs(config: Config) -> dict[str, ParamSpec]:
+    """``{name: ParamSpec}`` of the tensors an HF checkpoint of ``config`` holds: those of
+    :func:`param_specs`, but for Qwen3-Next (HF ``Qwen3NextGatedDeltaNet``) each DeltaNet layer's
+    ``in_proj_qkvz`` [2·Ck + 2·Cv, H] and ``in_proj_ba`` [2·Hv, H] in place of the four split
+    projections (same position in the order)."""
+    specs = param_specs(config)
+    if config.model_type != QWEN3_NEXT:
+        return specs
+    first = {parts[0]: (fused, parts) for fused, parts in FUSED_PROJECTIONS.items()}
+    second = tuple(parts[1] for parts in FUSED_PROJECTIONS.values())
+    out = {}
+    for name, spec in specs.items():
+        suffix = next((s for s in first if name.endswith(s)), None)
+        if suffix is not None:
+            prefix, (fused, parts) = name[:-len(suffix)], first[suffix]
+            rows = sum(specs[prefix + part].shape[0] for part in parts)
+            out[prefix + fused] = ParamSpec(prefix + fused, (rows, config.hidden_size))
+        elif not name.endswith(second):
+            out[name] = spec
+    return out
+
+
+def fused_rows(config: Config, fused: str) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of a Qwen3-Next fused projection (name ending in a :data:`FUSED_PROJECTIONS`
+    key) that hold its two split tensors, each in the split (Qwen3.5 checkpoint) row order.
+
+    HF ``Qwen3NextGatedDeltaNet.fix_query_key_value_ordering`` reads the fused rows per key head
+    i as ``[q_i (dk) | k_i (dk) | v (r·dv) | z (r·dv)]`` and ``[b (r) | a (r)]``, the v, z, b, a
+    of value heads i·r .. i·r+r-1; the split layout is ``in_proj_qkv`` = ``[q (Hk·dk) | k (Hk·dk)
+    | v (Hv·dv)]``, ``in_proj_z`` (Hv·dv), ``in_proj_b`` and ``in_proj_a`` (Hv), head-major. So
+    the conversion is a pure row permutation (spec §1.5)."""
+    c = config
+    hk, dk, dv = c.linear_num_key_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    r = c.linear_num_value_heads_per_key_head
+    if fused.endswith("in_proj_qkvz.weight"):
+        start = (2 * dk + 2 * r * dv) * np.arange(hk)[:, None]  # [Hk, 1] first row of head i
+        q, k = start + np.arange(dk), start + dk + np.arange(dk)
+        v = start + 2 * dk + np.arange(r * dv)
+        z = start + 2 * dk + r * dv + np.arange(r * dv)
+        return np.concatenate([q.ravel(), k.ravel(), v.ravel()]), z.ravel()
+    start = 2 * r * np.arange(hk)[:, None]
+    return (start + np.arange(r)).ravel(), (start + r + np.arange(r)).ravel()
+
+
+def split_fused(config: Config, name: str, x) -> dict[str, Any]:
+    """One checkpoint tensor as ``{param_specs name: array}`` in the split HF layout: a Qwen3-Next
+    fused projection [rows, H] becomes its two parts (:func:`fused_rows`), any other tensor is
+    ``{name: x}``. numpy or jax arrays."""
+    suffix = next((s for s in FUSED_PROJECTIONS if name.endswith(s)), None)
+    if config.model_type != QWEN3_NEXT or suffix is None:
+        return {name: x}
+    prefix = name[:-len(suffix)]
+    return {prefix + part: x[rows]
+            for part, rows in zip(FUSED_PROJECTIONS[suffix], fused_rows(config, name))}
+
+
+def fuse_split(config: Config, flat: dict[str, Any]) -> dict[str, Any]:
+    """Inverse of :func:`split_fused` over a whole ``{param_specs name: array}`` dict (HF layout):
+    for Qwen3-Next each layer's split DeltaNet projections joined into the fused ones (jax
+    arrays), in :func:`checkpoint_specs` order; other configs' dicts unchanged."""
+    if config.model_type != QWEN3_NEXT:
+        return flat
+    out = {}
+    for name in checkpoint_specs(config):
+        suffix = next((s for s in FUSED_PROJECTIONS if name.endswith(s)), None)
+        if suffix is None:
+            out[name] = flat[name]
+            continue
+        prefix = name[:-len(suffix)]
+        parts = [flat[prefix + part] for part in FUSED_PROJECTIONS[suffix]]
+        out[name] = jnp.concatenate(parts)[np.argsort(np.concatenate(fused_rows(config, name)))]
+    return out
 
 
 # The leaves whose axis 0 runs over the C conv channels.

@@ -62,16 +62,19 @@ def tiny(**changes) -> jd.Config:
 
 
 def hf_text_config(config: jd.Config = TINY, **changes) -> dict:
-    """``config`` (with ``changes``) as the HF ``Qwen3_5TextConfig`` kwargs a random checkpoint
-    is built from (tests/hf_reference.py): its config.json text config, with the text-only mRoPE
-    sections HF expects (equal position rows make mRoPE plain RoPE)."""
-    d = dataclasses.replace(config, **changes).to_hf_config()
-    for key in ("model_type", "architectures", "partial_rotary_factor"):
+    """``config`` (with ``changes``) as the HF text config kwargs a random checkpoint is built from
+    (tests/hf_reference.py): its config.json text config, ``model_type`` kept (it picks the HF
+    classes), with the text-only mRoPE sections Qwen3.5 expects (equal position rows make mRoPE
+    plain RoPE; Qwen3-Next's RoPE is 1-D and takes none)."""
+    config = dataclasses.replace(config, **changes)
+    d = config.to_hf_config()
+    for key in ("architectures", "partial_rotary_factor"):
         d.pop(key)
-    half = int(config.head_dim * config.partial_rotary_factor) // 2
-    d["rope_parameters"] = {**d["rope_parameters"],
-                            "mrope_section": [half - 2 * (half // 4), half // 4, half // 4],
-                            "mrope_interleaved": True}
+    if config.model_type == "qwen3_5":
+        half = int(config.head_dim * config.partial_rotary_factor) // 2
+        d["rope_parameters"] = {**d["rope_parameters"],
+                                "mrope_section": [half - 2 * (half // 4), half // 4, half // 4],
+                                "mrope_interleaved": True}
     return d
 
 

@@ -10,7 +10,8 @@ REQUESTS.json is a list of actions, run in order (one torch start-up for all of 
   {"action": "make", "dir": D, "text_config": {...}, "seed": S,
    "layout": "causal_lm" | "conditional_generation", "dtype": "float32" | "bfloat16",
    "max_shard_size": null | "50KB"}
-      Builds a Qwen3.5 model (Qwen3.5-MoE when text_config has num_experts) with EVERY
+      Builds a Qwen3.5 model (Qwen3.5-MoE when text_config has num_experts; Qwen3NextForCausalLM
+      when its model_type is "qwen3_next", causal_lm layout only) with EVERY
       parameter randomised (HF's init leaves norm weights,
       A_log and dt_bias at constants that would hide bugs) and writes it with save_pretrained.
       dtype "bfloat16" stores bf16 weights with A_log and linear_attn.norm.weight kept float32,
@@ -102,7 +103,10 @@ def make(req):
     text = dict(req["text_config"])
     layout = req.get("layout", "causal_lm")
     moe = bool(text.get("num_experts"))  # Qwen3_5Moe* classes (the text config names experts)
-    if layout == "causal_lm":
+    if text.pop("model_type", None) == "qwen3_next":
+        assert layout == "causal_lm", "Qwen3-Next has no multimodal class"
+        model = tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(**text))
+    elif layout == "causal_lm":
         config = (tf.Qwen3_5MoeTextConfig if moe else tf.Qwen3_5TextConfig)(**text)
         model = (tf.Qwen3_5MoeForCausalLM if moe else tf.Qwen3_5ForCausalLM)(config)
     else:
@@ -133,10 +137,10 @@ def load(directory):
     tf = check_transformers()
     with open(f"{directory}/config.json") as f:
         arch = json.load(f)["architectures"][0]
-    family = "Qwen3_5Moe" if arch.startswith("Qwen3_5Moe") else "Qwen3_5"
+    family = next(f for f in ("Qwen3_5Moe", "Qwen3Next", "Qwen3_5") if arch.startswith(f))
     cls = getattr(tf, family + ("ForConditionalGeneration" if "Conditional" in arch
                                 else "ForCausalLM"))
-    kwargs = {"experts_implementation": "eager"} if family == "Qwen3_5Moe" else {}
+    kwargs = {"experts_implementation": "eager"} if family != "Qwen3_5" else {}
     model = cls.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager",
                                 **kwargs)
     model.eval()

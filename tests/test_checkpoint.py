@@ -247,3 +247,60 @@ def test_moe_checkpoint_problems_name_each_expert_tensor(tmp_path):
     assert ("tensor model.layers.0.mlp.experts.3.down_proj.weight has shape (63, 16), expected "
             "(64, 16)") in msg
     assert "unexpected tensor model.layers.2.mlp.experts.4.gate_proj.weight (num_experts=4)" in msg
+
+
+# ----- Qwen3-Next: fused DeltaNet projections, dense layers, mtp.* skipped ---------------------
+
+NEXT_CONFIG = tiny(vocab_size=300, model_type="qwen3_next", num_experts=4, num_experts_per_tok=2,
+                   moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                   mlp_only_layers=(2,), norm_topk_prob=False)
+
+
+def write_next(path, tensors):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(NEXT_CONFIG.to_hf_config()))
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+@pytest.mark.parametrize("layout", ["fused", "per_expert"])
+def test_qwen3_next_checkpoint_round_trip(tmp_path, layout):
+    """A Qwen3NextForCausalLM directory (model.* names, in_proj_qkvz / in_proj_ba, experts fused
+    or per expert as save_pretrained writes them, a dense MLP in layer 2, mtp.* tensors) loads
+    to the params it was written from."""
+    params = jd.init_params(NEXT_CONFIG, jax.random.key(5))
+    tensors = {k: np.asarray(v, np.float32) for k, v in params_to_hf(params).items()}
+    assert "model.layers.0.linear_attn.in_proj_qkvz.weight" in tensors
+    if layout == "per_expert":
+        tensors = per_expert(tensors, NEXT_CONFIG)
+        assert "model.layers.1.mlp.experts.3.down_proj.weight" in tensors
+    tensors["mtp.layers.0.mlp.experts.0.up_proj.weight"] = np.ones((16, 64), np.float32)
+    tensors["mtp.fc.weight"] = np.ones((64, 128), np.float32)
+    loaded = load_checkpoint(write_next(tmp_path, tensors), dtype="float32")
+    assert loaded.config == NEXT_CONFIG
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_qwen3_next_checkpoint_problems_name_each_tensor(tmp_path):
+    params = jd.init_params(NEXT_CONFIG, jax.random.key(5))
+    tensors = per_expert({k: np.asarray(v, np.float32) for k, v in params_to_hf(params).items()},
+                         NEXT_CONFIG)
+    qkvz = "model.layers.0.linear_attn.in_proj_qkvz.weight"
+    tensors[qkvz] = tensors[qkvz][:-1]
+    del tensors["model.layers.1.linear_attn.in_proj_ba.weight"]
+    # the Qwen3.5 split names are not a Qwen3-Next checkpoint's
+    tensors["model.layers.2.linear_attn.in_proj_z.weight"] = np.zeros((96, 64), np.float32)
+    # experts in layer 2, a dense-MLP layer (mlp_only_layers)
+    tensors["model.layers.2.mlp.experts.0.gate_proj.weight"] = np.zeros((16, 64), np.float32)
+    with pytest.raises(ValueError) as err:
+        load_checkpoint(write_next(tmp_path, tensors))
+    msg = str(err.value)
+    assert "4 problems" in msg
+    assert f"tensor {qkvz} has shape (255, 64), expected (256, 64)" in msg
+    assert ("missing tensor model.layers.1.linear_attn.in_proj_ba.weight (expected shape "
+            "(8, 64))") in msg
+    assert ("unexpected tensor model.layers.2.linear_attn.in_proj_z.weight with shape "
+            "(96, 64)") in msg
+    assert ("unexpected tensor model.layers.2.mlp.experts.0.gate_proj.weight with shape "
+            "(16, 64)") in msg
