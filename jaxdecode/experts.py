@@ -52,27 +52,6 @@ def capacity(num_pairs: int, num_experts: int) -> int:
     return -(-(2 * mean + 8) // 8) * 8
 
 
-RANK_TOP_K_MAX_COMPARES = 1 << 22  # N·E·E: the router's top-k by ranks up to this size
-
-
-def top_k(x: Array, k: int) -> tuple[Array, Array]:
-    """``jax.lax.top_k`` over x [N, E]'s last axis, bitwise the same (values [N, k], indices
-    [N, k] int32; ties to the lower index, as ``lax.top_k``). Up to
-    :data:`RANK_TOP_K_MAX_COMPARES` by ranks: entry e's rank is the number of entries that beat
-    it (larger, or equal at a lower index), and slot j holds the entry of rank j: two fused
-    reductions where XLA's GPU TopK is a sort of all E (the router runs every MoE layer)."""
-    n, e = x.shape
-    if n * e * e > RANK_TOP_K_MAX_COMPARES:
-        return lax.top_k(x, k)
-    idx = jnp.arange(e, dtype=jnp.int32)
-    xi, xj = x[:, :, None], x[:, None, :]
-    beats = (xj > xi) | ((xj == xi) & (idx[None, None, :] < idx[None, :, None]))
-    rank = jnp.sum(beats, axis=-1, dtype=jnp.int32)  # [N, E], a permutation of 0..E-1
-    slot = rank[:, None, :] == jnp.arange(k, dtype=jnp.int32)[None, :, None]  # [N, k, E]
-    return (jnp.sum(jnp.where(slot, x[:, None, :], 0), axis=-1, dtype=x.dtype),
-            jnp.sum(jnp.where(slot, idx, 0), axis=-1, dtype=jnp.int32))
-
-
 def _swiglu(x, gate_up, down, *, subscripts):
     """down(silu(gate(x)) · up(x)) in x's dtype; ``subscripts`` (gate_up, down) einsums."""
     ie = down.shape[-1]

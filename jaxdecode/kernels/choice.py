@@ -198,14 +198,14 @@ def prefill_attention(kernels: Kernels, q, k_cache, v_cache, start, num_new, *,
 
 
 def top_k(kernels: Kernels, x, k: int):
-    """The MoE router's top-k over x [N, E]'s last axis (``experts.top_k``), per "data" shard
-    on a mesh: the SPMD partitioner all-gathers a row-sharded operand of TopK (one collective
-    per layer)."""
+    """``jax.lax.top_k`` over x [N, E]'s last axis (the MoE router), per "data" shard on a
+    mesh: the SPMD partitioner all-gathers a row-sharded operand of TopK (one collective per
+    layer)."""
     if kernels.mesh is None or x.shape[0] % kernels.mesh.shape[DATA]:
-        return experts.top_k(x, k)
+        return jax.lax.top_k(x, k)
     rows = P(DATA, None)
-    return jax.shard_map(lambda x: experts.top_k(x, k), mesh=kernels.mesh, in_specs=rows,
-                         out_specs=(rows, rows), check_vma=False)(x)
+    return jax.shard_map(lambda x: tuple(jax.lax.top_k(x, k)), mesh=kernels.mesh,
+                         in_specs=rows, out_specs=(rows, rows), check_vma=False)(x)
 
 
 def routed_experts(kernels: Kernels, x, weights, chosen, gate_up_proj, down_proj):
