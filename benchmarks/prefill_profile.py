@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 
 import jaxdecode as jd  # noqa: E402
 from jaxdecode import step  # noqa: E402
-from step_profile import cupti_kernels, family  # noqa: E402
+from step_profile import cupti_kernels, family, print_sequence  # noqa: E402
 
 
 def op_names(hlo_text: str) -> dict[str, str]:
@@ -109,11 +109,7 @@ def main():
                 groups[key].items(), key=lambda kv: -kv[1][1])))
         for k, (count, ms) in sorted(groups["op"].items(), key=lambda kv: -kv[1][1])[:args.top]:
             print(f"  {ms:8.3f} ms {count:4d}x  {k}")
-        if args.sequence:
-            start, stop = (int(v) for v in args.sequence.split(":"))
-            print(f"kernels {start}..{stop - 1} in launch order:")
-            for n, line in enumerate(listing[start:stop], start):
-                print(f"  {n:4d} {line}")
+        print_sequence(listing, args.sequence)
         summary.append((cell, wall, total, len(kernels_run)))
         del params, state, compiled
     print("\n| cell | wall ms | kernel sum ms | kernels |\n|---|---:|---:|---:|")

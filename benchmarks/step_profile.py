@@ -98,6 +98,17 @@ def family(name: str) -> str:
     return "other: " + name[:30]
 
 
+def print_sequence(listing: list[str], spec: str) -> None:
+    """Prints kernels start..stop-1 of ``listing`` (one line per kernel, launch order) for
+    ``spec`` "start:stop"; nothing for ""."""
+    if not spec:
+        return
+    start, stop = (int(v) for v in spec.split(":"))
+    print(f"kernels {start}..{stop - 1} in launch order:")
+    for n, line in enumerate(listing[start:stop], start):
+        print(f"  {n:4d} {line}")
+
+
 def set_pdl(on: bool) -> None:
     """Benchmark-only switch for an A/B in one process: off makes ``wait_for_inputs`` a no-op
     (no programmatic dependent launch) in every kernel module that imported it; clears JAX's
@@ -228,11 +239,7 @@ def main():
                                          sorted(by_scope.items(), key=lambda kv: -kv[1][1])))
             for key, (count, ms) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:args.top]:
                 print(f"  {ms * 1e3:8.1f} us  {count:4d}x  {key}")
-            if args.sequence:
-                start, stop = (int(v) for v in args.sequence.split(":"))
-                print(f"kernels {start}..{stop - 1} in launch order:")
-                for n, line in enumerate(listing[start:stop], start):
-                    print(f"  {n:4d} {line}")
+            print_sequence(listing, args.sequence)
             summary.append((tag, dt * 1e3, total, len(kernels), n_cmd))
             del state, box, compiled
     print("\n| cell | wall ms/step | kernel sum ms | gap ms | kernels | copy ops |")
