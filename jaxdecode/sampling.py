@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 from jax import lax
+from jax.core import Tracer  # imported once: jax.core's module getattr is slow per lookup
 
 Array = jax.Array
 
@@ -171,14 +172,14 @@ ALL_FEATURES = SamplingFeatures()
 def features_of(params: SamplingParams) -> SamplingFeatures:
     """The steps some row of ``params`` uses, from concrete values; ValueError for traced values
     and for arrays this process cannot read whole (multi-process global arrays)."""
-    partial = [name for name in _FIELDS if isinstance(getattr(params, name), jax.Array)
-               and not isinstance(getattr(params, name), jax.core.Tracer)
-               and not getattr(params, name).is_fully_addressable]
+    values = {name: getattr(params, name) for name in _FIELDS}
+    partial = [name for name, x in values.items() if isinstance(x, jax.Array)
+               and not isinstance(x, Tracer) and not x.is_fully_addressable]
     if partial:
         raise ValueError(f"features_of() needs values this process can read; {partial} span "
                          "devices of other processes")
     try:
-        v = {name: np.asarray(getattr(params, name)) for name in _FIELDS}
+        v = {name: np.asarray(x) for name, x in values.items()}
     except jax.errors.TracerArrayConversionError:
         raise ValueError("features_of() needs concrete values, not traced ones") from None
     sampled = np.broadcast_to(v["temperature"] > 0, np.broadcast_shapes(
