@@ -178,14 +178,45 @@ def plan_prefill(params: Params, batch_size: int, length: int, max_len: int, *,
 
 
 @functools.cache
-def jit_decode_step(config: Config, kernels: Kernels):
+def jit_decode_step(config: Config, kernels: Kernels, logits_out: bool = False):
     """``model.decode_step_fn`` with ``kernels``, jitted as :func:`jit_prefill` on
-    ``kernels.mesh``; ``f(params, state, tokens, active)`` (``active`` may be None)."""
+    ``kernels.mesh``; ``f(params, state, tokens, active)`` (``active`` may be None).
+    ``logits_out``: ``f(params, state, tokens, active, out)``, ``out`` a [B, V] float32 array
+    donated for the logits (XLA writes them into its buffer)."""
     fn = functools.partial(model.decode_step_fn, kernels=kernels)
-    out = None if kernels.mesh is None else (
+    shardings = None if kernels.mesh is None else (
         NamedSharding(kernels.mesh, sharding.logits_partition_spec()),
         sharding.state_shardings(config, kernels.mesh))
-    return jax.jit(fn, donate_argnums=1, out_shardings=out, compiler_options=COMPILER_OPTIONS)
+    if not logits_out:
+        return jax.jit(fn, donate_argnums=1, out_shardings=shardings,
+                       compiler_options=COMPILER_OPTIONS)
+
+    def with_out(params, state, tokens, active, out):
+        del out  # only its buffer is used: donated, it holds the logits output
+        return fn(params, state, tokens, active)
+
+    return jax.jit(with_out, donate_argnums=(1, 4), keep_unused=True, out_shardings=shardings,
+                   compiler_options=COMPILER_OPTIONS)
+
+
+def check_logits_out(out, state: DecodeState, vocab_size: int, mesh: Mesh | None) -> None:
+    """ValueError unless ``out`` can hold a decode step's logits: a live (not donated) float32
+    jax.Array [B, V] on the state's device, or on a mesh with the logits' sharding."""
+    want = (state.batch_size, vocab_size)
+    if not isinstance(out, jax.Array) or out.shape != want or out.dtype != jnp.float32:
+        raise ValueError(f"out must be a float32 jax.Array of shape {want} (the logits of an "
+                         f"earlier step); got {type(out).__name__} "
+                         f"{getattr(out, 'shape', None)} {getattr(out, 'dtype', None)}")
+    if out.is_deleted():
+        raise ValueError("out was donated to an earlier decode_step; pass the logits that call "
+                         "returned")
+    if mesh is not None:
+        expect = NamedSharding(mesh, sharding.logits_partition_spec())
+        if not out.sharding.is_equivalent_to(expect, out.ndim):
+            raise ValueError(f"out has sharding {out.sharding}; the logits on this mesh have "
+                             f"{expect}")
+    elif out.devices() != state.lengths.devices():
+        raise ValueError(f"out is on {out.devices()}, the state on {state.lengths.devices()}")
 
 
 def _traced(*xs) -> bool:
@@ -271,7 +302,7 @@ def prefill(params: Params, state: DecodeState, tokens, num_new, *,
 
 
 def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
-                kernels: Kernels | None = None):
+                kernels: Kernels | None = None, out=None):
     """Appends one token per row, each at its own position; returns the next-token logits.
 
     One jitted executable for every step, the state donated; no device read.
@@ -283,11 +314,18 @@ def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
       active: optional [B] bool; rows with False are untouched and get zero logits.
       kernels: which kernels run; None: ``choose_kernels(config, B, dtype, mesh)`` for the
         state's device or mesh.
+      out: optional [B, V] float32 array, donated, whose buffer receives the logits, typically
+        the previous step's logits after their last use (``jd.decode_step(params, state,
+        next_tokens(logits), out=logits)``): the step then writes the same device buffer
+        every call and XLA replays its recorded command buffer instead of updating it for a
+        new output address (host time per call; benchmarks/RESULTS.md). Do not use ``out``
+        after the call.
 
     Returns (logits [B, V] float32, new_state), ``new_state.lengths = state.lengths + active``;
     a row whose cache is full, or given an id outside the vocabulary, is left untouched and gets
-    NaN logits. Raises ValueError: :func:`check_decode_step`, or params on another mesh than the
-    state. With traced arguments it is ``model.decode_step_fn``, inlined.
+    NaN logits. Raises ValueError: :func:`check_decode_step`, :func:`check_logits_out`, or
+    params on another mesh than the state. With traced arguments it is
+    ``model.decode_step_fn``, inlined (``out`` unused).
     """
     if _traced(params, state, tokens, active):
         return model.decode_step_fn(params, state, jnp.asarray(tokens, jnp.int32),
@@ -299,8 +337,12 @@ def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
     mesh = sharding.mesh_of(state)
     sharding.check_params_on(params, mesh)
     check_decode_step(params, state, tokens, active)
+    if out is not None:
+        check_logits_out(out, state, params.config.vocab_size, mesh)
     if kernels is None:
         kernels = choose_kernels(params.config, state.batch_size, dtype=params.dtype, mesh=mesh)
-    return jit_decode_step(params.config, kernels)(
-        params, state, _batch_input(tokens, mesh, jnp.int32),
-        None if active is None else _batch_input(active, mesh, jnp.bool_))
+    args = (params, state, _batch_input(tokens, mesh, jnp.int32),
+            None if active is None else _batch_input(active, mesh, jnp.bool_))
+    if out is None:
+        return jit_decode_step(params.config, kernels)(*args)
+    return jit_decode_step(params.config, kernels, logits_out=True)(*args, out)

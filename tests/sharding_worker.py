@@ -289,6 +289,7 @@ def check_public_decode_step_routes(params, tokens) -> dict:
     state = sharding.init_state_sharded(CONFIG, mesh, BATCH, MAX_LEN)
     _, state = jd.prefill(sp, state, tokens, PROMPT_LENGTHS)
     twin = jax.tree.map(jnp.copy, state)
+    twin_out = jax.tree.map(jnp.copy, state)
     step.jit_decode_step.cache_clear()  # so the entry jd.decode_step uses is built below
     before, _ = calls()
     logits, state = jd.decode_step(sp, state, tokens[:, 0])
@@ -301,6 +302,16 @@ def check_public_decode_step_routes(params, tokens) -> dict:
     direct, _ = step.jit_decode_step(CONFIG, kernels)(
         sp, twin, sharding.shard_batch(tokens[:, 0], mesh, jnp.int32), None)
     out["logits_equal"] = bool(np.array_equal(np.asarray(logits), np.asarray(direct)))
+    buf = jnp.copy(logits)  # the logits' sharding
+    via_out, _ = jd.decode_step(sp, twin_out, tokens[:, 0], out=buf)
+    out["out_equal_and_donated"] = bool(np.array_equal(np.asarray(via_out), np.asarray(logits))
+                                        and buf.is_deleted())
+    try:
+        jd.decode_step(sp, state, tokens[:, 0],
+                       out=jax.device_put(np.zeros(logits.shape, np.float32), jax.devices()[0]))
+        out["out_on_one_device_error"] = None
+    except ValueError as e:
+        out["out_on_one_device_error"] = str(e)
     errors = []
     state = sharding.init_state_sharded(CONFIG, mesh, BATCH, MAX_LEN)
     other = sharding.shard_params(params, sharding.make_mesh(1, 8))

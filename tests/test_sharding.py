@@ -237,9 +237,11 @@ def test_public_decode_step_on_a_sharded_state_runs_on_its_mesh(meshes):
     that jitted step's logits."""
     result = dict(meshes["public_decode_step"])
     errors = result.pop("wrong_params_errors")
+    out_error = result.pop("out_on_one_device_error")
+    assert out_error and "out has sharding" in out_error, out_error  # out= on another layout
     assert result == {"jit_decode_step_calls": 1, "mesh_kernels": True,
                       "built_for_the_mesh_kernels": True, "mismatches": [],
-                      "logits_equal": True}
+                      "logits_equal": True, "out_equal_and_donated": True}
     # params on one device, or on another mesh, are refused by name (not moved every step)
     assert len(errors) == 2 and all(e and "params are on mesh" in e and "but the state on" in e
                                     for e in errors), errors

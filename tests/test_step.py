@@ -241,6 +241,41 @@ def test_decode_steps_compile_once_and_donate(params):
     np.testing.assert_array_equal(np.asarray(state.lengths), [19, 14])
 
 
+def test_decode_step_writes_the_logits_into_out(params):
+    """out=: the logits land in the donated buffer (aliased in the compiled step, `out` deleted
+    after the call), equal to a step without it, one executable for every call."""
+    logits, state = _prefilled(params)
+    want_logits, want_state = jd.decode_step(params, _copy(state), jnp.argmax(logits, -1))
+    buf = jnp.copy(logits)
+    got, state = jd.decode_step(params, state, jnp.argmax(logits, -1), out=buf)
+    assert buf.is_deleted(), "out was not donated"
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want_logits))
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(want_state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    jitted = step.jit_decode_step(CONFIG, _kernels(), logits_out=True)
+    compiled = jitted.lower(params, state, jnp.zeros((2,), jnp.int32), None, got).compile()
+    out_index = len(jax.tree.leaves((params, state))) + 1  # after params, state and tokens
+    assert out_index in aliased_parameters(compiled.as_text())
+    size = jitted._cache_size()
+    for _ in range(3):
+        got, state = jd.decode_step(params, state, jnp.argmax(got, -1).astype(jnp.int32),
+                                    out=got)
+    assert jitted._cache_size() == size
+
+
+def test_decode_step_rejects_a_bad_out(params):
+    logits, state = _prefilled(params)
+    tokens = jnp.zeros((2,), jnp.int32)
+    for bad in (np.zeros((2, 300), np.float32), jnp.zeros((2, 299)), jnp.zeros((3, 300)),
+                jnp.zeros((2, 300), jnp.bfloat16)):
+        with pytest.raises(ValueError, match="out must be a float32 jax.Array of shape"):
+            jd.decode_step(params, state, tokens, out=bad)
+    used = jnp.copy(logits)
+    logits, state = jd.decode_step(params, state, tokens, out=used)
+    with pytest.raises(ValueError, match="out was donated"):
+        jd.decode_step(params, state, tokens, out=used)
+
+
 def test_inactive_rows_leave_their_state_untouched(params):
     logits, state = _prefilled(params)
     copy = jax.tree.map(lambda x: np.asarray(x).copy(), state)
