@@ -20,7 +20,8 @@ and whether every variant of a cell and sampling setting emits the same tokens. 
 also times, in the same process, a Python loop of public ``jd.decode_step`` calls (greedy:
 ``argmax`` of the logits on the device, as in the README) for ``--tokens`` steps after a
 prefill of the same prompt, the variant "per-call jd.decode_step" (its ms/token over the
-loop's greedy one: the cost of one step per Python call), and the same loop calling the jitted
+loop's greedy one: the cost of one step per Python call), the same loop passing the previous
+logits as ``out`` (the step writes one buffer every call), and the same loop calling the jitted
 step without the host-side checks (``step.jit_decode_step``). ``--logprobs N``
 runs each setting again with ``return_logprobs`` and N top log-probabilities (the loop's
 outputs include them), as the variant "logprobs N".
@@ -92,11 +93,11 @@ def time_loop(compiled, args, tokens_per_row, runs=3):
     return statistics.median(times) / tokens_per_row * 1e3, np.asarray(tokens)
 
 
-def time_per_call(params, prompts, tokens_per_row, runs=3, validated=True):
+def time_per_call(params, prompts, tokens_per_row, runs=3, validated=True, out=False):
     """Median ms per token of a Python loop of ``jd.decode_step`` calls (greedy), after a
     prefill of ``prompts``; every run appends ``tokens_per_row`` tokens to the same state.
     ``validated=False``: the jitted step it calls (``step.jit_decode_step``), without the
-    host-side checks."""
+    host-side checks. ``out``: each call passes the previous logits as ``out``."""
     batch, length = len(prompts), len(prompts[0])
     state = jd.init_state(params.config, batch, length + (runs + 1) * tokens_per_row + 64,
                           dtype=params.dtype)
@@ -108,7 +109,9 @@ def time_per_call(params, prompts, tokens_per_row, runs=3, validated=True):
 
     def run(logits, state):
         for _ in range(tokens_per_row):
-            if validated:
+            if out:
+                logits, state = jd.decode_step(params, state, argmax(logits), out=logits)
+            elif validated:
                 logits, state = jd.decode_step(params, state, argmax(logits))
             else:
                 logits, state = raw(params, state, argmax(logits), None)
@@ -215,9 +218,12 @@ def main():
                 del compiled
             if args.per_call and sampling_name == "greedy":
                 loop_ms = next(r[2] for r in rows if r[0] == f"{name} b{batch} greedy")
-                for label, validated in (("per-call jd.decode_step", True),
-                                         ("per-call step.jit_decode_step, unvalidated", False)):
-                    ms = time_per_call(params, prompts, args.tokens, validated=validated)
+                for label, validated, out in (
+                        ("per-call jd.decode_step", True, False),
+                        ("per-call jd.decode_step, out=logits", True, True),
+                        ("per-call step.jit_decode_step, unvalidated", False, False)):
+                    ms = time_per_call(params, prompts, args.tokens, validated=validated,
+                                       out=out)
                     rows.append((f"{name} b{batch} greedy", label, ms, None, None, 0.0, None))
                     print(f"  {name} b{batch} {label}: {ms:.4f} ms/token, "
                           f"{ms / loop_ms:.3f}x the loop", flush=True)
