@@ -211,6 +211,22 @@ def test_batch_invariant_mode_runs_every_batch_in_one_shape(dtype):
     assert not any("5" == s[0] for s in shapes)  # no op over the 5 rows at once
 
 
+# A mixture-of-experts model in the invariance runs: 8 experts, top 3, a shared expert.
+MOE_INVARIANT = tiny(vocab_size=384, layer_types=(LIN, FULL, LIN, FULL), intermediate_size=0,
+                     num_experts=8, num_experts_per_tok=3, moe_intermediate_size=24,
+                     shared_expert_intermediate_size=40)
+
+
+def test_batch_invariant_mode_covers_the_moe_block():
+    """With MoE layers too, a row's logits alone and beside other rows agree to float32
+    rounding on the CPU (the routing of a row depends on its own tokens only, and the experts'
+    rounds form sums each pair alone; bitwise on a GPU: the test below)."""
+    _, _, runs = _invariance_runs("float32", "cpu", ((1, 0), (5, 1), (65, 40)), MOE_INVARIANT)
+    for got in runs[1:]:
+        assert_rel_close(got[0], runs[0][0], 1e-6, "prefill")
+        assert_rel_close(got[1], runs[0][1], 1e-6, "decode")
+
+
 # The published 0.8B shapes (on Hopper the kernels run: the one-kernel DeltaNet core), 4 layers.
 SHAPES_08B = dataclasses.replace(jd.Config.from_preset("qwen3.5-0.8b"), num_hidden_layers=4,
                                  layer_types=(LIN, LIN, LIN, FULL))
