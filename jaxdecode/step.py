@@ -32,8 +32,22 @@ COMPILER_OPTIONS = types.MappingProxyType({"xla_gpu_dot_merger_threshold_mb": 10
 
 def check_state(config: Config, state: DecodeState, dtype) -> None:
     """Raises ValueError if the state's structure, shapes or dtypes do not fit ``config`` and the
-    params' ``dtype`` (shapes and dtypes only: no device read)."""
+    params' ``dtype`` (shapes and dtypes only: no device read). A state whose layout passed once
+    is recognised by its leaves' avals (``_check_state_layout`` caches by them)."""
     check_not_donated(state)
+    leaves, treedef = jax.tree.flatten(state)
+    try:
+        avals = tuple([x.aval for x in leaves])
+    except AttributeError:  # a leaf that is not a jax.Array (numpy, a ShapeDtypeStruct)
+        avals = tuple(jax.ShapeDtypeStruct(np.shape(x), np.result_type(x)) for x in leaves)
+    _check_state_layout(config, jnp.dtype(dtype), treedef, avals)
+
+
+@functools.lru_cache(maxsize=64)
+def _check_state_layout(config: Config, dtype, treedef, avals) -> None:
+    # cached on success only (an exception is not cached): a decode loop's state passes in the
+    # time of one dict lookup instead of one Python test per leaf
+    state = jax.tree.unflatten(treedef, avals)
     c = config
     problems = []
     dtypes = {x.dtype for x in state.conv_state} | {x.dtype for kv in state.kv_cache
@@ -219,10 +233,11 @@ def check_logits_out(out, state: DecodeState, vocab_size: int, mesh: Mesh | None
         raise ValueError(f"out is on {out.devices()}, the state on {state.lengths.devices()}")
 
 
-def _traced(*xs) -> bool:
-    # the leaves' types at C speed, then a few subclass checks (one Python test per leaf costs
-    # tens of us per step at 370 leaves)
-    return any(issubclass(t, Tracer) for t in set(map(type, jax.tree.leaves(xs))))
+def _traced(params: Params, *xs) -> bool:
+    # the leaves' types at C speed, then a few subclass checks; of the params only the embedding
+    # (a traced leaf elsewhere in them still works: the jitted step is then traced inline)
+    leaves = jax.tree.leaves((params.embed_tokens, xs))
+    return any(issubclass(t, Tracer) for t in set(map(type, leaves)))
 
 
 def _batch_input(x, mesh: Mesh | None, dtype):
