@@ -21,8 +21,8 @@ also times, in the same process, a Python loop of public ``jd.decode_step`` call
 ``argmax`` of the logits on the device, as in the README) for ``--tokens`` steps after a
 prefill of the same prompt, the variant "per-call jd.decode_step" (its ms/token over the
 loop's greedy one: the cost of one step per Python call), the same loop passing the previous
-logits as ``out`` (the step writes one buffer every call), and the same loop calling the jitted
-step without the host-side checks (``step.jit_decode_step``). ``--logprobs N``
+logits as ``out`` (the step writes one buffer every call), and both loops calling the jitted
+step without the host-side checks (``step.jit_decode_step``), so the checks' cost shows. ``--logprobs N``
 runs each setting again with ``return_logprobs`` and N top log-probabilities (the loop's
 outputs include them), as the variant "logprobs N".
 The model is the preset's shapes (``--layers`` cuts it, for quick checks), bf16 random weights.
@@ -97,20 +97,23 @@ def time_per_call(params, prompts, tokens_per_row, runs=3, validated=True, out=F
     """Median ms per token of a Python loop of ``jd.decode_step`` calls (greedy), after a
     prefill of ``prompts``; every run appends ``tokens_per_row`` tokens to the same state.
     ``validated=False``: the jitted step it calls (``step.jit_decode_step``), without the
-    host-side checks. ``out``: each call passes the previous logits as ``out``."""
+    host-side checks. ``out``: each call passes the previous logits as ``out`` (unvalidated:
+    to ``step.jit_decode_step(..., logits_out=True)``)."""
     batch, length = len(prompts), len(prompts[0])
     state = jd.init_state(params.config, batch, length + (runs + 1) * tokens_per_row + 64,
                           dtype=params.dtype)
     logits, state = jd.prefill(params, state, np.asarray(prompts, np.int32),
                                np.full(batch, length, np.int32))
     argmax = jax.jit(lambda x: x.argmax(-1).astype(np.int32))
-    raw = step.jit_decode_step(params.config, jd.choose_kernels(params.config, batch,
-                                                                dtype=params.dtype))
+    kernels = jd.choose_kernels(params.config, batch, dtype=params.dtype)
+    raw = step.jit_decode_step(params.config, kernels, logits_out=out)
 
     def run(logits, state):
         for _ in range(tokens_per_row):
-            if out:
+            if out and validated:
                 logits, state = jd.decode_step(params, state, argmax(logits), out=logits)
+            elif out:
+                logits, state = raw(params, state, argmax(logits), None, logits)
             elif validated:
                 logits, state = jd.decode_step(params, state, argmax(logits))
             else:
@@ -221,7 +224,8 @@ def main():
                 for label, validated, out in (
                         ("per-call jd.decode_step", True, False),
                         ("per-call jd.decode_step, out=logits", True, True),
-                        ("per-call step.jit_decode_step, unvalidated", False, False)):
+                        ("per-call step.jit_decode_step, unvalidated", False, False),
+                        ("per-call step.jit_decode_step, unvalidated, out=logits", False, True)):
                     ms = time_per_call(params, prompts, args.tokens, validated=validated,
                                        out=out)
                     rows.append((f"{name} b{batch} greedy", label, ms, None, None, 0.0, None))
