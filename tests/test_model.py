@@ -230,9 +230,6 @@ def test_batch_invariant_mode_covers_the_moe_block():
 # The published 0.8B shapes (on Hopper the kernels run: the one-kernel DeltaNet core), 4 layers.
 SHAPES_08B = dataclasses.replace(jd.Config.from_preset("qwen3.5-0.8b"), num_hidden_layers=4,
                                  layer_types=(LIN, LIN, LIN, FULL))
-XLA_CORES_NOT_BITWISE = pytest.mark.xfail(
-    strict=True, reason="XLA's attention and DeltaNet cores, one row at a time, are not bitwise "
-    "batch-invariant on the H200 in float32 (measured: benchmarks/RESULTS.md); the kernels are")
 
 
 @pytest.mark.parametrize("_", [pytest.param(None, id="gpu", marks=GPU_ONLY)])
@@ -240,12 +237,13 @@ XLA_CORES_NOT_BITWISE = pytest.mark.xfail(
     pytest.param("float32", SHAPES_08B, id="float32-0.8b"),
     pytest.param("bfloat16", SHAPES_08B, id="bfloat16-0.8b"),
     pytest.param("bfloat16", None, id="bfloat16-small-xla-cores"),
-    pytest.param("float32", None, id="float32-small-xla-cores", marks=XLA_CORES_NOT_BITWISE)])
+    pytest.param("bfloat16", MOE_INVARIANT, id="bfloat16-moe-xla-cores"),
+    pytest.param("float32", None, id="float32-small-xla-cores")])
 def test_gpu_batch_invariant_mode_is_bitwise_independent_of_the_batch(_, dtype, config):
     """On a Hopper GPU the whole step is bitwise row-independent: prefill and decode logits and
     the state after both, for batches up to 65 (two row groups), at 0.8B's shapes (the Pallas
-    cores); in a small config whose shapes the kernels do not take, XLA's cores one row at a
-    time (bitwise in bf16 here, not in float32)."""
+    cores); in small configs whose shapes the kernels do not take (dense and MoE), XLA's cores
+    one row at a time."""
     _, _, runs = _invariance_runs(dtype, "gpu", INVARIANCE_CASES, config)
     alone = runs[0]
     for got in runs[1:]:
