@@ -82,7 +82,7 @@ def greedy(params, state, prompts, num_new, steps):
     logits, state = jd.prefill(params, state, prompts, num_new)
     tokens = [jnp.argmax(logits, -1).astype(jnp.int32)]
     for _ in range(steps - 1):
-        logits, state = jd.decode_step(params, state, tokens[-1])
+        logits, state = jd.decode_step(params, state, tokens[-1], out=logits)
         tokens.append(jnp.argmax(logits, -1).astype(jnp.int32))
     return tokens
 
