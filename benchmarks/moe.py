@@ -110,9 +110,7 @@ def _slices_experts(x, weights, chosen, gate_up_proj, down_proj):
 
 def _moe(p: MoEParams, x, config, routed_fn):
     """model.moe's router and shared expert around ``routed_fn``."""
-    probs = jax.nn.softmax(model.linear(x, p.gate).astype(jnp.float32), axis=-1)
-    weights, chosen = jax.lax.top_k(probs, config.num_experts_per_tok)
-    weights = (weights / jnp.sum(weights, axis=-1, keepdims=True)).astype(x.dtype)
+    weights, chosen = model.route(p, x, config)
     routed = routed_fn(x, weights, chosen, p.experts_gate_up_proj, p.experts_down_proj)
     shared = model.mlp(p.shared_expert, x) * sigmoid(model.linear(x, p.shared_expert_gate))
     return routed + shared
@@ -157,8 +155,7 @@ def layer_params(config, layers, key):
 
 
 def routing(p: MoEParams, x, config):
-    probs = jax.nn.softmax(model.linear(x, p.gate).astype(jnp.float32), axis=-1)
-    return jax.lax.top_k(probs, config.num_experts_per_tok)[1]
+    return model.route(p, x, config)[1]
 
 
 def stack_fn(fn, config):

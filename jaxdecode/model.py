@@ -95,13 +95,24 @@ def mlp(p: MLPParams, x: Array) -> Array:
     return linear(silu(linear(x, p.gate_proj)) * linear(x, p.up_proj), p.down_proj)
 
 
+def route(p: MoEParams, x: Array, config: Config,
+          kernels: Kernels = choice.XLA) -> tuple[Array, Array]:
+    """The router of HF ``Qwen3_5MoeTopKRouter`` (``Qwen3NextTopKRouter``) over x [N, H] (model
+    dtype): logits in the model dtype, softmax in float32 over all E experts, top-k (per "data"
+    shard on ``kernels.mesh``), renormalised to sum 1 (Qwen3-Next: only when
+    ``config.norm_topk_prob``). Returns (weights [N, k] model dtype, experts [N, k] int32)."""
+    probs = jax.nn.softmax(linear(x, p.gate).astype(f32), axis=-1)  # [N, E]
+    weights, chosen = choice.top_k(kernels, probs, config.num_experts_per_tok)  # [N, k]
+    if config.norm_topk_prob:  # else the k softmax probabilities as they are (sum < 1)
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights.astype(x.dtype), chosen
+
+
 def moe(p: MoEParams, x: Array, config: Config, kernels: Kernels = choice.XLA) -> Array:
     """HF ``Qwen3_5MoeSparseMoeBlock`` (``Qwen3NextSparseMoeBlock``) over x [..., H] (model
     dtype).
 
-    Router (``Qwen3_5MoeTopKRouter``, ``Qwen3NextTopKRouter``): logits in the model dtype,
-    softmax in float32 over all E experts, top-k, renormalised to sum 1 (Qwen3-Next: only when
-    ``config.norm_topk_prob``), cast to the model dtype. Experts (``Qwen3_5MoeExperts``):
+    Router: :func:`route`. Experts (``Qwen3_5MoeExperts``):
     :func:`jaxdecode.experts.routed_experts` (only the chosen experts' weights read at decode, no
     dense compute over all E per pair, no token dropping), each output times its weight in the
     model dtype, a token's k outputs summed in float32 (HF's ``index_add_`` adds them in expert
@@ -110,11 +121,7 @@ def moe(p: MoEParams, x: Array, config: Config, kernels: Kernels = choice.XLA) -
     """
     lead, h = x.shape[:-1], x.shape[-1]
     x = x.reshape(-1, h)
-    probs = jax.nn.softmax(linear(x, p.gate).astype(f32), axis=-1)  # [N, E]
-    weights, chosen = choice.top_k(kernels, probs, config.num_experts_per_tok)  # [N, k]
-    if config.norm_topk_prob:  # else the k softmax probabilities as they are (sum < 1)
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    weights = weights.astype(x.dtype)
+    weights, chosen = route(p, x, config, kernels)
     routed = choice.routed_experts(kernels, x, weights, chosen, p.experts_gate_up_proj,
                                    p.experts_down_proj)
     shared = mlp(p.shared_expert, x) * sigmoid(linear(x, p.shared_expert_gate))
