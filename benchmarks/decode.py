@@ -1,7 +1,7 @@
 """Whole decode-step benchmark on one GPU, against the memory roofline and Hugging Face.
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/decode.py [--grid quick|targets|full]
-        [--cells model:batch:context,...] [--hf]
+        [--cells model:batch:context,...] [--hf] [--fp8]
 
 Each (model, batch, max_len) compiles its own step (13-36 s on the H200), so the full grid does
 not fit one 10-minute device call: ``targets`` (8 cells) does. Per-kernel anatomy of a step:
@@ -263,6 +263,9 @@ def main():
                     help="comma-separated model:batch:context cells (e.g. 9b:1:1024,9b:64:8192) "
                          "timed instead of the --grid cells")
     ap.add_argument("--hf", action="store_true")
+    ap.add_argument("--fp8", action="store_true",
+                    help="each model's cells again with its Linears in block FP8 "
+                    "(jd.quantize_fp8 of the same weights)")
     ap.add_argument("--no-prefill", action="store_true")
     ap.add_argument("--no-anatomy", action="store_true",
                     help="skip the 4-layer twin that splits the batch-1 step into parts")
@@ -316,14 +319,17 @@ def main():
         jax.block_until_ready(params)
         print(f"# {name}: {jd.num_params(params) / 1e9:.2f}B params, init "
               f"{time.perf_counter() - t0:.1f}s", flush=True)
-        for batch, context in cells:
+        variants = [(name, params)]
+        if args.fp8:  # the same weights, quantised: the cells again, side by side
+            variants.append((f"{name} fp8", jd.quantize_fp8(params)))
+        for (label, weights), (batch, context) in [(v, c) for v in variants for c in cells]:
             state = jd.init_state(config, batch, context + 256, dtype="bfloat16")
             state = randomize_state(state, context)
             dt, compile_s, compiled = time_decode(
-                params, state, batch, kernels=kernels_for(params, batch, args.attention))
-            nbytes = step_bytes(config, params, batch, context)
+                weights, state, batch, kernels=kernels_for(weights, batch, args.attention))
+            nbytes = step_bytes(config, weights, batch, context)
             total = sum(nbytes.values())
-            row = dict(model=name, batch=batch, context=context, ms_per_step=dt * 1e3,
+            row = dict(model=label, batch=batch, context=context, ms_per_step=dt * 1e3,
                        tok_per_s_per_row=1 / dt, tok_per_s=batch / dt, compile_s=compile_s,
                        weights_gb=nbytes["weights"] / 1e9, kv_gb=nbytes["kv"] / 1e9,
                        state_gb=nbytes["state"] / 1e9, gb_per_s=total / dt / 1e9,
@@ -337,11 +343,12 @@ def main():
             rows.append(row)
             print("  " + json.dumps({k: round(v, 3) if isinstance(v, float) else v
                                      for k, v in row.items()}), flush=True)
-            if (batch == 1 and context == 1024 and name in ("qwen3.5-0.8b", "qwen3.5-9b")
+            if (batch == 1 and context == 1024 and label in ("qwen3.5-0.8b", "qwen3.5-9b")
                     and not args.no_anatomy):
                 anatomy[name] = dict(kernels=hlo_kernel_count(compiled), ms=dt * 1e3,
                                      **layer_cost(config, dt))
             del state, compiled
+        del variants, weights
         for batch in generate_cells.get(name, []):
             dt, first_s = time_generate(params, batch)
             generate_rows.append(dict(model=name, batch=batch, ms_per_token=dt * 1e3,

@@ -21,7 +21,8 @@ from jaxdecode.checkpoint import load_checkpoint
 from jaxdecode.config import PRESETS, Config
 from jaxdecode.generation import GenerateOutput, StreamChunk, generate, generate_stream
 from jaxdecode.kernels.choice import Kernels, choose_kernels
-from jaxdecode.params import Params, init_params, num_params, param_specs
+from jaxdecode.params import Params, init_params, num_params, param_specs, quantize_fp8
+from jaxdecode.quantization import Fp8Linear
 from jaxdecode.sampling import Logprobs, SamplingParams, sample
 from jaxdecode.scoring import ScoreOutput, score
 from jaxdecode.state import DecodeState, KVCache, fork, init_state
@@ -30,9 +31,9 @@ from jaxdecode.tokenizer import load_tokenizer
 
 __all__ = [
     "__version__", "COMPILER_OPTIONS", "Config", "DecodeState", "GenerateOutput", "KVCache",
-    "Kernels", "Logprobs",
+    "Fp8Linear", "Kernels", "Logprobs",
     "PRESETS", "Params", "SamplingParams", "StreamChunk", "choose_kernels", "decode_step",
     "fork", "generate", "generate_stream", "init_params", "init_state", "load_checkpoint",
-    "load_tokenizer", "memory", "model", "num_params", "param_specs", "prefill", "sample",
+    "load_tokenizer", "memory", "model", "num_params", "param_specs", "prefill", "quantize_fp8", "sample",
     "score", "ScoreOutput", "sharding",
 ]

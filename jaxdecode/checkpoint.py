@@ -27,10 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
-from jaxdecode import sharding
+from jaxdecode import quantization, sharding
 from jaxdecode.config import Config, model_dtype
-from jaxdecode.params import (Params, checkpoint_specs, hf_to_internal, leaf_dtype,
-                              params_from_flat, split_fused)
+from jaxdecode.params import (CONV_CHANNEL_LEAVES, FUSED_PROJECTIONS, Params, checkpoint_specs,
+                              conv_channel_order, hf_to_internal, leaf_dtype, params_from_flat,
+                              split_fused)
+from jaxdecode.quantization import Fp8Linear
 
 TEXT_PREFIX = "model.language_model."
 SKIPPED_PREFIXES = ("mtp.", "model.visual.", "visual.")
@@ -71,6 +73,8 @@ def canonical_name(name: str) -> str | None:
 
 
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
+FP8_DTYPE = "F8_E4M3"  # block-FP8 weights, each with a ``weight_scale_inv`` (spec §9)
+SCALE_SUFFIX = "_scale_inv"
 _PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight$")
 
 
@@ -109,9 +113,10 @@ def _fuse_experts(config: Config, found: dict, problems: list[str]) -> None:
                                        (e, h, ie))
 
 
-def _index_tensors(files: list[str], problems: list[str]):
+def _index_tensors(files: list[str], problems: list[str], fp8: set[str]):
     """{canonical name: (file, stored name, shape)} from the headers alone; appends to
-    ``problems`` every tensor stored twice (both layouts, or two shards) or not floating point."""
+    ``problems`` every tensor stored twice (both layouts, or two shards) or not floating point;
+    adds to ``fp8`` the canonical names of the tensors stored as F8_E4M3."""
     found = {}
     for path in files:
         with _open(path) as f:
@@ -125,11 +130,93 @@ def _index_tensors(files: list[str], problems: list[str]):
                     problems.append(f"tensor {name} is stored twice: {where[1]} in "
                                     f"{os.path.basename(where[0])} and {stored} in "
                                     f"{os.path.basename(path)}")
-                if info.get_dtype() not in FLOAT_DTYPES:
+                if info.get_dtype() == FP8_DTYPE:
+                    fp8.add(name)
+                elif info.get_dtype() not in FLOAT_DTYPES:
                     problems.append(f"tensor {stored} has dtype {info.get_dtype()}, expected a "
-                                    f"float type {FLOAT_DTYPES}")
+                                    f"float type {FLOAT_DTYPES + (FP8_DTYPE,)}")
                 found[name] = (path, stored, tuple(info.get_shape()))
     return found
+
+
+def quantization_block(directory: str) -> tuple[int, int]:
+    """``weight_block_size`` of ``config.json``'s ``quantization_config`` ((128, 128) without
+    one). ValueError: a quantisation other than block FP8 e4m3 (``quant_method: fp8``)."""
+    with open(os.path.join(directory, "config.json")) as f:
+        top = json.load(f)
+    q = top.get("quantization_config") or (top.get("text_config") or {}).get(
+        "quantization_config")
+    if not q:
+        return quantization.DEFAULT_BLOCK
+    block = q.get("weight_block_size") or quantization.DEFAULT_BLOCK
+    if (q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3" or len(block) != 2
+            or not all(isinstance(b, int) and b > 0 for b in block)):
+        raise ValueError(f"unsupported quantization_config {q}: jaxdecode reads block FP8 "
+                         "(quant_method 'fp8', fmt 'e4m3', weight_block_size [b0, b1])")
+    return tuple(block)
+
+
+def _pair_scales(config: Config, found: dict, fp8: set[str], block, problems: list[str]):
+    """Pops the ``weight_scale_inv`` entries out of ``found``; returns {weight name: scale
+    entry}. Appends to ``problems`` an FP8 weight without its scale, a scale without an FP8
+    weight, a scale of the wrong shape, and FP8 tensors jaxdecode does not read yet (MoE
+    experts, Qwen3-Next's fused projections)."""
+    scales = {}
+    for name in [n for n in found if n.endswith(SCALE_SUFFIX)]:
+        entry = found.pop(name)
+        weight = name[:-len(SCALE_SUFFIX)]
+        if weight not in fp8:
+            problems.append(f"unexpected tensor {entry[1]} with shape {entry[2]} (its weight "
+                            f"{weight} is not stored as {FP8_DTYPE})")
+        else:
+            scales[weight] = entry
+    for name in sorted(fp8):
+        stored, shape = found[name][1], found[name][2]
+        if _PER_EXPERT.match(name) or ".mlp.experts." in name:
+            problems.append(f"tensor {stored} is {FP8_DTYPE}: FP8 MoE experts are not "
+                            "supported yet")
+        elif any(name.endswith(f) for f in FUSED_PROJECTIONS):
+            problems.append(f"tensor {stored} is {FP8_DTYPE}: FP8 Qwen3-Next fused "
+                            "projections are not supported yet")
+        elif name not in scales:
+            problems.append(f"missing tensor {stored}{SCALE_SUFFIX} (the block scales of an "
+                            f"{FP8_DTYPE} weight)")
+        elif len(shape) != 2:
+            problems.append(f"tensor {stored} is {FP8_DTYPE} with shape {shape}: only 2-D "
+                            "Linear weights are read as FP8")
+        elif scales[name][2] != quantization.scale_shape(shape, block):
+            problems.append(f"tensor {scales[name][1]} has shape {scales[name][2]}, expected "
+                            f"{quantization.scale_shape(shape, block)} (weight {shape}, "
+                            f"blocks {list(block)})")
+        elif name.endswith(CONV_CHANNEL_LEAVES) and not _block_aligned(
+                conv_channel_order(config), block[0]):
+            problems.append(f"tensor {stored}: its rows are regrouped per key head "
+                            "(params.conv_channel_order), which splits its FP8 blocks of "
+                            f"{block[0]} rows (linear_key_head_dim and r·linear_value_head_dim "
+                            f"must be multiples of {block[0]})")
+    return scales
+
+
+def _block_aligned(order: np.ndarray, rows: int) -> bool:
+    """Whether the row permutation ``order`` moves whole blocks of ``rows`` rows."""
+    if order.size % rows:
+        return False
+    blocks = order.reshape(-1, rows)
+    return bool((blocks[:, :1] % rows == 0).all()
+                and (blocks == blocks[:, :1] + np.arange(rows)).all())
+
+
+def _read_fp8(path: str, stored: str) -> np.ndarray:
+    """An F8_E4M3 tensor as float8_e4m3fn numpy (safetensors' numpy reader has no float8): its
+    bytes located from the file's header."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        info = json.loads(f.read(size))[stored]
+    begin, end = info["data_offsets"]
+    data = np.fromfile(path, np.uint8, count=end - begin, offset=8 + size + begin)
+    if data.size != end - begin:
+        raise ValueError(f"cannot read tensor {stored} from {path!r} (the file is truncated)")
+    return data.view(quantization.FP8).reshape(info["shape"])
 
 
 def _open(path: str):
@@ -143,7 +230,8 @@ def _open(path: str):
 
 def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
                     place: Callable[[str, np.ndarray], jax.Array] | None = None,
-                    mesh: jax.sharding.Mesh | None = None, check_finite: bool = True) -> Params:
+                    mesh: jax.sharding.Mesh | None = None, check_finite: bool = True,
+                    quantize: str | None = None) -> Params:
     """Loads a Hugging Face Qwen3.5 or Qwen3-Next checkpoint directory.
 
     Args:
@@ -158,13 +246,24 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
         read (``sharding.checkpoint_placer``). Not together with ``place``.
       check_finite: raise if a tensor holds NaN or inf (one host pass over each tensor as read;
         damaged data otherwise loads silently and decodes garbage).
+      quantize: None, or "fp8": the Linears of ``quantization.QUANTIZED_LEAVES`` quantised at
+        load to block FP8 (``quantization.quantize``, 128 x 128 blocks), as the FP8 releases
+        store them.
+
+    A block-FP8 checkpoint (``quantization_config: {quant_method: fp8}``, F8_E4M3 weights each
+    with a ``weight_scale_inv``; spec §9) loads its quantised Linears as :class:`Fp8Linear`
+    (``place`` is called with the weight's name for the float8 values and that name +
+    ``"_scale_inv"`` for the float32 scales); an FP8 tensor of another leaf is dequantised at
+    load. Not yet: FP8 MoE experts, FP8 Qwen3-Next fused projections, FP8 on a ``mesh``.
 
     Returns :class:`Params` (config from ``config.json``; a tied checkpoint's stored
     ``lm_head.weight`` is ignored).
 
     Raises:
       FileNotFoundError: missing ``config.json`` or safetensors files.
-      ValueError: a damaged, truncated or empty safetensors file (named); a tensor with NaN or
+      ValueError: a damaged, truncated or empty safetensors file (named); an unsupported
+        ``quantization_config`` or ``quantize``; an FP8 weight without its scales, or scales
+        whose shape does not fit the weight (both shapes named); a tensor with NaN or
         inf values (named, with the file); an unsupported or malformed config
         (``Config.from_hf_config``) or index file; one message listing every missing,
         unexpected, misshapen (both shapes), duplicated or non-float tensor, by its name in the
@@ -180,13 +279,20 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
         raise FileNotFoundError(f"no config.json in {directory!r}")
     config = Config.from_json_file(config_path)
     dtype = model_dtype(dtype)
+    if quantize not in (None, "fp8"):
+        raise ValueError(f"quantize={quantize!r} must be None or 'fp8'")
+    block = quantization_block(directory)
     if mesh is not None:
         if place is not None:
             raise ValueError("pass place or mesh to load_checkpoint, not both")
         place = sharding.checkpoint_placer(config, mesh)
     specs = checkpoint_specs(config)
     problems: list[str] = []
-    found = _index_tensors(files or checkpoint_files(directory), problems)
+    fp8: set[str] = set()
+    found = _index_tensors(files or checkpoint_files(directory), problems, fp8)
+    if mesh is not None and (fp8 or quantize):
+        raise ValueError("FP8 weights cannot be loaded onto a mesh yet; load them on one device")
+    scales = _pair_scales(config, found, fp8, block, problems)
     _fuse_experts(config, found, problems)
     if config.tie_word_embeddings and "lm_head.weight" in found:
         # A tied checkpoint's stored LM head is not read, but a misshapen one is a wrong file.
@@ -209,23 +315,54 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
 
     place = place or (lambda name, x: jnp.asarray(x))
     flat = {}
-    for name, array in _iter_tensors(found):
+    for name, array in _iter_tensors(found, scales):
+        if name in scales:
+            array, scale = array
+            for x, stored in ((array, found[name][1]), (scale, scales[name][1])):
+                if check_finite:
+                    _check_finite(x, stored, found[name][0] if x is array else scales[name][0])
+            if quantization.is_quantized_leaf(name):
+                flat[name] = _fp8_leaf(config, name, array, scale, block, place)
+                continue
+            array = quantization.dequantize(array, scale, block)
         array = array.astype(leaf_dtype(specs[name], dtype), copy=False)
-        if check_finite and not np.isfinite(array).all():  # after the cast: overflow counts
+        if check_finite:  # after the cast: overflow counts
             path, stored = found[name][:2]
             if path is None:  # stacked from per-expert tensors
                 path, stored = directory, f"{name} (stacked from its per-expert tensors)"
-            raise ValueError(f"tensor {stored} in {path!r} has {int((~np.isfinite(array)).sum())} "
-                             f"NaN or inf values as {array.dtype} (a damaged file?); "
-                             "check_finite=False loads it anyway")
+            _check_finite(array, stored, path)
         for leaf, part in split_fused(config, name, array).items():
-            flat[leaf] = place(leaf, hf_to_internal(config, leaf, part))
+            part = hf_to_internal(config, leaf, part)
+            if quantize == "fp8" and quantization.is_quantized_leaf(leaf):
+                w8, scale = quantization.quantize(part, block)
+                flat[leaf] = Fp8Linear(place(leaf, w8), place(leaf + SCALE_SUFFIX, scale), block)
+            else:
+                flat[leaf] = place(leaf, part)
     return params_from_flat(config, flat)
 
 
-def _iter_tensors(found) -> Iterator[tuple[str, np.ndarray]]:
+def _check_finite(array: np.ndarray, stored: str, path: str) -> None:
+    if not np.isfinite(array).all():
+        raise ValueError(f"tensor {stored} in {path!r} has {int((~np.isfinite(array)).sum())} "
+                         f"NaN or inf values as {array.dtype} (a damaged file?); "
+                         "check_finite=False loads it anyway")
+
+
+def _fp8_leaf(config: Config, name: str, w8: np.ndarray, scale: np.ndarray, block, place):
+    """A stored FP8 weight in jaxdecode's layout: rows regrouped as ``hf_to_internal`` does, the
+    scales' block rows with them (:func:`_pair_scales` checked the blocks stay whole)."""
+    if name.endswith(CONV_CHANNEL_LEAVES):
+        order = conv_channel_order(config)
+        w8, scale = w8[order], scale[order[::block[0]] // block[0]]
+    return Fp8Linear(place(name, w8), place(name + SCALE_SUFFIX, scale), block)
+
+
+def _iter_tensors(found, scales=None) -> Iterator[tuple[str, np.ndarray]]:
     """(name, array) for every entry of ``found``: a stored tensor, or (path None) the stack of
-    per-expert parts (:func:`_fuse_experts`), each expert's parts concatenated along rows."""
+    per-expert parts (:func:`_fuse_experts`), each expert's parts concatenated along rows; for a
+    name in ``scales`` (an FP8 weight: {name: its scale's entry}) array is (float8 values,
+    float32 block scales)."""
+    scales = scales or {}
     with contextlib.ExitStack() as stack:
         handles = {}
 
@@ -239,7 +376,10 @@ def _iter_tensors(found) -> Iterator[tuple[str, np.ndarray]]:
                                  f"({type(e).__name__}: {e})") from None
 
         for name, (path, stored, _) in sorted(found.items(), key=lambda kv: str(kv[1][0])):
-            if path is not None:
+            if name in scales:
+                yield name, (_read_fp8(path, stored),
+                             read(*scales[name][:2]).astype(np.float32))
+            elif path is not None:
                 yield name, read(path, stored)
             else:
                 yield name, np.stack([np.concatenate([read(*part) for part in expert])

@@ -29,6 +29,7 @@ from jaxdecode.gated_delta import l2_normalize
 from jaxdecode.kernels import choice
 from jaxdecode.kernels.choice import Kernels
 from jaxdecode.params import AttentionParams, GatedDeltaNetParams, MLPParams, MoEParams, Params
+from jaxdecode.quantization import Fp8Linear
 from jaxdecode.state import DecodeState, KVCache, conv_slot_position, conv_window
 
 Array = jax.Array
@@ -38,9 +39,12 @@ f32 = jnp.float32
 INVARIANT_CHUNK = 256
 
 
-def linear(x: Array, w: Array, *, out_dtype=None) -> Array:
+def linear(x: Array, w: Array | Fp8Linear, *, out_dtype=None) -> Array:
     """``x @ w.T`` with ``w`` in PyTorch layout ``[out, in]`` (no bias anywhere in Qwen3.5);
-    ``out_dtype``: the accumulation/output dtype (None: x's)."""
+    ``out_dtype``: the accumulation/output dtype (None: x's). A block-FP8 ``w`` is dequantised
+    to x's dtype first (weight-only: x stays in the model dtype)."""
+    if isinstance(w, Fp8Linear):
+        w = w.dequantize(x.dtype)
     return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=out_dtype)
 
 

@@ -23,7 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxdecode import quantization
 from jaxdecode.config import FULL_ATTENTION, QWEN3_NEXT, Config, model_dtype
+from jaxdecode.quantization import Fp8Linear
 
 Array = jax.Array
 
@@ -219,7 +221,12 @@ def params_to_flat(params: Params) -> dict[str, Array]:
     """Inverse of :func:`params_from_flat`: ``{hf_name: array}`` in :func:`param_specs` order, in
     jaxdecode's layout (conv channels grouped per key head)."""
     tree = params_from_flat(params.config, {name: name for name in param_specs(params.config)})
-    return dict(zip(jax.tree.leaves(tree), jax.tree.leaves(params)))
+    return dict(zip(jax.tree.leaves(tree), _weights(params)))
+
+
+def _weights(params: Params) -> list:
+    """The leaves of ``params``, an :class:`Fp8Linear` counted as one."""
+    return jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, Fp8Linear))
 
 
 def params_to_hf(params: Params) -> dict[str, Array]:
@@ -388,5 +395,16 @@ def init_params(config: Config, key: Array, dtype="float32") -> Params:
 
 
 def num_params(params: Params) -> int:
-    """Total number of parameter values (a tied LM head counted once)."""
-    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    """Total number of parameter values (a tied LM head counted once; FP8 scales not counted)."""
+    return sum(int(np.prod(x.shape)) for x in _weights(params))
+
+
+def quantize_fp8(params: Params, block_size=quantization.DEFAULT_BLOCK) -> Params:
+    """``params`` with the Linears the FP8 releases quantise (``quantization.QUANTIZED_LEAVES``)
+    as block-FP8 :class:`Fp8Linear` (``quantization.quantize``), the rest unchanged. The MoE
+    routed experts stay in the model dtype. Already quantised leaves are kept."""
+    flat = params_to_flat(params)
+    for name, x in flat.items():
+        if quantization.is_quantized_leaf(name) and not isinstance(x, Fp8Linear):
+            flat[name] = Fp8Linear(*quantization.quantize(x, block_size), block_size=block_size)
+    return params_from_flat(params.config, flat)

@@ -48,6 +48,7 @@ from jaxdecode.config import Config
 from jaxdecode.kernels.choice import DATA, MODEL
 from jaxdecode.params import Params, param_specs, params_from_flat
 from jaxdecode.state import DecodeState, KVCache, init_state
+from jaxdecode.quantization import Fp8Linear
 
 AXIS_NAMES = (DATA, MODEL)
 
@@ -200,7 +201,11 @@ def _put(x, sharding: NamedSharding) -> jax.Array:
 
 def shard_params(params: Params, mesh: Mesh) -> Params:
     """``params`` placed with :func:`param_shardings` (host or device arrays in, global out).
-    Raises ValueError: see :func:`check_mesh`."""
+    Raises ValueError: see :func:`check_mesh`; FP8 weights (not shardable yet)."""
+    if any(isinstance(x, Fp8Linear) for x in jax.tree.leaves(
+            params, is_leaf=lambda x: isinstance(x, Fp8Linear))):
+        raise ValueError("FP8 weights (jd.Fp8Linear) cannot be sharded yet; decode them on one "
+                         "device")
     return jax.tree.map(_put, params, param_shardings(params.config, mesh))
 
 

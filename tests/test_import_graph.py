@@ -1,4 +1,5 @@
-"""The package's import graph has no cycle and goes one way (issue 16): config, params, state,
+"""The package's import graph has no cycle and goes one way (issue 16): the FP8 weight format
+(``quantization``) at the bottom, then config, params, state,
 the kernels (``kernels.choice`` included) below the pure model; the layouts (``sharding``) and
 checkpoint loading beside the model, never importing it; the jitted entry points (``step``) and
 the generation loops on top.
@@ -26,6 +27,9 @@ ROOT = PACKAGE.parent
 
 # module -> modules it must not load, directly or through another module
 FORBIDDEN = {
+    "jaxdecode.quantization": {"jaxdecode.config", "jaxdecode.params", "jaxdecode.state",
+                               "jaxdecode.kernels", "jaxdecode.model", "jaxdecode.memory",
+                               "jaxdecode.step"},
     "jaxdecode.inputs": {"jaxdecode.config", "jaxdecode.params", "jaxdecode.state",
                          "jaxdecode.kernels", "jaxdecode.model", "jaxdecode.step"},
     "jaxdecode.invariance": {"jaxdecode.config", "jaxdecode.params", "jaxdecode.state",

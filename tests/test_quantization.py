@@ -1,0 +1,232 @@
+"""Block-FP8 weights: the (de)quantisation against float64 numpy, the model with FP8 Linears
+against the model with their dequantised weights, and FP8 checkpoints (spec §9)."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from conftest import LIN, FULL, tiny
+from jaxdecode import quantization
+from jaxdecode.params import params_to_hf
+import jaxdecode as jd
+
+FP8 = ml_dtypes.float8_e4m3fn
+# DeltaNet head dims of 128 (as every published config): the FP8 blocks of in_proj_qkv stay
+# whole when its rows are regrouped per key head.
+CONFIG = tiny(vocab_size=300, hidden_size=96, intermediate_size=200, linear_num_key_heads=2,
+              linear_num_value_heads=4, linear_key_head_dim=128, linear_value_head_dim=128,
+              layer_types=(LIN, FULL, LIN, FULL))
+
+
+def _random_fp8(rng, shape):
+    """Random finite float8_e4m3fn values of every magnitude, subnormals and zeros included."""
+    bits = rng.integers(0, 256, size=shape, dtype=np.uint8)
+    bits[(bits & 0x7F) == 0x7F] = 0x3C  # 0x7F / 0xFF are NaN in e4m3fn
+    return bits.view(FP8)
+
+
+@pytest.mark.parametrize("shape,block", [((130, 200), (128, 128)), ((7, 300), (128, 128)),
+                                          ((257, 129), (64, 32))])
+def test_dequantize_is_exact_against_float64(shape, block):
+    rng = np.random.default_rng(0)
+    w8 = _random_fp8(rng, shape)
+    scale = rng.uniform(1e-4, 2.0, quantization.scale_shape(shape, block)).astype(
+        ml_dtypes.bfloat16)
+    want = np.empty(shape, np.float64)
+    for i in range(shape[0]):
+        for j in range(shape[1]):
+            want[i, j] = float(w8[i, j]) * float(scale[i // block[0], j // block[1]])
+    np.testing.assert_array_equal(quantization.dequantize(w8, scale, block), want)
+    got = quantization.dequantize(jnp.asarray(w8), jnp.asarray(scale), block, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.parametrize("shape", [(130, 200), (5, 3), (256, 384)])
+def test_quantize_round_trip_error_is_one_fp8_rounding(shape):
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal(shape).astype(np.float32) * rng.uniform(0.01, 10, (shape[0], 1))
+    w[:2, :3] = 0.0  # zeros stay zeros
+    w8, scale = quantization.quantize(w)
+    assert w8.dtype == FP8 and scale.dtype == np.float32
+    assert scale.shape == quantization.scale_shape(shape, (128, 128))
+    back = quantization.dequantize(w8, scale).astype(np.float64)
+    s = np.repeat(np.repeat(scale, 128, 0)[:shape[0]], 128, 1)[:, :shape[1]].astype(np.float64)
+    # e4m3: 3 mantissa bits, so half an ulp is 2^-4 of the value; subnormals: 2^-10 of the scale
+    bound = np.maximum(np.abs(w) * 2.0 ** -4, s * 2.0 ** -10) * (1 + 1e-6)
+    assert (np.abs(back - w) <= bound).all()
+    assert (back[:2, :3] == 0).all()
+    # each block's largest magnitude is 448 after scaling: the full e4m3 range is used
+    amax = np.abs(w8.astype(np.float32)).max()
+    assert amax == 448.0
+    jw8, jscale = quantization.quantize(jnp.asarray(w))
+    np.testing.assert_array_equal(np.asarray(jscale), scale)
+    np.testing.assert_array_equal(np.asarray(jw8).view(np.uint8), w8.view(np.uint8))
+    z8, zscale = quantization.quantize(np.zeros((3, 4), np.float32))
+    assert (zscale == 1).all() and (z8.astype(np.float32) == 0).all()
+
+
+def _dequantized(params):
+    """params with every Fp8Linear replaced by its float32 dequantised weight."""
+    return jax.tree.map(lambda x: x.dequantize(jnp.float32) if isinstance(x, jd.Fp8Linear)
+                        else x, params, is_leaf=lambda x: isinstance(x, jd.Fp8Linear))
+
+
+def _run(params, tokens, num_new, steps=3):
+    state = jd.init_state(params.config, tokens.shape[0], 64, dtype=params.dtype)
+    logits, state = jd.prefill(params, state, tokens, num_new)
+    out = [np.asarray(logits)]
+    for _ in range(steps):
+        logits, state = jd.decode_step(params, state, jnp.argmax(logits, -1).astype(jnp.int32))
+        out.append(np.asarray(logits))
+    return np.stack(out)
+
+
+def test_fp8_model_equals_the_model_with_dequantised_weights():
+    """float32: dequantising is exact, so the FP8 model is the dense model of the dequantised
+    weights (which tests/test_model.py checks against HF); the quantised leaves are FP8."""
+    params = jd.quantize_fp8(jd.init_params(CONFIG, jax.random.key(0)))
+    lin, full = params.layers[0], params.layers[1]
+    for w in (lin.linear_attn.in_proj_qkv, lin.linear_attn.out_proj, full.self_attn.q_proj,
+              full.mlp.down_proj):
+        assert isinstance(w, jd.Fp8Linear) and w.weight.dtype == FP8
+    assert not isinstance(lin.linear_attn.in_proj_a, jd.Fp8Linear)
+    assert jd.num_params(params) == jd.num_params(jd.init_params(CONFIG, jax.random.key(0)))
+    rng = np.random.default_rng(2)
+    tokens = rng.integers(0, CONFIG.vocab_size, (3, 11)).astype(np.int32)
+    num_new = np.array([11, 4, 1], np.int32)
+    got, want = _run(params, tokens, num_new), _run(_dequantized(params), tokens, num_new)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
+
+
+def _save(path, tensors: dict):
+    """A safetensors file of float32 / bfloat16 / float8_e4m3fn numpy arrays, written from the
+    format's spec (8-byte header size, JSON header, data), since safetensors' numpy writer has
+    no float8."""
+    codes = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.bfloat16): "BF16",
+             np.dtype(FP8): "F8_E4M3"}
+    header, blobs, offset = {}, [], 0
+    for name, x in tensors.items():
+        data = np.ascontiguousarray(x).tobytes()
+        header[name] = {"dtype": codes[x.dtype], "shape": list(x.shape),
+                        "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+
+
+def _write_fp8_checkpoint(path, params, *, scale_dtype=ml_dtypes.bfloat16, change=None):
+    """An FP8 release's layout from float32 params: the quantised Linears as F8_E4M3 + a
+    weight_scale_inv (``scale_dtype``), the rest float32; also the dequantised checkpoint
+    beside it (path / "dequantised"). ``change``: {name: array} replacing stored tensors."""
+    hf = {k: np.asarray(v, np.float32) for k, v in params_to_hf(params).items()}
+    fp8, dense = {}, {}
+    for name, w in hf.items():
+        if quantization.is_quantized_leaf(name):
+            w8, scale = quantization.quantize(w)
+            scale = scale.astype(scale_dtype)
+            fp8[name], fp8[name + "_scale_inv"] = w8, scale
+            dense[name] = quantization.dequantize(w8, scale)
+        else:
+            fp8[name] = dense[name] = w
+    fp8.update(change or {})
+    config = params.config.to_hf_config()
+    for where, tensors, extra in ((path, fp8, {"quantization_config": {
+            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128]}}), (path / "dequantised", dense, {})):
+        where.mkdir(parents=True, exist_ok=True)
+        (where / "config.json").write_text(json.dumps({**config, **extra}))
+        _save(where / "model.safetensors", tensors)
+    return path
+
+
+def test_fp8_checkpoint_loads_as_published_and_matches_its_dequantised_weights(tmp_path):
+    params = jd.init_params(CONFIG, jax.random.key(3))
+    path = _write_fp8_checkpoint(tmp_path / "fp8", params)
+    loaded = jd.load_checkpoint(path, dtype="float32")
+    dense = jd.load_checkpoint(path / "dequantised", dtype="float32")
+    w = loaded.layers[0].linear_attn.in_proj_qkv
+    assert isinstance(w, jd.Fp8Linear) and w.scale_inv.dtype == np.float32
+    # the regrouped rows (params.conv_channel_order) and their scales moved together
+    np.testing.assert_array_equal(np.asarray(w.dequantize(jnp.float32)),
+                                  np.asarray(dense.layers[0].linear_attn.in_proj_qkv))
+    assert not isinstance(loaded.layers[0].linear_attn.in_proj_b, jd.Fp8Linear)
+    rng = np.random.default_rng(4)
+    tokens = rng.integers(0, CONFIG.vocab_size, (2, 9)).astype(np.int32)
+    num_new = np.array([9, 5], np.int32)
+    got, want = _run(loaded, tokens, num_new), _run(dense, tokens, num_new)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
+    bf16 = jd.load_checkpoint(path, dtype="bfloat16")
+    assert bf16.dtype == np.dtype("bfloat16")
+    assert bf16.layers[1].self_attn.o_proj.weight.dtype == FP8
+
+
+def test_fp8_checkpoint_problems_name_the_tensor_and_both_shapes(tmp_path):
+    params = jd.init_params(CONFIG, jax.random.key(3))
+    name = "model.layers.1.self_attn.o_proj.weight"
+    bad = _write_fp8_checkpoint(tmp_path / "bad", params, change={
+        name + "_scale_inv": np.ones((2, 2), np.float32)})
+    with pytest.raises(ValueError, match=rf"{name}_scale_inv has shape \(2, 2\), expected "
+                                         r"\(1, 1\) \(weight \(96, 128\)"):
+        jd.load_checkpoint(bad, dtype="float32")
+    hf = params_to_hf(params)
+    w8, _ = quantization.quantize(np.asarray(hf[name], np.float32))
+    missing = tmp_path / "missing"
+    _write_fp8_checkpoint(missing, params)
+    tensors = {}
+    from safetensors import safe_open
+    with safe_open(str(missing / "model.safetensors"), "np") as f:
+        for key in f.keys():
+            if key != name + "_scale_inv" and not quantization.is_quantized_leaf(key):
+                tensors[key] = f.get_tensor(key)
+    tensors[name] = w8
+    _save(missing / "model.safetensors", tensors)
+    with pytest.raises(ValueError, match=rf"missing tensor {name}_scale_inv"):
+        jd.load_checkpoint(missing, dtype="float32")
+
+
+def test_fp8_checkpoint_with_split_blocks_or_other_quantisation_is_refused(tmp_path):
+    small = tiny(vocab_size=300)  # DeltaNet head dims 16 / 24: regrouping splits 128-row blocks
+    path = _write_fp8_checkpoint(tmp_path / "split", jd.init_params(small, jax.random.key(0)))
+    with pytest.raises(ValueError, match="splits its FP8 blocks of 128 rows"):
+        jd.load_checkpoint(path, dtype="float32")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="unsupported quantization_config"):
+        jd.load_checkpoint(path, dtype="float32")
+    with pytest.raises(ValueError, match="quantize='int4' must be None or 'fp8'"):
+        jd.load_checkpoint(path / "dequantised", quantize="int4")
+
+
+def test_quantize_at_load_equals_quantize_fp8_of_the_loaded_params(tmp_path):
+    """Any checkpoint (here the small config, whose regrouped rows would split FP8 blocks on
+    disk: quantised after the regrouping) loads as FP8 with ``quantize="fp8"``."""
+    small = tiny(vocab_size=300)
+    path = _write_fp8_checkpoint(tmp_path / "q", jd.init_params(small, jax.random.key(5)))
+    dense = path / "dequantised"
+    at_load = jd.load_checkpoint(dense, dtype="float32", quantize="fp8")
+    after = jd.quantize_fp8(jd.load_checkpoint(dense, dtype="float32"))
+    leaves = lambda p: jax.tree.leaves(p)  # noqa: E731
+    assert len(leaves(at_load)) == len(leaves(after))
+    for a, b in zip(leaves(at_load), leaves(after)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8) if a.dtype == FP8 else a,
+                                      np.asarray(b).view(np.uint8) if b.dtype == FP8 else b)
+    assert isinstance(at_load.layers[0].mlp.gate_proj, jd.Fp8Linear)
+
+
+def test_fp8_params_cannot_be_sharded_yet():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    params = jd.quantize_fp8(jd.init_params(CONFIG, jax.random.key(0)))
+    with pytest.raises(ValueError, match="cannot be sharded yet"):
+        jd.sharding.shard_params(params, mesh)
