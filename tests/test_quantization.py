@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import LIN, FULL, tiny
+from conftest import FULL, LIN, assert_logits_close, hf_text_config, random_prompt, tiny
 from jaxdecode import quantization
 from jaxdecode.params import params_to_hf
 import jaxdecode as jd
@@ -230,3 +230,28 @@ def test_fp8_params_cannot_be_sharded_yet():
     params = jd.quantize_fp8(jd.init_params(CONFIG, jax.random.key(0)))
     with pytest.raises(ValueError, match="cannot be sharded yet"):
         jd.sharding.shard_params(params, mesh)
+
+
+def test_fp8_checkpoint_logits_match_hf_on_the_dequantised_weights(tmp_path, hf_checkpoints):
+    """An FP8 checkpoint of an HF-built random model against HF transformers running the
+    dequantised weights (float32 both sides: the same math, so the dense parity bound, 1e-4)."""
+    hf_dir = hf_checkpoints.make("fp8_base", hf_text_config(CONFIG), seed=7)
+    params = jd.load_checkpoint(hf_dir, dtype="float32")
+    path = _write_fp8_checkpoint(tmp_path / "fp8", params)
+    hf_config = json.loads((hf_dir / "config.json").read_text())
+    for where in (path, path / "dequantised"):  # HF's own config.json (its class, its fields)
+        ours = json.loads((where / "config.json").read_text())
+        extra = {"quantization_config": ours["quantization_config"]} if where == path else {}
+        (where / "config.json").write_text(json.dumps({**hf_config, **extra}))
+    prompt = random_prompt(np.random.default_rng(8), 13, CONFIG.vocab_size)
+    ref = hf_checkpoints.reference(path / "dequantised",
+                                   [{"name": "p", "prompt": prompt, "decode_steps": 4}])
+    fp8 = jd.load_checkpoint(path, dtype="float32")
+    assert isinstance(fp8.layers[0].linear_attn.in_proj_qkv, jd.Fp8Linear)
+    state = jd.init_state(CONFIG, 1, 64, dtype="float32")
+    logits, state = jd.prefill(fp8, state, np.asarray([prompt], np.int32),
+                               np.array([len(prompt)], np.int32), return_all_logits=True)
+    assert_logits_close(np.asarray(logits[0]), ref["p/prefill_logits"], what="prefill")
+    for k, token in enumerate(ref["p/decode_tokens"]):
+        logits, state = jd.decode_step(fp8, state, np.array([token], np.int32))
+        assert_logits_close(np.asarray(logits[0]), ref["p/decode_logits"][k], what=f"step {k}")
