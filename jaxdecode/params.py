@@ -91,7 +91,8 @@ class DecoderLayerParams:
 @struct.dataclass
 class Params:
     """All weights of a Qwen3.5 text decoder (HF module names; PyTorch ``[out, in]`` layout), in the
-    model dtype (float32 or bfloat16) but ``A_log`` and the gated-norm weight (float32).
+    model dtype (float32 or bfloat16) but ``A_log`` and the gated-norm weight (float32); the
+    Linears of ``quantization.QUANTIZED_LEAVES`` may be block-FP8 :class:`Fp8Linear` instead.
     ``config`` is static pytree metadata (a jit specialises on it)."""
     embed_tokens: Array  # [V, H]
     layers: tuple[DecoderLayerParams, ...]
