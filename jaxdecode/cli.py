@@ -80,6 +80,9 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
         "time to first token and decode speed")
     arg("--dtype", choices=("float32", "bfloat16", "fp32", "bf16"), default="float32",
         help="model dtype")
+    arg("--quantize", choices=("fp8",), default=None,
+        help="hold the Linears in block FP8 (load_checkpoint(..., quantize='fp8'); an FP8 "
+        "checkpoint loads as FP8 without it)")
     arg("--chunk-size", type=_int_in(1), default=None, metavar="N",
         help="decode steps per device call (default: 1 with --stream, else 8)")
     arg("--compile-cache", metavar="DIR", default=_default_cache_dir(),
@@ -176,12 +179,14 @@ def _generate(args) -> int:
     t0 = time.perf_counter()
     if args.checkpoint is None:
         params = jd.init_params(config, jax.random.key(0), dtype=args.dtype)
+        if args.quantize == "fp8":
+            params = jd.quantize_fp8(params)
         what = (f'embedded default (preset "tiny", init_params(key(0)), '
                 f"{jd.num_params(params) / 1e6:.1f}M params, {args.dtype}) -- "
                 f"{RANDOM_WEIGHTS_NOTE}")
         eos = tuple(config.eos_token_id)
     else:
-        params = jd.load_checkpoint(args.checkpoint, dtype=args.dtype)
+        params = jd.load_checkpoint(args.checkpoint, dtype=args.dtype, quantize=args.quantize)
         config = params.config
         what = f"{args.checkpoint} ({jd.num_params(params) / 1e6:.1f}M params, {args.dtype})"
         eos = tok_lib.eos_token_ids(args.checkpoint) or tuple(config.eos_token_id)

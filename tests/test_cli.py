@@ -196,6 +196,13 @@ def test_cli_stop_ids_and_stop_text(capsys):
     assert status == 0 and f"stop sequences: [{tok.encode('Hello world')}]" in out
 
 
+def test_cli_quantize_fp8_generates_on_the_embedded_default(capsys):
+    status, out, _ = _cli(capsys, "--max-new-tokens", "3", "--quantize", "fp8")
+    assert status == 0, out
+    ids = re.search(r"^ids: \[(.*)\]$", out, re.M).group(1).split(", ")
+    assert len(ids) == 3
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--stop-ids", "1,x"], "--stop-ids '1,x' must be comma-separated integers"),
     (["--stop-ids", ""], "--stop-ids is empty"),
