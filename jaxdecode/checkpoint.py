@@ -130,7 +130,10 @@ def _index_tensors(files: list[str], problems: list[str], fp8: set[str]):
                     problems.append(f"tensor {name} is stored twice: {where[1]} in "
                                     f"{os.path.basename(where[0])} and {stored} in "
                                     f"{os.path.basename(path)}")
-                if info.get_dtype() == FP8_DTYPE:
+                if info.get_dtype() == FP8_DTYPE and name.endswith(SCALE_SUFFIX):
+                    problems.append(f"tensor {stored} has dtype {FP8_DTYPE}; block scales "
+                                    f"must be a float type {FLOAT_DTYPES}")
+                elif info.get_dtype() == FP8_DTYPE:
                     fp8.add(name)
                 elif info.get_dtype() not in FLOAT_DTYPES:
                     problems.append(f"tensor {stored} has dtype {info.get_dtype()}, expected a "

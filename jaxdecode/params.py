@@ -234,7 +234,11 @@ def params_to_hf(params: Params) -> dict[str, Array]:
     """``{hf_name: array}`` in the checkpoint (HF) layout, :func:`checkpoint_specs` names and
     shapes: the HF model's ``state_dict`` (MoE experts as fused 3-D tensors; Qwen3-Next's fused
     ``in_proj_qkvz`` / ``in_proj_ba``), so ``load_checkpoint`` of these tensors (or
-    :func:`params_from_hf`) gives ``params`` back."""
+    :func:`params_from_hf`) gives ``params`` back. ValueError for FP8 params (dequantise
+    them first)."""
+    if any(isinstance(x, Fp8Linear) for x in _weights(params)):
+        raise ValueError("params_to_hf takes params in their model dtype; these hold FP8 "
+                         "Linears (jd.Fp8Linear): dequantise them first")
     return fuse_split(params.config, {name: internal_to_hf(params.config, name, x)
                                       for name, x in params_to_flat(params).items()})
 

@@ -46,8 +46,10 @@ class Fp8Linear:
         return tuple(self.weight.shape)
 
     def dequantize(self, dtype) -> Array:
-        """The [out, in] weight in ``dtype`` (:func:`dequantize`)."""
-        return dequantize(self.weight, self.scale_inv, self.block_size, dtype)
+        """The [out, in] weight in ``dtype`` (:func:`dequantize`). FP8 weights are frozen: no
+        gradient flows into them (a float8 cotangent would underflow to zero)."""
+        weight, scale = jax.lax.stop_gradient((self.weight, self.scale_inv))
+        return dequantize(weight, scale, self.block_size, dtype)
 
 
 def scale_shape(shape: tuple[int, int], block_size: tuple[int, int]) -> tuple[int, int]:
@@ -63,8 +65,9 @@ def _expand(scale, shape, block_size):
 
 
 def dequantize(weight, scale_inv, block_size=DEFAULT_BLOCK, dtype=np.float32):
-    """``f32(weight) · scale_inv`` per block, cast to ``dtype`` (exact in float32: a 4-bit by an
-    8- or 24-bit mantissa). weight [out, in] float8_e4m3fn, scale_inv [R, C] any float type."""
+    """``f32(weight) · scale_inv`` per block, cast to ``dtype`` (exact in float32 for bf16 scales,
+    the releases': a 4-bit by an 8-bit mantissa; float32 scales round once). weight [out, in]
+    float8_e4m3fn, scale_inv [R, C] any float type."""
     xp = jnp if isinstance(weight, jax.Array) else np
     w = weight.astype(xp.float32) * _expand(scale_inv.astype(xp.float32), weight.shape, block_size)
     return w.astype(dtype)

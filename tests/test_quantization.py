@@ -103,6 +103,18 @@ def test_fp8_model_equals_the_model_with_dequantised_weights():
     num_new = np.array([11, 4, 1], np.int32)
     got, want = _run(params, tokens, num_new), _run(_dequantized(params), tokens, num_new)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
+    # and near the unquantised model: one e4m3 rounding per weight (a scale ignored or applied
+    # to the wrong block would be off by orders of magnitude)
+    dense = _run(jd.init_params(CONFIG, jax.random.key(0)), tokens, num_new, steps=0)[0]
+    err = np.abs(got[0] - dense).max() / np.abs(dense).max()  # prefill: the same tokens
+    assert 1e-4 < err < 0.1, err
+    with pytest.raises(ValueError, match="dequantise them first"):
+        params_to_hf(params)
+    # FP8 weights are frozen: no gradient into them, the rest of the model's still flows
+    grads = jax.grad(lambda p: jd.model.linear(jnp.ones((2, 128)), p.layers[1].self_attn.o_proj
+                                               ).sum() + p.norm.sum())(params)
+    assert not np.asarray(grads.layers[1].self_attn.o_proj.scale_inv).any()
+    assert np.asarray(grads.norm).all()
 
 
 def _save(path, tensors: dict):
@@ -192,6 +204,23 @@ def test_fp8_checkpoint_problems_name_the_tensor_and_both_shapes(tmp_path):
     _save(missing / "model.safetensors", tensors)
     with pytest.raises(ValueError, match=rf"missing tensor {name}_scale_inv"):
         jd.load_checkpoint(missing, dtype="float32")
+    w8, scale = quantization.quantize(np.asarray(hf[name], np.float32))
+    f8_scale = _write_fp8_checkpoint(tmp_path / "f8_scale", params, change={
+        name + "_scale_inv": scale.astype(FP8)})
+    with pytest.raises(ValueError, match=rf"{name}_scale_inv has dtype F8_E4M3; block scales"):
+        jd.load_checkpoint(f8_scale, dtype="float32")
+
+
+def test_fp8_tensor_of_an_unquantised_leaf_is_dequantised_at_load(tmp_path):
+    params = jd.init_params(CONFIG, jax.random.key(6))
+    name = "model.layers.0.linear_attn.in_proj_a.weight"
+    w8, scale = quantization.quantize(np.asarray(params_to_hf(params)[name], np.float32))
+    path = _write_fp8_checkpoint(tmp_path / "a", params, change={name: w8,
+                                                                  name + "_scale_inv": scale})
+    loaded = jd.load_checkpoint(path, dtype="float32")
+    got = loaded.layers[0].linear_attn.in_proj_a
+    assert not isinstance(got, jd.Fp8Linear) and got.dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(got), quantization.dequantize(w8, scale))
 
 
 def test_fp8_checkpoint_with_split_blocks_or_other_quantisation_is_refused(tmp_path):
