@@ -39,7 +39,8 @@ def check_state(config: Config, state: DecodeState, dtype) -> None:
     try:
         avals = tuple([x.aval for x in leaves])
     except AttributeError:  # a leaf that is not a jax.Array (numpy, a ShapeDtypeStruct)
-        avals = tuple(jax.ShapeDtypeStruct(np.shape(x), np.result_type(x)) for x in leaves)
+        avals = tuple(jax.ShapeDtypeStruct(np.shape(x), x.dtype if hasattr(x, "dtype")
+                                           else np.result_type(x)) for x in leaves)
     _check_state_layout(config, jnp.dtype(dtype), treedef, avals)
 
 
