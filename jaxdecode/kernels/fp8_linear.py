@@ -1,0 +1,213 @@
+"""Block-FP8 weight-only linear for a few rows: ``x @ W.T`` with ``W`` held as float8_e4m3fn plus
+one float32 scale per 128 x 128 block (``jaxdecode.quantization``), read once.
+
+Shapes: x [M, K] bfloat16/float16, weight [N, K] float8_e4m3fn, scale_inv [ceil(N / 128),
+ceil(K / 128)] float32; result [M, N] in x's dtype, accumulated in float32. The math is
+``quantization.dequantize`` then the product: ``W[n, k] = dtype(f32(w8[n, k]) · s[n // 128,
+k // 128])`` (HF ``FineGrainedFP8Config``'s weight-only path, spec §9). :func:`fp8_linear_reference`
+is that in ``jnp``; :func:`fp8_linear_pallas` the same as a Pallas Mosaic GPU kernel (Hopper)
+for M <= 64, the decode step's rows.
+
+Why the kernel looks the way it does (after ``jax/experimental/pallas/ops/gpu/
+hopper_mixed_type_matmul_mgpu.py``; Marlin, Frantar et al., 2024, for the weight-only idea):
+
+* XLA's form writes a 16-bit copy of every weight before the dot (3 more bytes per weight than
+  the 1 the FP8 model must read), so the kernel converts in registers instead: a program owns 128
+  weight rows (one scale row) and a range of 128-column blocks; a TMA warpgroup streams the
+  [128, 128] FP8 blocks and the matching [M, 128] slices of x through ``num_stages`` buffers; two
+  compute warpgroups each take 64 rows, upcast them (e4m3 -> f16 -> f32, times the block's scale,
+  -> x's dtype: ``dequantize``'s rounding) and feed them to ``wgmma`` as the A operand from
+  registers, with x's slice as B from shared memory: out^T [64, M] += W [64, 128] @ x^T [128, M].
+* A few rows cannot fill the GPU with one program per 128 rows (k_proj: 8 programs), so the
+  column blocks are split over ``splits`` programs (split-K); each writes its float32 partial
+  [N, M] and XLA adds the splits, transposes and casts (one small fusion).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from jaxdecode.kernels import wait_for_inputs
+from jaxdecode.kernels.decode_attention import _accumulate, _smem_tile
+from jaxdecode.quantization import DEFAULT_BLOCK, FP8, dequantize
+
+BLOCK = 128  # weight rows per program (one scale row) and columns per step (one scale column)
+ROWS_PER_WG = 64  # one wgmma M tile
+COMPUTE_WGS = BLOCK // ROWS_PER_WG
+MAX_ROWS = 64  # x rows the kernel takes (the accumulator [64, M] float32 stays in registers)
+SMEM_BUDGET_BYTES = 200 * 1024
+DEFAULT_NUM_SMS = 132  # H100/H200 SXM; the split heuristic only
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8LinearConfig:
+    """Static tuning knobs of :func:`fp8_linear_pallas`; None: :func:`choose_config`."""
+    num_stages: int | None = None  # [128, 128] weight blocks in flight per program
+    splits: int | None = None  # programs sharing one row block's column blocks (split-K)
+
+
+def padded_rows(m: int) -> int:
+    """x rows padded to a multiple of 16, at least 16: wgmma's N for the B operand x^T (the
+    padding rows' outputs are dropped; 8 is untested)."""
+    return max(16, -(-m // 16) * 16)
+
+
+def choose_config(n: int, k: int, m: int, num_sms: int = DEFAULT_NUM_SMS) -> Fp8LinearConfig:
+    """Stages: as many [128, 128] blocks (+ x slices) as fit :data:`SMEM_BUDGET_BYTES`, up to 8
+    (bytes in flight hide HBM latency); splits: enough programs for one wave over ``num_sms``
+    (each split keeps >= 2 column blocks)."""
+    step_bytes = BLOCK * BLOCK + padded_rows(m) * BLOCK * 2
+    stages = max(2, min(8, SMEM_BUDGET_BYTES // step_bytes))
+    row_blocks, col_blocks = n // BLOCK, k // BLOCK
+    splits = max(1, min(num_sms // max(row_blocks, 1), col_blocks // 2))
+    return Fp8LinearConfig(num_stages=stages, splits=splits)
+
+
+def check_supported(x_shape, w_shape, x_dtype, w_dtype, block_size) -> str | None:
+    """Why :func:`fp8_linear_pallas` cannot take these shapes/dtypes, or None if it can."""
+    m, k = x_shape
+    n, k2 = w_shape
+    if jnp.dtype(x_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"x dtype {jnp.dtype(x_dtype)} (the kernel takes bfloat16 and float16)"
+    if jnp.dtype(w_dtype) != FP8:
+        return f"weight dtype {jnp.dtype(w_dtype)} (the kernel takes float8_e4m3fn)"
+    if tuple(block_size) != (BLOCK, BLOCK):
+        return f"{block_size=} (the kernel takes ({BLOCK}, {BLOCK}))"
+    if k != k2 or n % BLOCK or k % BLOCK:
+        return f"x {x_shape} and weight {w_shape} (N and K must be multiples of {BLOCK})"
+    if not 1 <= m <= MAX_ROWS:
+        return f"{m} rows (the kernel takes 1 to {MAX_ROWS})"
+    return None
+
+
+def _kernel(x_gmem, w_gmem, s_gmem, o_gmem, scoped, *, steps_per_split, col_blocks, num_stages,
+            dtype, interpret):
+    wait_for_inputs(interpret)
+    (w_smem, x_smem, o_smem2, w_tmp2), (w_barriers, x_barriers), consumed = scoped
+    row_block, split, wg = lax.axis_index("n"), lax.axis_index("s"), lax.axis_index("wg")
+    first = split * steps_per_split  # this program's first column block
+    steps = jnp.minimum(col_blocks - first, steps_per_split)
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute():
+        rows = pl.ds(wg * ROWS_PER_WG, ROWS_PER_WG)
+        layout = plgpu.Layout.WGMMA
+        acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, x_smem.shape[1]), jnp.float32), layout)
+
+        def step(i, carry):
+            acc, scale = carry
+            # the next block's scale, loaded a step ahead (off the conversion's critical path)
+            next_scale = s_gmem[row_block, jnp.minimum(first + i + 1, col_blocks - 1)]
+            slot = lax.rem(i, num_stages)
+            plgpu.barrier_wait(w_barriers.at[slot])
+            w8 = plgpu.load(w_smem.at[slot, rows], layout=plgpu.Layout.WGMMA_UPCAST_2X,
+                            optimized=not interpret)
+            w = (w8.astype(jnp.float16).astype(jnp.float32) * scale).astype(dtype)
+            w = plgpu.layout_cast(w, layout)
+            plgpu.barrier_wait(x_barriers.at[slot])
+            if interpret:  # the interpreter takes wgmma operands from shared memory only
+                w_tmp = w_tmp2.at[wg]
+                w_tmp[...] = w
+                plgpu.commit_smem()
+                w = w_tmp
+
+            def mma(acc_ref):
+                plgpu.wgmma(acc_ref, w, x_smem.at[slot].T)
+
+            acc = _accumulate(acc, mma, interpret=interpret)
+            plgpu.barrier_arrive(consumed.at[slot])
+            return acc, next_scale
+
+        acc, _ = lax.fori_loop(0, steps, step, (acc, s_gmem[row_block, first]))
+        o_smem = o_smem2.at[wg]
+        o_smem[...] = acc
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(
+            o_smem, o_gmem.at[split, pl.ds(row_block * BLOCK + wg * ROWS_PER_WG, ROWS_PER_WG)])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _memory():
+        if not interpret:
+            plgpu.set_max_registers(40, action="decrease")
+
+        def fetch(i, slot):
+            cols = pl.ds((first + i) * BLOCK, BLOCK)
+            plgpu.copy_gmem_to_smem(w_gmem.at[pl.ds(row_block * BLOCK, BLOCK), cols],
+                                    w_smem.at[slot], w_barriers.at[slot])
+            plgpu.copy_gmem_to_smem(x_gmem.at[:, cols], x_smem.at[slot], x_barriers.at[slot])
+
+        for i in range(num_stages):  # static: the prologue
+            pl.when(i < steps)(functools.partial(fetch, i, i))
+
+        def refill(i, _):
+            slot = lax.rem(i, num_stages)
+            plgpu.barrier_wait(consumed.at[slot])
+            fetch(i + num_stages, slot)
+
+        lax.fori_loop(0, jnp.maximum(steps - num_stages, 0), refill, None)
+
+        def last(i, _):  # the last blocks' release: every barrier phase observed
+            plgpu.barrier_wait(consumed.at[lax.rem(i, num_stages)])
+
+        lax.fori_loop(jnp.maximum(steps - num_stages, 0), steps, last, None)
+
+
+def fp8_linear_pallas(x, weight, scale_inv, block_size=DEFAULT_BLOCK, *,
+                      config: Fp8LinearConfig | None = None, interpret: bool = False):
+    """``x @ dequantize(weight, scale_inv).T`` as a Pallas Mosaic GPU kernel (Hopper); shapes as
+    the module docstring, [M, N] in x's dtype. ValueError for what :func:`check_supported`
+    refuses. ``config``: None picks :func:`choose_config`; ``interpret``: the Mosaic GPU
+    interpreter (CPU)."""
+    if (why := check_supported(x.shape, weight.shape, x.dtype, weight.dtype, block_size)):
+        raise ValueError(f"fp8_linear_pallas does not take {why}")
+    m, k = x.shape
+    n = weight.shape[0]
+    if scale_inv.shape != (n // BLOCK, k // BLOCK):
+        raise ValueError(f"{scale_inv.shape=} does not match {weight.shape=} in {BLOCK}-blocks")
+    chosen = choose_config(n, k, m)
+    stages = (config and config.num_stages) or chosen.num_stages
+    splits = (config and config.splits) or chosen.splits
+    col_blocks = k // BLOCK
+    steps_per_split = -(-col_blocks // splits)
+    splits = -(-col_blocks // steps_per_split)  # no empty split
+    mp = padded_rows(m)
+    xp = jnp.pad(x, ((0, mp - m), (0, 0))) if mp != m else x
+    dtype = x.dtype
+
+    body = functools.partial(_kernel, steps_per_split=steps_per_split, col_blocks=col_blocks,
+                             num_stages=stages, dtype=dtype, interpret=interpret)
+
+    def entry(x_gmem, w_gmem, s_gmem, o_gmem):
+        smem = (_smem_tile((stages, BLOCK, BLOCK), FP8),
+                _smem_tile((stages, mp, BLOCK), dtype),
+                plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, mp), jnp.float32),
+                _smem_tile((COMPUTE_WGS, ROWS_PER_WG, BLOCK), dtype) if interpret else None)
+        pl.run_scoped(
+            lambda *scoped: body(x_gmem, w_gmem, s_gmem, o_gmem, scoped),
+            smem,
+            (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)),
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
+            collective_axes="wg")
+
+    partial = plgpu.kernel(
+        entry, out_type=jax.ShapeDtypeStruct((splits, n, mp), jnp.float32),
+        grid=(n // BLOCK, splits), grid_names=("n", "s"),
+        num_threads=COMPUTE_WGS + 1, thread_name="wg",
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(xp, weight, scale_inv.astype(jnp.float32))
+    return partial.sum(0).T[:m].astype(dtype)
+
+
+def fp8_linear_reference(x, weight, scale_inv, block_size=DEFAULT_BLOCK):
+    """``x @ dequantize(weight, scale_inv, block_size, x.dtype).T``, float32 accumulation, in
+    x's dtype (what ``model.linear`` computes for an ``Fp8Linear``). x [..., K]."""
+    w = dequantize(weight, scale_inv, block_size, x.dtype)
+    return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32).astype(x.dtype)

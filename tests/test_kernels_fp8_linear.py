@@ -1,0 +1,173 @@
+"""jaxdecode.kernels.fp8_linear: the block-FP8 weight-only linear kernel (Pallas Mosaic GPU) and its
+XLA reference against float64 numpy; its CUDA lowering (checked on CPU); the dispatch in
+``choice.fp8_linear``; a decode step of an FP8 model with the kernel against the step with XLA's
+form.
+
+Modes (conftest.MODES): "interpret" runs the kernel in the Mosaic GPU interpreter (CPU, CI;
+marked slow); "gpu" compiles it (``pytest -m gpu`` on an sm_90 machine).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jaxdecode as jd
+from conftest import FULL, LIN, MODES, assert_rel_close, lower_for_cuda_text, tiny
+from jaxdecode import quantization
+from jaxdecode.kernels import choice
+from jaxdecode.kernels import fp8_linear as fl
+
+bf16, f32 = jnp.bfloat16, jnp.float32
+FP8 = ml_dtypes.float8_e4m3fn
+
+
+def inputs(seed, m, n, k, dtype=bf16):
+    """x [m, k] normal; weight [n, k] the e4m3 rounding of normals; block scales log-uniform over
+    three decades (a scale applied to the wrong block shows)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w8 = np.clip(rng.standard_normal((n, k)) * 100, -448, 448).astype(FP8)
+    scale = (10.0 ** rng.uniform(-4, -1, quantization.scale_shape((n, k), (128, 128))))
+    return jnp.asarray(x, dtype), jnp.asarray(w8), jnp.asarray(scale, f32)
+
+
+def reference_f64(x, w8, scale, dtype):
+    """float64 x @ W.T with W the dequantised weight rounded to the model dtype (the math the
+    library defines: ``quantization.dequantize`` to x's dtype, then the product)."""
+    w = quantization.dequantize(np.asarray(w8), np.asarray(scale), (128, 128), np.float32)
+    w = np.asarray(jnp.asarray(w, dtype).astype(f32), np.float64)
+    return np.asarray(jnp.asarray(x, f32), np.float64) @ w.T
+
+
+# (m, n, k, config): one row; odd rows with 3 splits and 2 stages; a full 64-row tile;
+# split-K with a short last split; one column block
+CASES = {
+    "m1": (1, 256, 384, None),
+    "m5-splits3": (5, 384, 640, fl.Fp8LinearConfig(num_stages=2, splits=3)),
+    "m64": (64, 128, 256, None),
+    "m17-uneven-splits": (17, 256, 896, fl.Fp8LinearConfig(num_stages=3, splits=3)),
+    "m9-one-block": (9, 128, 128, None),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_against_float64(mode, case):
+    m, n, k, config = CASES[case]
+    x, w8, scale = inputs(hash(case) % 1000, m, n, k)
+    got = jax.jit(lambda *a: fl.fp8_linear_pallas(*a, config=config,
+                                                  interpret=mode == "interpret"))(x, w8, scale)
+    assert got.shape == (m, n) and got.dtype == bf16
+    assert np.isfinite(np.asarray(got, np.float32)).all()
+    want = reference_f64(x, w8, scale, bf16)
+    assert_rel_close(np.asarray(got, np.float32), want, 8e-3, f"{case} kernel")  # bf16 output
+    ref = fl.fp8_linear_reference(x, w8, scale)
+    assert_rel_close(np.asarray(ref, np.float32), want, 8e-3, f"{case} reference")
+
+
+def test_reference_is_what_model_linear_computed_for_fp8():
+    """The reference is ``dequantize`` to x's dtype then the dot (float32 here: exact)."""
+    x, w8, scale = inputs(3, 4, 256, 384, f32)
+    want = np.asarray(x, np.float64) @ quantization.dequantize(
+        np.asarray(w8), np.asarray(scale), (128, 128), np.float64).T
+    assert_rel_close(fl.fp8_linear_reference(x, w8, scale), want, 1e-5, "float32 reference")
+
+
+@pytest.mark.parametrize("m, n, k, config", [(1, 256, 384, None), (64, 1024, 4096, None),
+                                             (16, 12288, 4096, None),
+                                             (3, 128, 512, fl.Fp8LinearConfig(4, 2))])
+def test_kernel_lowers_for_cuda(m, n, k, config):
+    specs = [jax.ShapeDtypeStruct((m, k), bf16), jax.ShapeDtypeStruct((n, k), FP8),
+             jax.ShapeDtypeStruct((n // 128, k // 128), f32)]
+    text = lower_for_cuda_text(lambda *a: fl.fp8_linear_pallas(*a, config=config), *specs)
+    assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("x_shape, w_shape, x_dtype, why", [
+    ((65, 256), (128, 256), bf16, "65 rows"),
+    ((1, 200), (128, 200), bf16, "multiples of 128"),
+    ((1, 256), (100, 256), bf16, "multiples of 128"),
+    ((1, 256), (128, 256), f32, "x dtype float32"),
+])
+def test_unsupported_inputs_raise(x_shape, w_shape, x_dtype, why):
+    x = jnp.zeros(x_shape, x_dtype)
+    w = jnp.zeros(w_shape, FP8)
+    s = jnp.ones(quantization.scale_shape(w_shape, (128, 128)), f32)
+    with pytest.raises(ValueError, match=why):
+        fl.fp8_linear_pallas(x, w, s)
+    with pytest.raises(ValueError, match="scale_inv.shape"):
+        fl.fp8_linear_pallas(jnp.zeros((1, 256), bf16), jnp.zeros((128, 256), FP8),
+                             jnp.ones((1, 1), f32))
+
+
+def test_choose_config_fills_the_gpu_and_the_shared_memory():
+    for n, k, m in [(12288, 4096, 1), (1024, 4096, 8), (4096, 12288, 64)]:
+        c = fl.choose_config(n, k, m)
+        programs = n // 128 * c.splits
+        assert programs <= 132 or c.splits == 1, (n, k, c)
+        assert c.splits == 1 or programs > 132 // 2, (n, k, c)
+        assert 2 <= c.num_stages <= 8
+        assert c.num_stages * (128 * 128 + fl.padded_rows(m) * 256) <= fl.SMEM_BUDGET_BYTES
+
+
+def test_kernels_refuse_fp8_pallas_where_it_does_not_run():
+    with pytest.raises(ValueError, match="fp8_linear"):
+        choice.Kernels(fp8_linear="pallas", batch_invariant=True)
+    with pytest.raises(ValueError, match="fp8_linear"):
+        choice.Kernels(fp8_linear="mosaic")
+
+
+def test_choice_runs_the_kernel_for_decode_rows_and_xla_for_a_prefill():
+    """``choice.fp8_linear`` with fp8_linear="pallas": the kernel for up to 64 rows (lowered for
+    CUDA: a Mosaic GPU call), XLA's dequantise + dot above it and for shapes it does not take."""
+    k = choice.Kernels(fp8_linear="pallas", interpret=False)
+
+    def lowered(shape, rows=256, dtype=bf16, kernels=k):
+        w = jax.ShapeDtypeStruct((rows, 384), FP8)
+        s = jax.ShapeDtypeStruct(quantization.scale_shape((rows, 384), (128, 128)), f32)
+        return lower_for_cuda_text(
+            lambda x, w, s: choice.fp8_linear(kernels, x, jd.Fp8Linear(w, s)),
+            jax.ShapeDtypeStruct(shape, dtype), w, s)
+
+    assert "mosaic_gpu" in lowered((8, 1, 384))  # [B, T, K] of a decode step
+    assert "mosaic_gpu" in lowered((64, 384))
+    assert "mosaic_gpu" not in lowered((65, 384))  # a prefill's rows
+    assert "mosaic_gpu" not in lowered((2, 384), dtype=f32)
+    assert "mosaic_gpu" not in lowered((2, 384), rows=200)
+    assert "mosaic_gpu" not in lowered((2, 384), kernels=choice.XLA)
+
+
+# Every FP8 Linear of this model has dimensions in 128-blocks except k_proj / v_proj (64 rows):
+# those run XLA's form beside the kernel.
+CONFIG = tiny(vocab_size=300, hidden_size=128, intermediate_size=256, num_attention_heads=2,
+              num_key_value_heads=1, head_dim=64, linear_num_key_heads=2,
+              linear_num_value_heads=4, linear_key_head_dim=128, linear_value_head_dim=128,
+              num_hidden_layers=2, layer_types=(LIN, FULL))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fp8_decode_step_with_the_kernel_matches_xla(mode):
+    """A bf16 FP8 model: prefill (XLA's form: 3 x 7 rows), then decode steps with the kernel
+    against the same steps with XLA's form (the same dequantised weights; bf16 rounding apart)."""
+    params = jd.quantize_fp8(jd.init_params(CONFIG, jax.random.key(1), "bfloat16"))
+    rng = np.random.default_rng(4)
+    tokens = jnp.asarray(rng.integers(0, CONFIG.vocab_size, (3, 7)), jnp.int32)
+    kernel = choice.Kernels(fp8_linear="pallas", interpret=mode == "interpret")
+    out = {}
+    for name, kernels in (("xla", choice.XLA), ("kernel", kernel)):
+        state = jd.init_state(CONFIG, 3, 32, dtype=params.dtype)
+        logits, state = jd.model.prefill_fn(params, state, tokens, jnp.array([7, 3, 5]),
+                                            kernels=choice.XLA)
+        steps = []
+        for _ in range(2):
+            logits, state = jax.jit(functools.partial(jd.model.decode_step_fn, kernels=kernels))(
+                params, state, jnp.argmax(logits, -1).astype(jnp.int32))
+            steps.append(np.asarray(logits, np.float32))
+        out[name] = np.stack(steps)
+    assert_rel_close(out["kernel"], out["xla"], 2e-2, "decode logits, kernel vs XLA")
