@@ -39,12 +39,14 @@ f32 = jnp.float32
 INVARIANT_CHUNK = 256
 
 
-def linear(x: Array, w: Array | Fp8Linear, *, out_dtype=None) -> Array:
+def linear(x: Array, w: Array | Fp8Linear, *, out_dtype=None,
+           kernels: Kernels = choice.XLA) -> Array:
     """``x @ w.T`` with ``w`` in PyTorch layout ``[out, in]`` (no bias anywhere in Qwen3.5);
-    ``out_dtype``: the accumulation/output dtype (None: x's). A block-FP8 ``w`` is dequantised
-    to x's dtype first (weight-only: x stays in the model dtype)."""
+    ``out_dtype``: the accumulation/output dtype (None: x's). A block-FP8 ``w`` is weight-only
+    (x stays in the model dtype): ``choice.fp8_linear`` as ``kernels.fp8_linear`` says (its
+    weights dequantised to x's dtype, the same numbers either way)."""
     if isinstance(w, Fp8Linear):
-        w = w.dequantize(x.dtype)
+        return choice.fp8_linear(kernels, x, w, out_dtype=out_dtype)
     return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=out_dtype)
 
 
@@ -93,10 +95,12 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
     return jnp.concatenate([x_rot * cos + rotated * sin, x_pass], axis=-1)
 
 
-def mlp(p: MLPParams, x: Array) -> Array:
+def mlp(p: MLPParams, x: Array, kernels: Kernels = choice.XLA) -> Array:
     """HF ``Qwen3_5MLP``: ``down_proj(silu(gate_proj x) * up_proj x)``, elementwise in the model
     dtype (each op rounded once, as torch)."""
-    return linear(silu(linear(x, p.gate_proj)) * linear(x, p.up_proj), p.down_proj)
+    gate = linear(x, p.gate_proj, kernels=kernels)
+    return linear(silu(gate) * linear(x, p.up_proj, kernels=kernels), p.down_proj,
+                  kernels=kernels)
 
 
 def route(p: MoEParams, x: Array, config: Config,
@@ -128,7 +132,7 @@ def moe(p: MoEParams, x: Array, config: Config, kernels: Kernels = choice.XLA) -
     weights, chosen = route(p, x, config, kernels)
     routed = choice.routed_experts(kernels, x, weights, chosen, p.experts_gate_up_proj,
                                    p.experts_down_proj)
-    shared = mlp(p.shared_expert, x) * sigmoid(linear(x, p.shared_expert_gate))
+    shared = mlp(p.shared_expert, x, kernels) * sigmoid(linear(x, p.shared_expert_gate))
     return (routed + shared).reshape(*lead, h)
 
 
@@ -136,7 +140,7 @@ def ffn(p: MLPParams | MoEParams, x: Array, config: Config,
         kernels: Kernels = choice.XLA) -> Array:
     """A decoder layer's feed-forward block: :func:`mlp` (dense) or :func:`moe` (the layers in
     ``config.moe_layers``; its experts expert-parallel on ``kernels.mesh``)."""
-    return moe(p, x, config, kernels) if isinstance(p, MoEParams) else mlp(p, x)
+    return moe(p, x, config, kernels) if isinstance(p, MoEParams) else mlp(p, x, kernels)
 
 
 def token_mask(length: int, num_new: Array) -> Array:
@@ -147,21 +151,22 @@ def token_mask(length: int, num_new: Array) -> Array:
     return jnp.arange(length)[None, :] < num_new[:, None]
 
 
-def deltanet_projections(p: GatedDeltaNetParams, x: Array):
+def deltanet_projections(p: GatedDeltaNetParams, x: Array, kernels: Kernels = choice.XLA):
     """The input projections of HF ``Qwen3_5GatedDeltaNet``: x [B, T, H] -> (mixed_qkv [B, T, C]
     pre-conv q, k, v grouped per key head, z [B, T, Hv*dv], b [B, T, Hv], a [B, T, Hv])."""
-    return (linear(x, p.in_proj_qkv), linear(x, p.in_proj_z), linear(x, p.in_proj_b),
-            linear(x, p.in_proj_a))
+    return (linear(x, p.in_proj_qkv, kernels=kernels), linear(x, p.in_proj_z, kernels=kernels),
+            linear(x, p.in_proj_b, kernels=kernels), linear(x, p.in_proj_a, kernels=kernels))
 
 
-def deltanet_output(p: GatedDeltaNetParams, o: Array, z: Array, config: Config) -> Array:
+def deltanet_output(p: GatedDeltaNetParams, o: Array, z: Array, config: Config,
+                    kernels: Kernels = choice.XLA) -> Array:
     """The gated RMSNorm and ``out_proj`` of HF ``Qwen3_5GatedDeltaNet``: o [B, T, Hv, dv] (any
     float dtype, cast to z's), z [B, T, Hv*dv] -> [B, T, H]."""
     batch, length, _ = z.shape
     hv, dv = config.linear_num_value_heads, config.linear_value_head_dim
     o = gated_rms_norm(o.astype(z.dtype), z.reshape(batch, length, hv, dv), p.norm,
                        config.rms_norm_eps)
-    return linear(o.reshape(batch, length, hv * dv), p.out_proj)
+    return linear(o.reshape(batch, length, hv * dv), p.out_proj, kernels=kernels)
 
 
 def _hist_slice(window: Array, new: Array, j: int, length: int) -> Array:
@@ -191,12 +196,12 @@ def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurre
                       c.linear_value_head_dim)
     kc = c.linear_conv_kernel_dim
 
-    mixed, z, b, a = deltanet_projections(p, x)
+    mixed, z, b, a = deltanet_projections(p, x, kernels)
     if decode:
         o, new_conv_state, new_state = choice.deltanet_decode(
             kernels, mixed[:, 0], a[:, 0], b[:, 0], valid[:, 0], start, conv_state,
             recurrent_state, p.conv1d[:, 0, :], p.A_log, p.dt_bias, num_key_heads=hk)
-        return deltanet_output(p, o[:, None], z, c), new_conv_state, new_state
+        return deltanet_output(p, o[:, None], z, c, kernels), new_conv_state, new_state
 
     # HF causal_conv1d_fn (depthwise, causal) over hist = [cached Kc-1 inputs | new]; w[:, Kc-1]
     # multiplies the current token. Pads follow the real tokens, so no real window holds one.
@@ -239,10 +244,11 @@ def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurre
     q, k = jnp.repeat(q, r, axis=2), jnp.repeat(k, r, axis=2)
     o, new_state = choice.chunk_gated_delta_rule(kernels, q, k, v, g, beta, recurrent_state)
 
-    return deltanet_output(p, o, z, c), new_conv_state, new_state
+    return deltanet_output(p, o, z, c, kernels), new_conv_state, new_state
 
 
-def attention_projections(p: AttentionParams, x: Array, positions: Array, config: Config):
+def attention_projections(p: AttentionParams, x: Array, positions: Array, config: Config,
+                          kernels: Kernels = choice.XLA):
     """The projections of HF ``Qwen3_5Attention``: x [B, T, H], positions [B, T] int32 ->
     (q [B, T, Hq, D] after q_norm and RoPE, gate [B, T, Hq, D], k [B, T, Hkv, D] after k_norm
     and RoPE, v [B, T, Hkv, D])."""
@@ -250,10 +256,10 @@ def attention_projections(p: AttentionParams, x: Array, positions: Array, config
     batch, length, _ = x.shape
     hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     # q_proj holds query and output gate interleaved per head: [Hq, 2D], not two halves.
-    qg = linear(x, p.q_proj).reshape(batch, length, hq, 2 * d)
+    qg = linear(x, p.q_proj, kernels=kernels).reshape(batch, length, hq, 2 * d)
     q, gate = qg[..., :d], qg[..., d:]
-    k = linear(x, p.k_proj).reshape(batch, length, hkv, d)
-    v = linear(x, p.v_proj).reshape(batch, length, hkv, d)
+    k = linear(x, p.k_proj, kernels=kernels).reshape(batch, length, hkv, d)
+    v = linear(x, p.v_proj, kernels=kernels).reshape(batch, length, hkv, d)
     q = rms_norm(q, p.q_norm, c.rms_norm_eps)  # per head over D, before RoPE
     k = rms_norm(k, p.k_norm, c.rms_norm_eps)
     cos, sin = rope_cos_sin(positions, c)
@@ -274,11 +280,12 @@ def write_kv(cache: KVCache, k: Array, v: Array, positions: Array, valid: Array)
                    v=jax.vmap(write)(cache.v, v, write_pos))
 
 
-def attention_output(p: AttentionParams, o: Array, gate: Array) -> Array:
+def attention_output(p: AttentionParams, o: Array, gate: Array,
+                     kernels: Kernels = choice.XLA) -> Array:
     """HF ``Qwen3_5Attention``'s output gate and ``o_proj``: o, gate [B, T, Hq, D] -> [B, T, H]."""
     batch, length = o.shape[:2]
     o = o.reshape(batch, length, -1) * sigmoid(gate.reshape(batch, length, -1))
-    return linear(o, p.o_proj)
+    return linear(o, p.o_proj, kernels=kernels)
 
 
 def gated_attention(p: AttentionParams, x: Array, cache: KVCache, start: Array, num_new: Array,
@@ -292,14 +299,14 @@ def gated_attention(p: AttentionParams, x: Array, cache: KVCache, start: Array, 
     Returns (out [B, T, H], new cache).
     """
     positions = start[:, None] + jnp.arange(x.shape[1])[None, :]  # [B, T]
-    q, gate, k, v = attention_projections(p, x, positions, config)
+    q, gate, k, v = attention_projections(p, x, positions, config, kernels)
     cache = write_kv(cache, k, v, positions, valid)
     if decode:
         o = choice.decode_attention(kernels, q[:, 0], cache.k, cache.v, start + num_new)[:, None]
     else:
         o = choice.prefill_attention(kernels, q, cache.k, cache.v, start, num_new,
                                      query_block=query_block)
-    return attention_output(p, o, gate), cache
+    return attention_output(p, o, gate, kernels), cache
 
 
 def _forward(params: Params, state: DecodeState, tokens: Array, num_new: Array | None, *,

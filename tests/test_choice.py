@@ -51,13 +51,19 @@ def fake_mesh(data: int, model: int) -> Mesh:
 
 
 def kernels(attention="xla", deltanet="xla", delta_rule="xla", mesh=None,
-            prefill_attention=None, prefill_delta_rule=None, batch_invariant=False):
+            prefill_attention=None, prefill_delta_rule=None, batch_invariant=False,
+            fp8_linear="xla"):
     """What choose_kernels returns: interpret=False (it compiles for the GPU it found); the
     prefill kernels where the decode attention kernel is (None), unless given."""
     return choice.Kernels(attention=attention, deltanet=deltanet, delta_rule=delta_rule,
                           prefill_attention=prefill_attention or attention,
                           prefill_delta_rule=prefill_delta_rule or attention, interpret=False,
-                          mesh=mesh, batch_invariant=batch_invariant)
+                          mesh=mesh, batch_invariant=batch_invariant, fp8_linear=fp8_linear)
+
+
+def hopper_kernels(**kw):
+    """choose_kernels on Hopper for a 16-bit model on one device: the FP8 linear kernel too."""
+    return kernels(fp8_linear="pallas", **kw)
 
 
 # ----- the value ----------------------------------------------------------------------------
@@ -118,8 +124,9 @@ def test_hopper_choice_by_batch(hopper, batch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # every shape is supported: no warning
         got = choice.choose_kernels(SUPPORTED, batch, dtype="bfloat16")
-    assert got == kernels(attention="pallas", deltanet="pallas" if batch < CORE else "xla",
-                          delta_rule="pallas" if batch >= RULE else "xla")
+    assert got == hopper_kernels(attention="pallas",
+                                 deltanet="pallas" if batch < CORE else "xla",
+                                 delta_rule="pallas" if batch >= RULE else "xla")
     assert got.interpret is False
 
 
@@ -151,16 +158,16 @@ def test_hopper_choice_on_a_mesh_is_per_device(hopper, data, model, batch, rule)
 
 @pytest.mark.parametrize("change, batch, op, why, want", [
     (dict(head_dim=32), 1, "decode attention", "head_dim=32",
-     kernels(deltanet="pallas", prefill_delta_rule="pallas")),
+     hopper_kernels(deltanet="pallas", prefill_delta_rule="pallas")),
     (dict(linear_key_head_dim=32), 1, "the Gated DeltaNet core", "not a multiple of 64",
-     kernels(attention="pallas", prefill_delta_rule="xla")),
+     hopper_kernels(attention="pallas", prefill_delta_rule="xla")),
     (dict(linear_key_head_dim=32), RULE, "the gated delta rule", "not a multiple of 64",
-     kernels(attention="pallas", prefill_delta_rule="xla")),
+     hopper_kernels(attention="pallas", prefill_delta_rule="xla")),
     (dict(linear_value_head_dim=44), RULE, "the gated delta rule", "not a multiple of 8",
-     kernels(attention="pallas", prefill_delta_rule="xla")),
+     hopper_kernels(attention="pallas", prefill_delta_rule="xla")),
     (dict(linear_value_head_dim=96), RULE, "the prefill's delta rule",
      r"\(the kernels take 64 or 128\)",
-     kernels(attention="pallas", delta_rule="pallas", prefill_delta_rule="xla")),
+     hopper_kernels(attention="pallas", delta_rule="pallas", prefill_delta_rule="xla")),
 ], ids=["attention-head-dim", "core-dk", "delta-rule-dk", "delta-rule-dv", "prefill-rule-dv"])
 def test_hopper_unsupported_shape_warns_once_and_falls_back(hopper, change, batch, op, why,
                                                             want):
@@ -181,7 +188,7 @@ def test_hopper_unsupported_dtype_warns_and_falls_back(hopper):
     with pytest.warns(UserWarning, match="the Gated DeltaNet core runs in XLA .*model dtype "
                                          "float16"):
         got = choice.choose_kernels(SUPPORTED, 1, dtype="float16")
-    assert got == kernels(attention="pallas")  # the attention kernel takes float16 caches
+    assert got == hopper_kernels(attention="pallas")  # the attention kernel takes float16
 
 
 def test_older_gpu_warns_and_runs_xla(monkeypatch):

@@ -7,6 +7,8 @@
 * ``gated_delta_decode``: the one-token gated delta rule in one pass over the state.
 * ``deltanet_decode``: the whole one-token Gated DeltaNet core (conv window, L2 norms, gating,
   delta rule) in one kernel.
+* ``fp8_linear``: a block-FP8 weight-only linear for a decode step's few rows, dequantising in
+  registers.
 
 Which of them a step runs is decided in one place: ``choice.choose_kernels``.
 """

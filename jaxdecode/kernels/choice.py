@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import warnings
 
 import jax
@@ -25,6 +26,7 @@ from jaxdecode.config import Config
 from jaxdecode.kernels import chunk_gated_delta as chunk_rule_kernel
 from jaxdecode.kernels import decode_attention as attention_kernel
 from jaxdecode.kernels import deltanet_decode as deltanet_kernel
+from jaxdecode.kernels import fp8_linear as fp8_kernel
 from jaxdecode.kernels import gated_delta_decode as delta_rule_kernel
 from jaxdecode.kernels import prefill_attention as prefill_kernel
 
@@ -48,6 +50,7 @@ class Kernels:
     delta_rule: str = "xla"  # with deltanet="xla": the one-pass delta-rule kernel, or XLA
     prefill_attention: str = "xla"  # the flash prefill attention kernel, or its reference
     prefill_delta_rule: str = "xla"  # the chunked delta rule's recurrence in one kernel, or XLA
+    fp8_linear: str = "xla"  # block-FP8 Linears of up to 64 rows: the kernel, or dequantise + dot
     interpret: bool | None = None  # Mosaic GPU interpreter (CPU); None: when not on a GPU
     # (read when a step is traced, not at construction: importing jaxdecode must not start
     # the backend, or jax.distributed.initialize could no longer run)
@@ -60,7 +63,7 @@ class Kernels:
 
     def __post_init__(self):
         for name in ("attention", "deltanet", "delta_rule", "prefill_attention",
-                     "prefill_delta_rule"):
+                     "prefill_delta_rule", "fp8_linear"):
             if getattr(self, name) not in CHOICES:
                 raise ValueError(f"Kernels.{name}={getattr(self, name)!r} must be one of "
                                  f"{CHOICES}")
@@ -69,6 +72,9 @@ class Kernels:
                              "(with delta_rule='pallas' for the per-device delta-rule kernel)")
         if self.mesh is not None and self.batch_invariant:
             raise ValueError("Kernels(batch_invariant=True) does not run on a mesh yet")
+        if self.fp8_linear == "pallas" and (self.mesh is not None or self.batch_invariant):
+            raise ValueError("Kernels(fp8_linear='pallas') runs on one device without "
+                             "batch_invariant (FP8 weights are not sharded yet)")
 
 
 XLA = Kernels()  # every op in XLA: the reference path, any backend
@@ -85,6 +91,8 @@ _prefill_attention_pallas = jax.jit(prefill_kernel.prefill_attention_pallas,
                                     static_argnames=("config", "interpret"))
 _prefill_delta_rule_pallas = jax.jit(chunk_rule_kernel.chunk_gated_delta_rule_pallas,
                                      static_argnames=("interpret",))
+_fp8_linear_pallas = jax.jit(fp8_kernel.fp8_linear_pallas,
+                             static_argnames=("block_size", "config", "interpret"))
 
 
 def _compute_capability(device) -> tuple[int, int] | None:
@@ -108,7 +116,8 @@ def choose_kernels(config: Config, batch_size: int, *, dtype="bfloat16",
     With a mesh, shapes and batch are per device (rows over "data", heads over "model").
     ``batch_invariant``: one choice for every batch size (the attention kernels and the
     one-kernel DeltaNet core), with ``Kernels.batch_invariant`` set (what it guarantees: its
-    field comment); not on a mesh.
+    field comment); not on a mesh. The FP8 linear kernel: on one device, not batch-invariant,
+    16-bit models (it applies to ``Fp8Linear`` weights only, so a bf16 model is unaffected).
     """
     device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
     cc = _compute_capability(device)
@@ -144,10 +153,13 @@ def choose_kernels(config: Config, batch_size: int, *, dtype="bfloat16",
         (rows, 1, hq, c.head_dim), (rows, hkv, 64, c.head_dim), dtype))
     chunk_rule = supported("the prefill's delta rule", chunk_rule_kernel.check_supported(
         (rows, 1, hv, dk), (rows, 1, hv, dv), dtype))
+    fp8 = (mesh is None and not batch_invariant
+           and dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
     pick = lambda use: "pallas" if use else "xla"  # noqa: E731
     return Kernels(attention=pick(attention), deltanet=pick(core), delta_rule=pick(rule),
                    prefill_attention=pick(prefill), prefill_delta_rule=pick(chunk_rule),
-                   interpret=False, mesh=mesh, batch_invariant=batch_invariant)
+                   fp8_linear=pick(fp8), interpret=False, mesh=mesh,
+                   batch_invariant=batch_invariant)
 
 
 def _interpret(kernels: Kernels) -> bool:
@@ -195,6 +207,22 @@ def prefill_attention(kernels: Kernels, q, k_cache, v_cache, start, num_new, *,
     return jax.shard_map(attend, mesh=kernels.mesh,
                          in_specs=(heads, cache, cache, P(DATA), P(DATA)), out_specs=heads,
                          check_vma=False)(q, k_cache, v_cache, start, num_new)
+
+
+def fp8_linear(kernels: Kernels, x, w, *, out_dtype=None):
+    """``x @ W.T`` for a block-FP8 ``w`` (``quantization.Fp8Linear``), x [..., K] -> [..., N].
+    ``kernels.fp8_linear == "pallas"``: the kernel when it takes the shapes (up to 64 rows: a
+    decode step; ``fp8_linear.check_supported``) and the result is in x's dtype; otherwise the
+    weight dequantised to x's dtype, then XLA's dot (a prefill: one 16-bit copy per call)."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = math.prod(lead)
+    if (kernels.fp8_linear == "pallas" and out_dtype in (None, x.dtype)
+            and fp8_kernel.check_supported((rows, k), w.shape, x.dtype, w.weight.dtype,
+                                           w.block_size) is None):
+        y = _fp8_linear_pallas(x.reshape(rows, k), w.weight, w.scale_inv, w.block_size,
+                               interpret=_interpret(kernels))
+        return y.reshape(*lead, w.shape[0])
+    return jnp.einsum("...i,oi->...o", x, w.dequantize(x.dtype), preferred_element_type=out_dtype)
 
 
 def top_k(kernels: Kernels, x, k: int):
