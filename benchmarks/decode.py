@@ -1,7 +1,7 @@
 """Whole decode-step benchmark on one GPU, against the memory roofline and Hugging Face.
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/decode.py [--grid quick|targets|full]
-        [--cells model:batch:context,...] [--hf] [--fp8]
+        [--cells model:batch:context,...] [--hf] [--fp8 [--fp8-xla]]
 
 Each (model, batch, max_len) compiles its own step (13-36 s on the H200), so the full grid does
 not fit one 10-minute device call: ``targets`` (8 cells) does. Per-kernel anatomy of a step:
@@ -266,6 +266,9 @@ def main():
     ap.add_argument("--fp8", action="store_true",
                     help="each model's cells again with its Linears in block FP8 "
                     "(jd.quantize_fp8 of the same weights)")
+    ap.add_argument("--fp8-xla", action="store_true",
+                    help="with --fp8: the FP8 cells once more with XLA's form of the FP8 "
+                         "Linears (dequantise, then dot) instead of the kernel")
     ap.add_argument("--no-prefill", action="store_true")
     ap.add_argument("--no-anatomy", action="store_true",
                     help="skip the 4-layer twin that splits the batch-1 step into parts")
@@ -319,14 +322,19 @@ def main():
         jax.block_until_ready(params)
         print(f"# {name}: {jd.num_params(params) / 1e9:.2f}B params, init "
               f"{time.perf_counter() - t0:.1f}s", flush=True)
-        variants = [(name, params)]
+        variants = [(name, params, {})]
         if args.fp8:  # the same weights, quantised: the cells again, side by side
-            variants.append((f"{name} fp8", jd.quantize_fp8(params)))
-        for (label, weights), (batch, context) in [(v, c) for v in variants for c in cells]:
+            fp8 = jd.quantize_fp8(params)
+            variants.append((f"{name} fp8", fp8, {}))
+            if args.fp8_xla:
+                variants.append((f"{name} fp8 xla-form", fp8, dict(fp8_linear="xla")))
+        for (label, weights, overrides), (batch, context) in [(v, c) for v in variants
+                                                              for c in cells]:
             state = jd.init_state(config, batch, context + 256, dtype="bfloat16")
             state = randomize_state(state, context)
             dt, compile_s, compiled = time_decode(
-                weights, state, batch, kernels=kernels_for(weights, batch, args.attention))
+                weights, state, batch,
+                kernels=kernels_for(weights, batch, args.attention, **overrides))
             nbytes = step_bytes(config, weights, batch, context)
             total = sum(nbytes.values())
             row = dict(model=label, batch=batch, context=context, ms_per_step=dt * 1e3,

@@ -1,7 +1,7 @@
 """Anatomy of one decode step on the GPU: every kernel it launches, with its CUPTI time.
 
     python benchmarks/step_profile.py [--cells 0.8b:1:1024,9b:1:1024] [--attention auto,reference]
-        [--deltanet auto,reference] [--options ';name=value,...'] [--pdl on,off]
+        [--deltanet auto,reference] [--options ';name=value,...'] [--pdl on,off] [--fp8]
 
 Per cell (model:batch:context) and variant (attention and DeltaNet implementations, XLA
 options): wall ms per step (the same timing as ``benchmarks/decode.py``), the sum of kernel
@@ -139,6 +139,8 @@ def main():
                          "programmatic dependent launch (jaxdecode.kernels.wait_for_inputs), "
                          "each timed in the same process")
     ap.add_argument("--dump-hlo", default=None, help="write each cell's optimised HLO here")
+    ap.add_argument("--fp8", action="store_true",
+                    help="the same weights as block-FP8 Linears (jd.quantize_fp8)")
     args = ap.parse_args()
     for flag, values in (("--attention", args.attention), ("--deltanet", args.deltanet)):
         unknown = [v for v in values.split(",") if v not in CHOICES]
@@ -169,6 +171,8 @@ def main():
             params_cache.clear()
             params_cache[preset] = jd.init_params(jd.Config.from_preset(preset),
                                                   jax.random.key(0), "bfloat16")
+            if args.fp8:
+                params_cache[preset] = jd.quantize_fp8(params_cache[preset])
         params = params_cache[preset]
         config = params.config
         variants = [(impl, opts, form, pdl) for impl in args.attention.split(",")
@@ -227,7 +231,7 @@ def main():
             entry = hlo[hlo.index("ENTRY"):]
             copies = re.findall(r"= (\S+) copy\(", entry[:entry.index("\n}\n")])
             n_cmd = len(copies)
-            tag = (f"{name} b{batch} ctx{context} attention={impl}" + (f" {opts}" if opts else "")
+            tag = (f"{name}{' fp8' if args.fp8 else ''} b{batch} ctx{context} attention={impl}" + (f" {opts}" if opts else "")
                    + (f" deltanet={form}" if form != "auto" else "")
                    + (" pdl=off" if pdl == "off" else ""))
             print(f"\n## {tag}\nwall {dt * 1e3:.3f} ms/step; kernels {len(kernels)}, kernel sum "

@@ -1,0 +1,119 @@
+"""The block-FP8 linear alone at the decode step's shapes: the Pallas kernel
+(``jaxdecode.kernels.fp8_linear``) against XLA's form (dequantise to bf16, then dot: what an FP8
+model ran before the kernel) and the bf16 weight's dot, in one process.
+
+    python benchmarks/fp8_linear.py [--shapes 12288x4096,4096x12288,...] [--batches 1,8,64]
+        [--smoke]
+
+Per (out x in, rows): microseconds per matrix (``--layers`` different matrices of the shape
+summed in one jitted call, so the weights do not sit in the 60 MB L2; median of 5 repeats of 50
+calls) and the % of the device-to-device copy bandwidth measured in the same run, over the bytes
+the weight must move (FP8: 1 byte per weight + the block scales; bf16: 2). Default shapes: the 9B
+model's quantised Linears (MLP gate/up, down; DeltaNet in_proj_qkv, out_proj; attention k_proj)
+and the 27B's MLP. ``--smoke``: tiny shapes in the Mosaic GPU interpreter (checks the script on
+a CPU; no timings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from jaxdecode import quantization  # noqa: E402
+from jaxdecode.kernels import fp8_linear as fl  # noqa: E402
+
+DEFAULT_SHAPES = "12288x4096,4096x12288,8192x4096,4096x4096,1024x4096,17408x5120,5120x17408"
+
+
+def bench(f, args, n=50):
+    out = f(*args)
+    out.block_until_ready()
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            out = f(*args)
+        out.block_until_ready()
+        times.append((time.perf_counter() - t0) / n)
+    return statistics.median(times)
+
+
+def copy_bandwidth_gb_per_s() -> float:
+    x = jax.random.normal(jax.random.key(0), (1 << 28,), jnp.float32)
+    t = bench(jax.jit(lambda a: a * 1.0001), (x,), n=20)
+    return 2 * x.nbytes / t / 1e9
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated OUTxIN")
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args()
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    layers = args.layers
+    if args.smoke:
+        shapes, batches, layers = [(256, 384)], [1, 3], 2
+    interpret = args.smoke
+    print(f"# {jax.devices()[0].device_kind}; jax {jax.__version__}", flush=True)
+    bw = None if args.smoke else copy_bandwidth_gb_per_s()
+    if bw:
+        print(f"# copy bandwidth {bw:.0f} GB/s", flush=True)
+
+    forms = {
+        "bf16 dot": lambda x, w, w8, s: jnp.einsum("bi,oi->bo", x, w,
+                                                   preferred_element_type=jnp.float32
+                                                   ).astype(x.dtype),
+        "fp8 XLA form": lambda x, w, w8, s: fl.fp8_linear_reference(x, w8, s),
+        "fp8 kernel": lambda x, w, w8, s: fl.fp8_linear_pallas(x, w8, s, interpret=interpret),
+    }
+    rows = []
+    for (n, k) in shapes:
+        w = jax.random.normal(jax.random.key(1), (layers, n, k), jnp.bfloat16)
+        w8, s = jax.vmap(quantization.quantize)(w)
+        w = jax.vmap(lambda a, b: quantization.dequantize(a, b, (128, 128), jnp.bfloat16))(w8, s)
+        for m in batches:
+            x = jax.random.normal(jax.random.key(2), (m, k), jnp.bfloat16)
+            res, outs = {}, {}
+            for name, form in forms.items():
+                f = jax.jit(lambda x, w, w8, s, form=form: sum(
+                    form(x, w[i], w8[i], s[i]).astype(jnp.float32) for i in range(layers)))
+                outs[name] = f(x, w, w8, s)
+                res[name] = None if args.smoke else bench(f, (x, w, w8, s)) / layers
+            ref = outs["bf16 dot"]
+            err = {name: float(jnp.max(jnp.abs(o - ref)) / jnp.max(jnp.abs(ref)))
+                   for name, o in outs.items()}
+            rows.append((n, k, m, res, err))
+            print(f"{n}x{k} rows {m}: " + ", ".join(
+                f"{name} {res[name] * 1e6:.1f} us" if res[name] else name for name in forms)
+                + f"; max |diff| to the bf16 dot / max: {max(err.values()):.1e}", flush=True)
+    if args.smoke:
+        assert all(max(e.values()) < 2e-2 for *_, e in rows), rows
+        print("smoke: every form agrees with the bf16 dot of the dequantised weights")
+        return
+    print(f"\n## block-FP8 linear (us per matrix; % of the copy bandwidth {bw:.0f} GB/s over "
+          "the weight's bytes)\n")
+    print("| out x in | rows | " + " | ".join(forms) + " | kernel vs XLA form |")
+    print("|---|---:|" + "---:|" * (len(forms) + 1))
+    for n, k, m, res, _ in rows:
+        cells = []
+        for name in forms:
+            nbytes = n * k * (2 if name == "bf16 dot" else 1) + (n // 128) * (k // 128) * 4
+            cells.append(f"{res[name] * 1e6:.1f} ({nbytes / res[name] / 1e9 / bw * 100:.0f}%)")
+        print(f"| {n} x {k} | {m} | " + " | ".join(cells)
+              + f" | {res['fp8 XLA form'] / res['fp8 kernel']:.2f}x |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
