@@ -29,9 +29,8 @@ from safetensors import safe_open
 
 from jaxdecode import quantization, sharding
 from jaxdecode.config import Config, model_dtype
-from jaxdecode.params import (CONV_CHANNEL_LEAVES, FUSED_PROJECTIONS, Params, checkpoint_specs,
-                              conv_channel_order, hf_to_internal, leaf_dtype, params_from_flat,
-                              split_fused)
+from jaxdecode.params import (CONV_CHANNEL_LEAVES, Params, checkpoint_specs, conv_channel_order,
+                              hf_to_internal, leaf_dtype, params_from_flat, split_fused)
 from jaxdecode.quantization import Fp8Linear
 
 TEXT_PREFIX = "model.language_model."
@@ -162,8 +161,8 @@ def quantization_block(directory: str) -> tuple[int, int]:
 def _pair_scales(config: Config, found: dict, fp8: set[str], block, problems: list[str]):
     """Pops the ``weight_scale_inv`` entries out of ``found``; returns {weight name: scale
     entry}. Appends to ``problems`` an FP8 weight without its scale, a scale without an FP8
-    weight, a scale of the wrong shape, and FP8 tensors jaxdecode does not read yet (MoE
-    experts, Qwen3-Next's fused projections)."""
+    weight, a scale of the wrong shape, an FP8 tensor that is not 2-D (fused 3-D experts), and
+    an FP8 weight whose rows jaxdecode regroups across its blocks."""
     scales = {}
     for name in [n for n in found if n.endswith(SCALE_SUFFIX)]:
         entry = found.pop(name)
@@ -175,13 +174,7 @@ def _pair_scales(config: Config, found: dict, fp8: set[str], block, problems: li
             scales[weight] = entry
     for name in sorted(fp8):
         stored, shape = found[name][1], found[name][2]
-        if _PER_EXPERT.match(name) or ".mlp.experts." in name:
-            problems.append(f"tensor {stored} is {FP8_DTYPE}: FP8 MoE experts are not "
-                            "supported yet")
-        elif any(name.endswith(f) for f in FUSED_PROJECTIONS):
-            problems.append(f"tensor {stored} is {FP8_DTYPE}: FP8 Qwen3-Next fused "
-                            "projections are not supported yet")
-        elif name not in scales:
+        if name not in scales:
             problems.append(f"missing tensor {stored}{SCALE_SUFFIX} (the block scales of an "
                             f"{FP8_DTYPE} weight)")
         elif len(shape) != 2:
@@ -257,7 +250,8 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
     with a ``weight_scale_inv``; spec §9) loads its quantised Linears as :class:`Fp8Linear`
     (``place`` is called with the weight's name for the float8 values and that name +
     ``"_scale_inv"`` for the float32 scales); an FP8 tensor of another leaf is dequantised at
-    load. Not yet: FP8 MoE experts, FP8 Qwen3-Next fused projections, FP8 on a ``mesh``.
+    load to ``dtype``: the per-expert MoE experts of the FP8 MoE releases and Qwen3-Next's
+    fused projections too (held in ``dtype``, not yet in FP8). Not yet: FP8 on a ``mesh``.
 
     Returns :class:`Params` (config from ``config.json``; a tied checkpoint's stored
     ``lm_head.weight`` is ignored).
@@ -318,7 +312,7 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
 
     place = place or (lambda name, x: jnp.asarray(x))
     flat = {}
-    for name, array in _iter_tensors(found, scales):
+    for name, array in _iter_tensors(found, scales, block):
         if name in scales:
             array, scale = array
             for x, stored in ((array, found[name][1]), (scale, scales[name][1])):
@@ -360,11 +354,12 @@ def _fp8_leaf(config: Config, name: str, w8: np.ndarray, scale: np.ndarray, bloc
     return Fp8Linear(place(name, w8), place(name + SCALE_SUFFIX, scale), block)
 
 
-def _iter_tensors(found, scales=None) -> Iterator[tuple[str, np.ndarray]]:
+def _iter_tensors(found, scales=None, block=quantization.DEFAULT_BLOCK
+                  ) -> Iterator[tuple[str, np.ndarray]]:
     """(name, array) for every entry of ``found``: a stored tensor, or (path None) the stack of
-    per-expert parts (:func:`_fuse_experts`), each expert's parts concatenated along rows; for a
-    name in ``scales`` (an FP8 weight: {name: its scale's entry}) array is (float8 values,
-    float32 block scales)."""
+    per-expert parts (:func:`_fuse_experts`), each expert's parts concatenated along rows (an
+    FP8 part dequantised to float32 first); for a name in ``scales`` (an FP8 weight: {name: its
+    scale's entry}) array is (float8 values, float32 block scales)."""
     scales = scales or {}
     with contextlib.ExitStack() as stack:
         handles = {}
@@ -378,6 +373,13 @@ def _iter_tensors(found, scales=None) -> Iterator[tuple[str, np.ndarray]]:
                 raise ValueError(f"cannot read tensor {stored} from {path!r} "
                                  f"({type(e).__name__}: {e})") from None
 
+        def read_part(path, stored):  # a per-expert tensor; FP8 ones dequantised
+            scale = scales.get(canonical_name(stored))
+            if scale is None:
+                return read(path, stored)
+            return quantization.dequantize(_read_fp8(path, stored),
+                                           read(*scale[:2]).astype(np.float32), block)
+
         for name, (path, stored, _) in sorted(found.items(), key=lambda kv: str(kv[1][0])):
             if name in scales:
                 yield name, (_read_fp8(path, stored),
@@ -385,5 +387,5 @@ def _iter_tensors(found, scales=None) -> Iterator[tuple[str, np.ndarray]]:
             elif path is not None:
                 yield name, read(path, stored)
             else:
-                yield name, np.stack([np.concatenate([read(*part) for part in expert])
+                yield name, np.stack([np.concatenate([read_part(*part) for part in expert])
                                       for expert in stored])

@@ -3,7 +3,9 @@ against the model with their dequantised weights, and FP8 checkpoints (spec §9)
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import struct
 
 import jax
@@ -136,14 +138,39 @@ def _save(path, tensors: dict):
         f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
 
 
+def _split_experts(hf: dict, config) -> dict:
+    """The fused 3-D expert tensors of ``hf`` as the FP8 MoE releases store them: per expert,
+    ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (spec §9)."""
+    out, ie = {}, config.moe_intermediate_size
+    for name, w in hf.items():
+        prefix = name.rpartition("experts.")[0] + "experts."
+        if name.endswith("mlp.experts.gate_up_proj"):
+            for e in range(config.num_experts):
+                out[f"{prefix}{e}.gate_proj.weight"] = w[e, :ie]
+                out[f"{prefix}{e}.up_proj.weight"] = w[e, ie:]
+        elif name.endswith("mlp.experts.down_proj"):
+            for e in range(config.num_experts):
+                out[f"{prefix}{e}.down_proj.weight"] = w[e]
+        else:
+            out[name] = w
+    return out
+
+
+# Stored as FP8 by the releases besides quantization.QUANTIZED_LEAVES: the routed experts (per
+# expert) and Qwen3-Next's fused in_proj_qkvz.
+_RELEASE_FP8 = re.compile(r"(mlp\.experts\.\d+\.(gate|up|down)_proj|in_proj_qkvz)\.weight$")
+
+
 def _write_fp8_checkpoint(path, params, *, scale_dtype=ml_dtypes.bfloat16, change=None):
-    """An FP8 release's layout from float32 params: the quantised Linears as F8_E4M3 + a
-    weight_scale_inv (``scale_dtype``), the rest float32; also the dequantised checkpoint
-    beside it (path / "dequantised"). ``change``: {name: array} replacing stored tensors."""
+    """An FP8 release's layout from float32 params: the quantised Linears (the routed experts
+    per expert, Qwen3-Next's in_proj_qkvz) as F8_E4M3 + a weight_scale_inv (``scale_dtype``), the
+    rest float32; also the dequantised checkpoint beside it (path / "dequantised").
+    ``change``: {name: array} replacing stored tensors."""
     hf = {k: np.asarray(v, np.float32) for k, v in params_to_hf(params).items()}
+    hf = _split_experts(hf, params.config)
     fp8, dense = {}, {}
     for name, w in hf.items():
-        if quantization.is_quantized_leaf(name):
+        if quantization.is_quantized_leaf(name) or _RELEASE_FP8.search(name):
             w8, scale = quantization.quantize(w)
             scale = scale.astype(scale_dtype)
             fp8[name], fp8[name + "_scale_inv"] = w8, scale
@@ -235,6 +262,53 @@ def test_fp8_checkpoint_with_split_blocks_or_other_quantisation_is_refused(tmp_p
         jd.load_checkpoint(path, dtype="float32")
     with pytest.raises(ValueError, match="quantize='int4' must be None or 'fp8'"):
         jd.load_checkpoint(path / "dequantised", quantize="int4")
+
+
+MOE_CONFIG = dataclasses.replace(CONFIG, intermediate_size=0,
+                                 num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                 shared_expert_intermediate_size=96)
+NEXT_CONFIG = dataclasses.replace(MOE_CONFIG, model_type="qwen3_next", intermediate_size=160,
+                                  mlp_only_layers=(2,), norm_topk_prob=False)
+
+
+@pytest.mark.parametrize("config", [MOE_CONFIG, NEXT_CONFIG], ids=["qwen3_5_moe", "qwen3_next"])
+def test_fp8_moe_release_loads_its_experts_dequantised(tmp_path, config):
+    """The FP8 MoE releases' layout (experts per expert in F8_E4M3 with block scales; Qwen3-Next's
+    fused in_proj_qkvz in F8_E4M3) loads: the experts and the fused projection dequantised to
+    the model dtype at load (equal to the dequantised checkpoint's), the other Linears FP8."""
+    params = jd.init_params(config, jax.random.key(9))
+    path = _write_fp8_checkpoint(tmp_path / "fp8", params)
+    from safetensors import safe_open
+    with safe_open(str(path / "model.safetensors"), "np") as f:
+        kinds = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+    assert kinds["model.layers.0.mlp.experts.3.down_proj.weight"] == "F8_E4M3"
+    loaded = jd.load_checkpoint(path, dtype="float32")
+    dense = jd.load_checkpoint(path / "dequantised", dtype="float32")
+    moe, want = loaded.layers[0].mlp, dense.layers[0].mlp
+    for got, ref in ((moe.experts_gate_up_proj, want.experts_gate_up_proj),
+                     (moe.experts_down_proj, want.experts_down_proj)):
+        assert not isinstance(got, jd.Fp8Linear)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+    assert isinstance(loaded.layers[1].self_attn.o_proj, jd.Fp8Linear)
+    assert isinstance(moe.shared_expert.down_proj, jd.Fp8Linear)
+    qkv = loaded.layers[0].linear_attn.in_proj_qkv
+    if config.model_type == "qwen3_next":  # split out of the fused FP8 tensor, dequantised
+        assert not isinstance(qkv, jd.Fp8Linear)
+        np.testing.assert_array_equal(np.asarray(qkv),
+                                      np.asarray(dense.layers[0].linear_attn.in_proj_qkv))
+    else:
+        assert isinstance(qkv, jd.Fp8Linear)
+    rng = np.random.default_rng(10)
+    tokens = rng.integers(0, config.vocab_size, (2, 9)).astype(np.int32)
+    num_new = np.array([9, 4], np.int32)
+    got, want = _run(loaded, tokens, num_new), _run(dense, tokens, num_new)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
+    # a damaged per-expert scale is named like any other
+    name = "model.layers.1.mlp.experts.1.up_proj.weight_scale_inv"
+    bad = _write_fp8_checkpoint(tmp_path / "bad", params, change={
+        name: np.ones((3, 3), np.float32)})
+    with pytest.raises(ValueError, match=rf"{name} has shape \(3, 3\), expected \(1, 1\)"):
+        jd.load_checkpoint(bad, dtype="float32")
 
 
 def test_quantize_at_load_equals_quantize_fp8_of_the_loaded_params(tmp_path):
