@@ -231,7 +231,9 @@ def main():
             entry = hlo[hlo.index("ENTRY"):]
             copies = re.findall(r"= (\S+) copy\(", entry[:entry.index("\n}\n")])
             n_cmd = len(copies)
-            tag = (f"{name}{' fp8' if args.fp8 else ''} b{batch} ctx{context} attention={impl}" + (f" {opts}" if opts else "")
+            fp8 = " fp8" if args.fp8 else ""
+            tag = (f"{name}{fp8} b{batch} ctx{context} attention={impl}"
+                   + (f" {opts}" if opts else "")
                    + (f" deltanet={form}" if form != "auto" else "")
                    + (" pdl=off" if pdl == "off" else ""))
             print(f"\n## {tag}\nwall {dt * 1e3:.3f} ms/step; kernels {len(kernels)}, kernel sum "

@@ -43,8 +43,8 @@ def linear(x: Array, w: Array | Fp8Linear, *, out_dtype=None,
            kernels: Kernels = choice.XLA) -> Array:
     """``x @ w.T`` with ``w`` in PyTorch layout ``[out, in]`` (no bias anywhere in Qwen3.5);
     ``out_dtype``: the accumulation/output dtype (None: x's). A block-FP8 ``w`` is weight-only
-    (x stays in the model dtype): ``choice.fp8_linear`` as ``kernels.fp8_linear`` says (its
-    weights dequantised to x's dtype, the same numbers either way)."""
+    (x stays in the model dtype): ``choice.fp8_linear`` as ``kernels.fp8_linear`` says (the
+    kernel or XLA's form, on the same weights dequantised to x's dtype)."""
     if isinstance(w, Fp8Linear):
         return choice.fp8_linear(kernels, x, w, out_dtype=out_dtype)
     return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=out_dtype)

@@ -45,28 +45,30 @@ def reference_f64(x, w8, scale, dtype):
     return np.asarray(jnp.asarray(x, f32), np.float64) @ w.T
 
 
-# (m, n, k, config): one row; odd rows with 3 splits and 2 stages; a full 64-row tile;
-# split-K with a short last split; one column block
+# (m, n, k, config, dtype): one row; odd rows with 3 splits and 2 stages; a full 64-row tile;
+# split-K with a short last split; one column block; 40 rows (padded to 48) in float16
 CASES = {
-    "m1": (1, 256, 384, None),
-    "m5-splits3": (5, 384, 640, fl.Fp8LinearConfig(num_stages=2, splits=3)),
-    "m64": (64, 128, 256, None),
-    "m17-uneven-splits": (17, 256, 896, fl.Fp8LinearConfig(num_stages=3, splits=3)),
-    "m9-one-block": (9, 128, 128, None),
+    "m1": (1, 256, 384, None, bf16),
+    "m5-splits3": (5, 384, 640, fl.Fp8LinearConfig(num_stages=2, splits=3), bf16),
+    "m64": (64, 128, 256, None, bf16),
+    "m17-uneven-splits": (17, 256, 896, fl.Fp8LinearConfig(num_stages=3, splits=3), bf16),
+    "m9-one-block": (9, 128, 128, None, bf16),
+    "m40-float16": (40, 256, 512, None, jnp.float16),
 }
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case", list(CASES))
 def test_kernel_against_float64(mode, case):
-    m, n, k, config = CASES[case]
-    x, w8, scale = inputs(hash(case) % 1000, m, n, k)
+    m, n, k, config, dtype = CASES[case]
+    x, w8, scale = inputs(list(CASES).index(case), m, n, k, dtype)
     got = jax.jit(lambda *a: fl.fp8_linear_pallas(*a, config=config,
                                                   interpret=mode == "interpret"))(x, w8, scale)
-    assert got.shape == (m, n) and got.dtype == bf16
+    assert got.shape == (m, n) and got.dtype == dtype
     assert np.isfinite(np.asarray(got, np.float32)).all()
-    want = reference_f64(x, w8, scale, bf16)
-    assert_rel_close(np.asarray(got, np.float32), want, 8e-3, f"{case} kernel")  # bf16 output
+    want = reference_f64(x, w8, scale, dtype)
+    # one rounding of the 16-bit output
+    assert_rel_close(np.asarray(got, np.float32), want, 8e-3, f"{case} kernel")
     ref = fl.fp8_linear_reference(x, w8, scale)
     assert_rel_close(np.asarray(ref, np.float32), want, 8e-3, f"{case} reference")
 
@@ -92,6 +94,7 @@ def test_kernel_lowers_for_cuda(m, n, k, config):
 @pytest.mark.parametrize("x_shape, w_shape, x_dtype, why", [
     ((65, 256), (128, 256), bf16, "65 rows"),
     ((1, 200), (128, 200), bf16, "multiples of 128"),
+    ((1, 256), (128, 384), bf16, "x's K must be the weight's"),
     ((1, 256), (100, 256), bf16, "multiples of 128"),
     ((1, 256), (128, 256), f32, "x dtype float32"),
 ])
@@ -107,13 +110,25 @@ def test_unsupported_inputs_raise(x_shape, w_shape, x_dtype, why):
 
 
 def test_choose_config_fills_the_gpu_and_the_shared_memory():
-    for n, k, m in [(12288, 4096, 1), (1024, 4096, 8), (4096, 12288, 64)]:
+    for n, k, m in [(12288, 4096, 1), (1024, 4096, 8), (4096, 12288, 64), (17408, 5120, 33)]:
         c = fl.choose_config(n, k, m)
         programs = n // 128 * c.splits
         assert programs <= 132 or c.splits == 1, (n, k, c)
         assert c.splits == 1 or programs > 132 // 2, (n, k, c)
         assert 2 <= c.num_stages <= 8
         assert c.num_stages * (128 * 128 + fl.padded_rows(m) * 256) <= fl.SMEM_BUDGET_BYTES
+        assert fl.smem_bytes(m, c.num_stages) <= fl.SMEM_LIMIT_BYTES
+
+
+def test_config_overrides_are_checked_before_lowering():
+    for bad in (0, -1, 2.0):
+        with pytest.raises(ValueError, match="must be None or an int >= 1"):
+            fl.Fp8LinearConfig(num_stages=bad)
+        with pytest.raises(ValueError, match="must be None or an int >= 1"):
+            fl.Fp8LinearConfig(splits=bad)
+    x, w8, scale = inputs(0, 64, 128, 256)
+    with pytest.raises(ValueError, match="num_stages=8 needs .* bytes of shared memory"):
+        fl.fp8_linear_pallas(x, w8, scale, config=fl.Fp8LinearConfig(num_stages=8))
 
 
 def test_kernels_refuse_fp8_pallas_where_it_does_not_run():
@@ -123,9 +138,10 @@ def test_kernels_refuse_fp8_pallas_where_it_does_not_run():
         choice.Kernels(fp8_linear="mosaic")
 
 
-def test_choice_runs_the_kernel_for_decode_rows_and_xla_for_a_prefill():
-    """``choice.fp8_linear`` with fp8_linear="pallas": the kernel for up to 64 rows (lowered for
-    CUDA: a Mosaic GPU call), XLA's dequantise + dot above it and for shapes it does not take."""
+def test_choice_runs_the_kernel_up_to_64_rows_and_xla_above():
+    """``choice.fp8_linear`` with fp8_linear="pallas": the kernel for up to 64 rows in all (a
+    decode step's; lowered for CUDA: a Mosaic GPU call), XLA's dequantise + dot above it (a
+    prefill's B·T rows, usually) and for calls it does not take."""
     k = choice.Kernels(fp8_linear="pallas", interpret=False)
 
     def lowered(shape, rows=256, dtype=bf16, kernels=k):
@@ -171,3 +187,22 @@ def test_fp8_decode_step_with_the_kernel_matches_xla(mode):
             steps.append(np.asarray(logits, np.float32))
         out[name] = np.stack(steps)
     assert_rel_close(out["kernel"], out["xla"], 2e-2, "decode logits, kernel vs XLA")
+
+
+@pytest.mark.slow
+def test_gradient_through_the_kernel_equals_xla_form():
+    """Reverse mode through ``choice.fp8_linear`` with the kernel (interpreter): x's gradient as
+    XLA's form gives it, and none into the frozen FP8 weight or its scales."""
+    x, w8, scale = inputs(7, 3, 256, 384)
+    w = jd.Fp8Linear(w8, scale)
+
+    def loss(x, w, kernels):
+        y = choice.fp8_linear(kernels, x, w).astype(f32)
+        return (y * jnp.arange(y.size, dtype=f32).reshape(y.shape) / y.size).sum()
+
+    kernel = choice.Kernels(fp8_linear="pallas", interpret=True)
+    gx, gw = jax.grad(loss, argnums=(0, 1))(x, w, kernel)
+    want_x, want_w = jax.grad(loss, argnums=(0, 1))(x, w, choice.XLA)
+    assert_rel_close(np.asarray(gx, np.float32), np.asarray(want_x, np.float32), 1e-2,
+                     "x's gradient")
+    assert not np.asarray(gw.scale_inv).any() and not np.asarray(want_w.scale_inv).any()

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxdecode import experts, invariance
+from jaxdecode import experts, invariance, quantization
 from jaxdecode.config import Config
 from jaxdecode.kernels import chunk_gated_delta as chunk_rule_kernel
 from jaxdecode.kernels import decode_attention as attention_kernel
@@ -44,7 +44,8 @@ DELTA_RULE_MIN_BATCH = 8
 @dataclasses.dataclass(frozen=True)
 class Kernels:
     """The implementation of each decode-step op, "pallas" or "xla" (frozen, hashable: a jit
-    static). ValueError for another value, or ``deltanet="pallas"`` with a mesh."""
+    static). ValueError for another value, ``deltanet="pallas"`` with a mesh, and
+    ``fp8_linear="pallas"`` with a mesh or ``batch_invariant``."""
     attention: str = "xla"  # split-K decode attention kernel, or decode_attention_reference
     deltanet: str = "xla"  # the one-token DeltaNet core in one kernel, or XLA then delta_rule
     delta_rule: str = "xla"  # with deltanet="xla": the one-pass delta-rule kernel, or XLA
@@ -117,7 +118,8 @@ def choose_kernels(config: Config, batch_size: int, *, dtype="bfloat16",
     ``batch_invariant``: one choice for every batch size (the attention kernels and the
     one-kernel DeltaNet core), with ``Kernels.batch_invariant`` set (what it guarantees: its
     field comment); not on a mesh. The FP8 linear kernel: on one device, not batch-invariant,
-    16-bit models (it applies to ``Fp8Linear`` weights only, so a bf16 model is unaffected).
+    16-bit models (it applies to ``Fp8Linear`` weights only, so a bf16 model is unaffected);
+    a call it does not take (:func:`fp8_linear`) runs XLA's form without a warning.
     """
     device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
     cc = _compute_capability(device)
@@ -211,18 +213,42 @@ def prefill_attention(kernels: Kernels, q, k_cache, v_cache, start, num_new, *,
 
 def fp8_linear(kernels: Kernels, x, w, *, out_dtype=None):
     """``x @ W.T`` for a block-FP8 ``w`` (``quantization.Fp8Linear``), x [..., K] -> [..., N].
-    ``kernels.fp8_linear == "pallas"``: the kernel when it takes the shapes (up to 64 rows: a
-    decode step; ``fp8_linear.check_supported``) and the result is in x's dtype; otherwise the
-    weight dequantised to x's dtype, then XLA's dot (a prefill: one 16-bit copy per call)."""
+    ``kernels.fp8_linear == "pallas"``: the kernel when it takes the call (up to 64 rows in all,
+    a decode step's; ``fp8_linear.check_supported``) and the result is in x's dtype; otherwise
+    the weight dequantised to x's dtype, then XLA's dot (more rows, a prefill's usually: one
+    16-bit copy of the weight per call). Both use the same dequantised weight; their results
+    can differ by a rounding of x's dtype (another accumulation order). Reverse-mode
+    differentiable either way, the FP8 weight frozen (``Fp8Linear.dequantize``)."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = math.prod(lead)
     if (kernels.fp8_linear == "pallas" and out_dtype in (None, x.dtype)
             and fp8_kernel.check_supported((rows, k), w.shape, x.dtype, w.weight.dtype,
                                            w.block_size) is None):
-        y = _fp8_linear_pallas(x.reshape(rows, k), w.weight, w.scale_inv, w.block_size,
-                               interpret=_interpret(kernels))
+        y = _fp8_linear_kernel(x.reshape(rows, k), w.weight, w.scale_inv, w.block_size,
+                               _interpret(kernels))
         return y.reshape(*lead, w.shape[0])
     return jnp.einsum("...i,oi->...o", x, w.dequantize(x.dtype), preferred_element_type=out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _fp8_linear_kernel(x, weight, scale_inv, block_size, interpret):
+    """The kernel with a VJP: x's cotangent through the dequantised weight (XLA), none into the
+    frozen FP8 weight and its scales."""
+    return _fp8_linear_pallas(x, weight, scale_inv, block_size, interpret=interpret)
+
+
+def _fp8_linear_kernel_fwd(x, weight, scale_inv, block_size, interpret):
+    return _fp8_linear_kernel(x, weight, scale_inv, block_size, interpret), (weight, scale_inv)
+
+
+def _fp8_linear_kernel_bwd(block_size, interpret, residuals, g):
+    weight, scale_inv = residuals
+    w = quantization.dequantize(weight, scale_inv, block_size, g.dtype)
+    dx = jnp.einsum("mn,nk->mk", g, w, preferred_element_type=jnp.float32).astype(g.dtype)
+    return dx, jnp.zeros_like(weight), jnp.zeros_like(scale_inv)
+
+
+_fp8_linear_kernel.defvjp(_fp8_linear_kernel_fwd, _fp8_linear_kernel_bwd)
 
 
 def top_k(kernels: Kernels, x, k: int):

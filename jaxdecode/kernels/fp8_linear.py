@@ -4,9 +4,9 @@ one float32 scale per 128 x 128 block (``jaxdecode.quantization``), read once.
 Shapes: x [M, K] bfloat16/float16, weight [N, K] float8_e4m3fn, scale_inv [ceil(N / 128),
 ceil(K / 128)] float32; result [M, N] in x's dtype, accumulated in float32. The math is
 ``quantization.dequantize`` then the product: ``W[n, k] = dtype(f32(w8[n, k]) · s[n // 128,
-k // 128])`` (HF ``FineGrainedFP8Config``'s weight-only path, spec §9). :func:`fp8_linear_reference`
-is that in ``jnp``; :func:`fp8_linear_pallas` the same as a Pallas Mosaic GPU kernel (Hopper)
-for M <= 64, the decode step's rows.
+k // 128])`` (HF ``FineGrainedFP8Config``'s weight-only path, spec §9).
+:func:`fp8_linear_reference` is that in ``jnp``; :func:`fp8_linear_pallas` the same as a Pallas
+Mosaic GPU kernel (Hopper) for M <= 64, the decode step's rows.
 
 Why the kernel looks the way it does (after ``jax/experimental/pallas/ops/gpu/
 hopper_mixed_type_matmul_mgpu.py``; Marlin, Frantar et al., 2024, for the weight-only idea):
@@ -42,21 +42,36 @@ BLOCK = 128  # weight rows per program (one scale row) and columns per step (one
 ROWS_PER_WG = 64  # one wgmma M tile
 COMPUTE_WGS = BLOCK // ROWS_PER_WG
 MAX_ROWS = 64  # x rows the kernel takes (the accumulator [64, M] float32 stays in registers)
-SMEM_BUDGET_BYTES = 200 * 1024
+SMEM_BUDGET_BYTES = 200 * 1024  # the pipeline's buffers (choose_config's stages)
+SMEM_LIMIT_BYTES = 227 * 1024  # what a Hopper CTA may use: the check on a config override
 DEFAULT_NUM_SMS = 132  # H100/H200 SXM; the split heuristic only
 
 
 @dataclasses.dataclass(frozen=True)
 class Fp8LinearConfig:
-    """Static tuning knobs of :func:`fp8_linear_pallas`; None: :func:`choose_config`."""
+    """Static tuning knobs of :func:`fp8_linear_pallas`; None: :func:`choose_config`'s.
+    ValueError for a value that is not None or a positive int."""
     num_stages: int | None = None  # [128, 128] weight blocks in flight per program
     splits: int | None = None  # programs sharing one row block's column blocks (split-K)
+
+    def __post_init__(self):
+        for name in ("num_stages", "splits"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"Fp8LinearConfig.{name}={value!r} must be None or an int >= 1")
 
 
 def padded_rows(m: int) -> int:
     """x rows padded to a multiple of 16, at least 16: wgmma's N for the B operand x^T (the
     padding rows' outputs are dropped; 8 is untested)."""
     return max(16, -(-m // 16) * 16)
+
+
+def smem_bytes(m: int, num_stages: int) -> int:
+    """Shared memory of one program: the weight blocks and x slices in flight, the two [64, M]
+    float32 output tiles, and 1 KiB for the barriers."""
+    mp = padded_rows(m)
+    return num_stages * (BLOCK * BLOCK + mp * BLOCK * 2) + COMPUTE_WGS * ROWS_PER_WG * mp * 4 + 1024
 
 
 def choose_config(n: int, k: int, m: int, num_sms: int = DEFAULT_NUM_SMS) -> Fp8LinearConfig:
@@ -80,7 +95,9 @@ def check_supported(x_shape, w_shape, x_dtype, w_dtype, block_size) -> str | Non
         return f"weight dtype {jnp.dtype(w_dtype)} (the kernel takes float8_e4m3fn)"
     if tuple(block_size) != (BLOCK, BLOCK):
         return f"{block_size=} (the kernel takes ({BLOCK}, {BLOCK}))"
-    if k != k2 or n % BLOCK or k % BLOCK:
+    if k != k2:
+        return f"x {x_shape} and weight {w_shape} (x's K must be the weight's)"
+    if n % BLOCK or k % BLOCK:
         return f"x {x_shape} and weight {w_shape} (N and K must be multiples of {BLOCK})"
     if not 1 <= m <= MAX_ROWS:
         return f"{m} rows (the kernel takes 1 to {MAX_ROWS})"
@@ -164,8 +181,9 @@ def fp8_linear_pallas(x, weight, scale_inv, block_size=DEFAULT_BLOCK, *,
                       config: Fp8LinearConfig | None = None, interpret: bool = False):
     """``x @ dequantize(weight, scale_inv).T`` as a Pallas Mosaic GPU kernel (Hopper); shapes as
     the module docstring, [M, N] in x's dtype. ValueError for what :func:`check_supported`
-    refuses. ``config``: None picks :func:`choose_config`; ``interpret``: the Mosaic GPU
-    interpreter (CPU)."""
+    refuses, for a scale of the wrong shape, and for a ``config`` whose buffers exceed
+    :data:`SMEM_LIMIT_BYTES`. ``config``: None picks :func:`choose_config`; ``interpret``: the
+    Mosaic GPU interpreter (CPU). Not differentiable (``choice.fp8_linear`` adds the VJP)."""
     if (why := check_supported(x.shape, weight.shape, x.dtype, weight.dtype, block_size)):
         raise ValueError(f"fp8_linear_pallas does not take {why}")
     m, k = x.shape
@@ -178,6 +196,9 @@ def fp8_linear_pallas(x, weight, scale_inv, block_size=DEFAULT_BLOCK, *,
     col_blocks = k // BLOCK
     steps_per_split = -(-col_blocks // splits)
     splits = -(-col_blocks // steps_per_split)  # no empty split
+    if smem_bytes(m, stages) > SMEM_LIMIT_BYTES:
+        raise ValueError(f"num_stages={stages} needs {smem_bytes(m, stages)} bytes of shared "
+                         f"memory for {m} rows (at most {SMEM_LIMIT_BYTES})")
     mp = padded_rows(m)
     xp = jnp.pad(x, ((0, mp - m), (0, 0))) if mp != m else x
     dtype = x.dtype
