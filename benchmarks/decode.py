@@ -283,6 +283,8 @@ def main():
                          "loop on device (no host dispatch per step)")
     ap.add_argument("--json", default=None, help="write all rows to this file")
     args = ap.parse_args()
+    if args.fp8_xla and not args.fp8:
+        ap.error("--fp8-xla goes with --fp8")
     cells_grid = None  # --cells, checked before any device work
     if args.cells:
         cells_grid = {}
@@ -356,7 +358,7 @@ def main():
                 anatomy[name] = dict(kernels=hlo_kernel_count(compiled), ms=dt * 1e3,
                                      **layer_cost(config, dt))
             del state, compiled
-        del variants, weights
+        del variants
         for batch in generate_cells.get(name, []):
             dt, first_s = time_generate(params, batch)
             generate_rows.append(dict(model=name, batch=batch, ms_per_token=dt * 1e3,

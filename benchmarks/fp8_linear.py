@@ -11,7 +11,7 @@ calls) and the % of the device-to-device copy bandwidth measured in the same run
 the weight must move (FP8: 1 byte per weight + the block scales; bf16: 2). Default shapes: the 9B
 model's quantised Linears (MLP gate/up, down; DeltaNet in_proj_qkv, out_proj; attention k_proj)
 and the 27B's MLP. ``--smoke``: tiny shapes in the Mosaic GPU interpreter (checks the script on
-a CPU; no timings).
+a CPU; no timings; it ignores --shapes, --batches and --layers).
 """
 
 from __future__ import annotations
@@ -60,11 +60,19 @@ def main():
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    batches = [int(b) for b in args.batches.split(",")]
+    try:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+        batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        ap.error(f"--shapes takes OUTxIN,... and --batches N,...; got {args.shapes!r}, "
+                 f"{args.batches!r}")
+    if any(len(s) != 2 or min(s) < 1 for s in shapes) or min(batches) < 1 or args.layers < 1:
+        ap.error("shapes, batches and --layers must be positive")
     layers = args.layers
-    if args.smoke:
+    if args.smoke:  # fixed tiny shapes: a check of the script, not a measurement
         shapes, batches, layers = [(256, 384)], [1, 3], 2
+    elif jax.default_backend() != "gpu":
+        ap.error("timings need a GPU (the kernel compiles for Hopper); on a CPU run --smoke")
     interpret = args.smoke
     print(f"# {jax.devices()[0].device_kind}; jax {jax.__version__}", flush=True)
     bw = None if args.smoke else copy_bandwidth_gb_per_s()

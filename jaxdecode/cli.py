@@ -182,13 +182,14 @@ def _generate(args) -> int:
         if args.quantize == "fp8":
             params = jd.quantize_fp8(params)
         what = (f'embedded default (preset "tiny", init_params(key(0)), '
-                f"{jd.num_params(params) / 1e6:.1f}M params, {args.dtype}) -- "
+                f"{jd.num_params(params) / 1e6:.1f}M params, {args.dtype}{_fp8_note(params)}) -- "
                 f"{RANDOM_WEIGHTS_NOTE}")
         eos = tuple(config.eos_token_id)
     else:
         params = jd.load_checkpoint(args.checkpoint, dtype=args.dtype, quantize=args.quantize)
         config = params.config
-        what = f"{args.checkpoint} ({jd.num_params(params) / 1e6:.1f}M params, {args.dtype})"
+        what = (f"{args.checkpoint} ({jd.num_params(params) / 1e6:.1f}M params, {args.dtype}"
+                f"{_fp8_note(params)})")
         eos = tok_lib.eos_token_ids(args.checkpoint) or tuple(config.eos_token_id)
     jax.block_until_ready(params)
     _say(f"model: {what}\nloaded in {time.perf_counter() - t0:.2f} s")
@@ -249,6 +250,15 @@ def _describe(args) -> str:
                presence_penalty=0.0, penalize_prompt=True, top_p_keep_ties=True)
     parts = [f"{k}={getattr(args, k)}" for k, v in off.items() if getattr(args, k) != v]
     return ", ".join(parts + [f"seed={args.seed}"] if args.temperature else ["greedy"] + parts)
+
+
+def _fp8_note(params) -> str:
+    """', N Linears in block FP8' for a model with FP8 weights, else ''."""
+    import jax
+    import jaxdecode as jd
+    n = sum(isinstance(x, jd.Fp8Linear) for x in jax.tree.leaves(
+        params, is_leaf=lambda x: isinstance(x, jd.Fp8Linear)))
+    return f", {n} Linears in block FP8" if n else ""
 
 
 def _stream(params, prompts, kwargs, tokenizer, cache) -> int:

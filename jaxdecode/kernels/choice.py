@@ -74,8 +74,9 @@ class Kernels:
         if self.mesh is not None and self.batch_invariant:
             raise ValueError("Kernels(batch_invariant=True) does not run on a mesh yet")
         if self.fp8_linear == "pallas" and (self.mesh is not None or self.batch_invariant):
-            raise ValueError("Kernels(fp8_linear='pallas') runs on one device without "
-                             "batch_invariant (FP8 weights are not sharded yet)")
+            raise ValueError("Kernels(fp8_linear='pallas') runs on one device (FP8 weights are "
+                             "not sharded yet) and not with batch_invariant (its row "
+                             "independence is untested)")
 
 
 XLA = Kernels()  # every op in XLA: the reference path, any backend
