@@ -7,8 +7,8 @@ model ran before the kernel) and the bf16 weight's dot, in one process.
 
 Per (out x in, rows): microseconds per matrix (``--layers`` different matrices of the shape
 summed in one jitted call, so the weights do not sit in the 60 MB L2; median of 5 repeats of 50
-calls) and the % of the device-to-device copy bandwidth measured in the same run, over the bytes
-the weight must move (FP8: 1 byte per weight + the block scales; bf16: 2). Default shapes: the 9B
+calls) and the % of the copy bandwidth measured in the same run
+(``decode.copy_bandwidth_gb_per_s``), over the bytes the weight must move (FP8: 1 byte per weight + the block scales; bf16: 2). Default shapes: the 9B
 model's quantised Linears (MLP gate/up, down; DeltaNet in_proj_qkv, out_proj; attention k_proj)
 and the 27B's MLP. ``--smoke``: tiny shapes in the Mosaic GPU interpreter (checks the script on
 a CPU; no timings; it ignores --shapes, --batches and --layers).
@@ -24,12 +24,14 @@ import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jaxdecode import quantization  # noqa: E402
 from jaxdecode.kernels import fp8_linear as fl  # noqa: E402
+from decode import copy_bandwidth_gb_per_s  # noqa: E402
 
 DEFAULT_SHAPES = "12288x4096,4096x12288,8192x4096,4096x4096,1024x4096,17408x5120,5120x17408"
 
@@ -45,12 +47,6 @@ def bench(f, args, n=50):
         out.block_until_ready()
         times.append((time.perf_counter() - t0) / n)
     return statistics.median(times)
-
-
-def copy_bandwidth_gb_per_s() -> float:
-    x = jax.random.normal(jax.random.key(0), (1 << 28,), jnp.float32)
-    t = bench(jax.jit(lambda a: a * 1.0001), (x,), n=20)
-    return 2 * x.nbytes / t / 1e9
 
 
 def main():

@@ -13,6 +13,11 @@
 Which of them a step runs is decided in one place: ``choice.choose_kernels``.
 """
 
+import functools
+
+import jax.experimental.pallas as pl
+import jax.numpy as jnp
+from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
@@ -24,3 +29,25 @@ def wait_for_inputs(interpret: bool) -> None:
     if not interpret:
         plgpu.griddepcontrol_wait()
         plgpu.griddepcontrol_launch_dependents()
+
+
+def stream_blocks(fetch, steps, num_stages: int, wait_consumed, *, prologue: int | None = None):
+    """The memory warpgroup's loop of a warp-specialised kernel: ``fetch(i, slot)`` issues the
+    copies of block i (0 <= i < ``steps``, traced) into ``slot = i % num_stages``; the first
+    ``prologue`` (static, default ``num_stages``) at once, each later one after
+    ``wait_consumed(slot)`` says the compute warpgroups released the slot; then the last
+    ``num_stages`` releases are waited for too, so every barrier phase is observed."""
+    for i in range(num_stages if prologue is None else prologue):
+        pl.when(i < steps)(functools.partial(fetch, i, i))
+
+    def refill(i, _):
+        slot = lax.rem(i, num_stages)
+        wait_consumed(slot)
+        fetch(i + num_stages, slot)
+
+    lax.fori_loop(0, jnp.maximum(steps - num_stages, 0), refill, None)
+
+    def last(i, _):
+        wait_consumed(lax.rem(i, num_stages))
+
+    lax.fori_loop(jnp.maximum(steps - num_stages, 0), steps, last, None)

@@ -157,6 +157,16 @@ def _accumulate(acc, mma, *, interpret):
     return pl.run_state(mma)(plgpu.ACC.init(acc))
 
 
+def _register_operand(x, smem, *, interpret):
+    """``x`` (registers) as a wgmma A operand: itself on the GPU; in the interpreter, which
+    takes wgmma operands from shared memory only, written to ``smem`` (same shape) first."""
+    if not interpret:
+        return x
+    smem[...] = x
+    plgpu.commit_smem()
+    return smem
+
+
 def _write_partial(acc, m, l, o_smem, lse_smem, o_gmem, lse_gmem, *, rows):
     """Writes rows [0, rows) of the normalised partial output and its log2-sum-exp to GMEM (an
     empty split writes zeros and -inf, which the combine weights by 0)."""

@@ -34,8 +34,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from jaxdecode.kernels import wait_for_inputs
-from jaxdecode.kernels.decode_attention import _accumulate, _smem_tile
+from jaxdecode.kernels import stream_blocks, wait_for_inputs
+from jaxdecode.kernels.decode_attention import _accumulate, _register_operand, _smem_tile
 from jaxdecode.quantization import DEFAULT_BLOCK, FP8, dequantize
 
 BLOCK = 128  # weight rows per program (one scale row) and columns per step (one scale column)
@@ -129,11 +129,7 @@ def _kernel(x_gmem, w_gmem, s_gmem, o_gmem, scoped, *, steps_per_split, col_bloc
             w = (w8.astype(jnp.float16).astype(jnp.float32) * scale).astype(dtype)
             w = plgpu.layout_cast(w, layout)
             plgpu.barrier_wait(x_barriers.at[slot])
-            if interpret:  # the interpreter takes wgmma operands from shared memory only
-                w_tmp = w_tmp2.at[wg]
-                w_tmp[...] = w
-                plgpu.commit_smem()
-                w = w_tmp
+            w = _register_operand(w, w_tmp2.at[wg] if interpret else None, interpret=interpret)
 
             def mma(acc_ref):
                 plgpu.wgmma(acc_ref, w, x_smem.at[slot].T)
@@ -161,20 +157,8 @@ def _kernel(x_gmem, w_gmem, s_gmem, o_gmem, scoped, *, steps_per_split, col_bloc
                                     w_smem.at[slot], w_barriers.at[slot])
             plgpu.copy_gmem_to_smem(x_gmem.at[:, cols], x_smem.at[slot], x_barriers.at[slot])
 
-        for i in range(num_stages):  # static: the prologue
-            pl.when(i < steps)(functools.partial(fetch, i, i))
-
-        def refill(i, _):
-            slot = lax.rem(i, num_stages)
-            plgpu.barrier_wait(consumed.at[slot])
-            fetch(i + num_stages, slot)
-
-        lax.fori_loop(0, jnp.maximum(steps - num_stages, 0), refill, None)
-
-        def last(i, _):  # the last blocks' release: every barrier phase observed
-            plgpu.barrier_wait(consumed.at[lax.rem(i, num_stages)])
-
-        lax.fori_loop(jnp.maximum(steps - num_stages, 0), steps, last, None)
+        stream_blocks(fetch, steps, num_stages,
+                      lambda slot: plgpu.barrier_wait(consumed.at[slot]))
 
 
 def fp8_linear_pallas(x, weight, scale_inv, block_size=DEFAULT_BLOCK, *,

@@ -35,8 +35,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from jaxdecode.kernels import wait_for_inputs
-from jaxdecode.kernels.decode_attention import _accumulate, _smem_tile
+from jaxdecode.kernels import stream_blocks, wait_for_inputs
+from jaxdecode.kernels.decode_attention import _accumulate, _register_operand, _smem_tile
 
 LOG2E = math.log2(math.e)
 BLOCK_Q = 64  # queries per compute warpgroup (one wgmma M tile); a program holds two
@@ -177,11 +177,8 @@ def _kernel(start_gmem, num_new_gmem, q_gmem, k_gmem, v_gmem, o_gmem, scoped, *,
                     v_smem.at[slot][...] = jnp.where(r < end, v, jnp.zeros_like(v))
                     plgpu.commit_smem()
 
-            if interpret:  # the interpreter takes wgmma operands from shared memory only
-                p_smem = p_smem2.at[wg]
-                p_smem[...] = p16
-                plgpu.commit_smem()
-                p16 = p_smem
+            p16 = _register_operand(p16, p_smem2.at[wg] if interpret else None,
+                                    interpret=interpret)
 
             def pv(acc_ref):
                 plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
@@ -228,23 +225,12 @@ def _kernel(start_gmem, num_new_gmem, q_gmem, k_gmem, v_gmem, o_gmem, scoped, *,
             plgpu.copy_gmem_to_smem(v_gmem.at[b, kv_head, keys], v_smem.at[slot],
                                     v_barriers.at[slot])
 
-        for i in range(min(num_stages, max_len // block_kv)):  # static: in the cache
-            pl.when(i < total_steps)(functools.partial(fetch, i, i))
-
-        def refill(i, _):
-            slot = lax.rem(i, num_stages)
-            plgpu.barrier_wait(k_consumed.at[slot])
-            plgpu.barrier_wait(v_consumed.at[slot])
-            fetch(i + num_stages, slot)
-
-        lax.fori_loop(0, jnp.maximum(total_steps - num_stages, 0), refill, None)
-
-        def last(i, _):  # the last blocks' release: every barrier phase observed
-            slot = lax.rem(i, num_stages)
+        def wait_consumed(slot):
             plgpu.barrier_wait(k_consumed.at[slot])
             plgpu.barrier_wait(v_consumed.at[slot])
 
-        lax.fori_loop(jnp.maximum(total_steps - num_stages, 0), total_steps, last, None)
+        stream_blocks(fetch, total_steps, num_stages, wait_consumed,
+                      prologue=min(num_stages, max_len // block_kv))  # static: in the cache
 
 
 def prefill_attention_pallas(q, k_cache, v_cache, start, num_new, *,
