@@ -113,11 +113,18 @@ def test_choose_config_fills_the_gpu_and_the_shared_memory():
     for n, k, m in [(12288, 4096, 1), (1024, 4096, 8), (4096, 12288, 64), (17408, 5120, 33)]:
         c = fl.choose_config(n, k, m)
         programs = n // 128 * c.splits
-        assert programs <= 132 or c.splits == 1, (n, k, c)
-        assert c.splits == 1 or programs > 132 // 2, (n, k, c)
         assert 2 <= c.num_stages <= 8
         assert c.num_stages * (128 * 128 + fl.padded_rows(m) * 256) <= fl.SMEM_BUDGET_BYTES
         assert fl.smem_bytes(m, c.num_stages) <= fl.SMEM_LIMIT_BYTES
+        if n // 128 > 132:  # two programs an SM, one wave
+            assert c.splits == 2 and 2 * fl.smem_bytes(m, c.num_stages) <= fl.SMEM_PER_SM, (m, c)
+        else:
+            assert programs <= 132 or c.splits == 1, (n, k, c)
+            assert c.splits == 1 or programs > 132 // 2, (n, k, c)
+    for m in (1, 8, 33, 64):  # 27B's MLP (136 row blocks): stages shrink with the rows
+        c = fl.choose_config(17408, 5120, m)
+        assert c.splits == 2 and 2 * fl.smem_bytes(m, c.num_stages) <= fl.SMEM_PER_SM, (m, c)
+    assert fl.choose_config(17408, 5120, 1).num_stages == 4
 
 
 def test_config_overrides_are_checked_before_lowering():

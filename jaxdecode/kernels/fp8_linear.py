@@ -44,6 +44,7 @@ COMPUTE_WGS = BLOCK // ROWS_PER_WG
 MAX_ROWS = 64  # x rows the kernel takes (the accumulator [64, M] float32 stays in registers)
 SMEM_BUDGET_BYTES = 200 * 1024  # the pipeline's buffers (choose_config's stages)
 SMEM_LIMIT_BYTES = 227 * 1024  # what a Hopper CTA may use: the check on a config override
+SMEM_PER_SM = 226 * 1024  # what two co-resident programs may use together (1 KiB each reserved)
 DEFAULT_NUM_SMS = 132  # H100/H200 SXM; the split heuristic only
 
 
@@ -77,10 +78,15 @@ def smem_bytes(m: int, num_stages: int) -> int:
 def choose_config(n: int, k: int, m: int, num_sms: int = DEFAULT_NUM_SMS) -> Fp8LinearConfig:
     """Stages: as many [128, 128] blocks (+ x slices) as fit :data:`SMEM_BUDGET_BYTES`, up to 8
     (bytes in flight hide HBM latency); splits: enough programs for one wave over ``num_sms``
-    (each split keeps >= 2 column blocks)."""
+    (each split keeps >= 2 column blocks). More row blocks than SMs (27B's MLP: 136): 2 splits
+    and up to 4 stages, few enough that two programs share an SM in one wave instead of leaving
+    a second, nearly empty wave."""
     step_bytes = BLOCK * BLOCK + padded_rows(m) * BLOCK * 2
     stages = max(2, min(8, SMEM_BUDGET_BYTES // step_bytes))
     row_blocks, col_blocks = n // BLOCK, k // BLOCK
+    shared = min(4, (SMEM_PER_SM // 2 - smem_bytes(m, 0)) // step_bytes)  # two programs an SM
+    if row_blocks > num_sms and col_blocks >= 4 and shared >= 2:
+        return Fp8LinearConfig(num_stages=shared, splits=2)
     splits = max(1, min(num_sms // max(row_blocks, 1), col_blocks // 2))
     return Fp8LinearConfig(num_stages=stages, splits=splits)
 
