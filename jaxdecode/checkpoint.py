@@ -4,8 +4,8 @@ Reads ``config.json`` and ``model.safetensors`` (or the shards of
 ``model.safetensors.index.json``) tensor by tensor, so peak host memory is about one tensor above
 the parameters. Text-only ``Qwen3_5ForCausalLM`` names (``model.layers.*``) and the published
 multimodal ``Qwen3_5ForConditionalGeneration`` ones (``model.language_model.*`` -> ``model.*``, as
-HF's conversion mapping; ``model.visual.*`` and ``mtp.*`` skipped) both load, and
-``Qwen3NextForCausalLM`` ones (``model.*``; ``mtp.*`` skipped), whose fused DeltaNet projections
+HF's conversion mapping; ``model.visual.*`` skipped, ``mtp.*`` unless asked for) both load, and
+``Qwen3NextForCausalLM`` ones (``model.*``; ``mtp.*`` as above), whose fused DeltaNet projections
 ``in_proj_qkvz`` / ``in_proj_ba`` are split by row permutation (``params.split_fused``). MoE
 experts load from the fused 3-D tensors (``mlp.experts.gate_up_proj`` / ``down_proj``) or from
 per-expert 2-D ones (``mlp.experts.{e}.{gate,up,down}_proj.weight``, what transformers 5.24's
@@ -17,6 +17,7 @@ Every header is checked before any data is read, all problems raised together in
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -34,7 +35,8 @@ from jaxdecode.params import (CONV_CHANNEL_LEAVES, Params, checkpoint_specs, con
 from jaxdecode.quantization import Fp8Linear
 
 TEXT_PREFIX = "model.language_model."
-SKIPPED_PREFIXES = ("mtp.", "model.visual.", "visual.")
+SKIPPED_PREFIXES = ("model.visual.", "visual.")
+MTP_PREFIX = "mtp."  # the MTP layer: loaded only when asked for (load_checkpoint's mtp)
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -62,8 +64,11 @@ def checkpoint_files(directory: str | os.PathLike) -> list[str]:
     raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {directory!r}")
 
 
-def canonical_name(name: str) -> str | None:
-    """Maps a checkpoint tensor name to its ``Qwen3_5ForCausalLM`` name; None if skipped."""
+def canonical_name(name: str, mtp: bool = False) -> str | None:
+    """Maps a checkpoint tensor name to its ``Qwen3_5ForCausalLM`` name; None if skipped
+    (``mtp.*`` unless ``mtp``)."""
+    if name.startswith(MTP_PREFIX):
+        return name if mtp else None
     if name.startswith(SKIPPED_PREFIXES):
         return None
     if name.startswith(TEXT_PREFIX):
@@ -74,7 +79,8 @@ def canonical_name(name: str) -> str | None:
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
 FP8_DTYPE = "F8_E4M3"  # block-FP8 weights, each with a ``weight_scale_inv`` (spec §9)
 SCALE_SUFFIX = "_scale_inv"
-_PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight$")
+_PER_EXPERT = re.compile(r"^((?:model|mtp)\.layers\.\d+\.mlp\.experts\.)(\d+)\."
+                         r"(gate|up|down)_proj\.weight$")
 
 
 def _fuse_experts(config: Config, found: dict, problems: list[str]) -> None:
@@ -86,7 +92,12 @@ def _fuse_experts(config: Config, found: dict, problems: list[str]) -> None:
     for name in [n for n in found if _PER_EXPERT.match(n)]:
         prefix, expert, kind = _PER_EXPERT.match(name).groups()
         parts.setdefault(prefix, {})[(int(expert), kind)] = found.pop(name)
-    for prefix in [p for p in parts if int(p.split(".")[2]) not in config.moe_layers]:
+    def moe(prefix):  # the MTP layer's block is an MoE one in every MoE model
+        if prefix.startswith(MTP_PREFIX):
+            return config.mtp_num_hidden_layers and config.num_experts > 0
+        return int(prefix.split(".")[2]) in config.moe_layers
+
+    for prefix in [p for p in parts if not moe(p)]:
         problems.extend(f"unexpected tensor {entry[1]} with shape {entry[2]}"
                         for entry in parts.pop(prefix).values())
     e, ie, h = config.num_experts, config.moe_intermediate_size, config.hidden_size
@@ -112,15 +123,16 @@ def _fuse_experts(config: Config, found: dict, problems: list[str]) -> None:
                                        (e, h, ie))
 
 
-def _index_tensors(files: list[str], problems: list[str], fp8: set[str]):
-    """{canonical name: (file, stored name, shape)} from the headers alone; appends to
+def _index_tensors(files: list[str], problems: list[str], fp8: set[str], mtp: bool = False):
+    """{canonical name: (file, stored name, shape)} from the headers alone (``mtp.*`` only with
+    ``mtp``); appends to
     ``problems`` every tensor stored twice (both layouts, or two shards) or not floating point;
     adds to ``fp8`` the canonical names of the tensors stored as F8_E4M3."""
     found = {}
     for path in files:
         with _open(path) as f:
             for stored in f.keys():
-                name = canonical_name(stored)
+                name = canonical_name(stored, mtp)
                 if name is None:
                     continue
                 info = f.get_slice(stored)
@@ -227,7 +239,7 @@ def _open(path: str):
 def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
                     place: Callable[[str, np.ndarray], jax.Array] | None = None,
                     mesh: jax.sharding.Mesh | None = None, check_finite: bool = True,
-                    quantize: str | None = None) -> Params:
+                    quantize: str | None = None, mtp: bool = False) -> Params:
     """Loads a Hugging Face Qwen3.5 or Qwen3-Next checkpoint directory.
 
     Args:
@@ -245,6 +257,9 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
       quantize: None, or "fp8": the Linears of ``quantization.QUANTIZED_LEAVES`` quantised at
         load to block FP8 (``quantization.quantize``, 128 x 128 blocks), as the FP8 releases
         store them.
+      mtp: also load the multi-token-prediction layer (``mtp.*``, spec §6; ``Params.mtp``,
+        ``config.mtp_num_hidden_layers = 1``) that speculative decoding drafts with; HF (and
+        the default) skip it.
 
     A block-FP8 checkpoint (``quantization_config: {quant_method: fp8}``, F8_E4M3 weights each
     with a ``weight_scale_inv``; spec §9) loads its quantised Linears as :class:`Fp8Linear`
@@ -275,6 +290,8 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
     if not os.path.exists(config_path):
         raise FileNotFoundError(f"no config.json in {directory!r}")
     config = Config.from_json_file(config_path)
+    if mtp:
+        config = dataclasses.replace(config, mtp_num_hidden_layers=1)
     dtype = model_dtype(dtype)
     if quantize not in (None, "fp8"):
         raise ValueError(f"quantize={quantize!r} must be None or 'fp8'")
@@ -286,7 +303,7 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
     specs = checkpoint_specs(config)
     problems: list[str] = []
     fp8: set[str] = set()
-    found = _index_tensors(files or checkpoint_files(directory), problems, fp8)
+    found = _index_tensors(files or checkpoint_files(directory), problems, fp8, bool(mtp))
     if mesh is not None and (fp8 or quantize):
         raise ValueError("FP8 weights cannot be loaded onto a mesh yet; load them on one device")
     scales = _pair_scales(config, found, fp8, block, problems)
@@ -374,7 +391,7 @@ def _iter_tensors(found, scales=None, block=quantization.DEFAULT_BLOCK
                                  f"({type(e).__name__}: {e})") from None
 
         def read_part(path, stored):  # a per-expert tensor; FP8 ones dequantised
-            scale = scales.get(canonical_name(stored))
+            scale = scales.get(canonical_name(stored, mtp=True))
             if scale is None:
                 return read(path, stored)
             return quantization.dequantize(_read_fp8(path, stored),

@@ -71,6 +71,9 @@ class Config:
     norm_topk_prob: bool = True  # renormalise the top-k router weights to sum 1
     decoder_sparse_step: int = 1  # layer i is MoE when (i + 1) % decoder_sparse_step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
+    # The multi-token-prediction layer (spec §6): 0 (not loaded) or 1 (``mtp.*`` weights held;
+    # ``load_checkpoint(..., mtp=True)``). HF's config names it; HF itself never loads it.
+    mtp_num_hidden_layers: int = 0
 
     def __post_init__(self):
         for name in ("layer_types", "mlp_only_layers"):
@@ -129,6 +132,9 @@ class Config:
                             f"must be even and in (0, head_dim={self.head_dim}]")
         if self.linear_conv_kernel_dim < 2:
             problems.append(f"linear_conv_kernel_dim={self.linear_conv_kernel_dim} must be >= 2")
+        if self.mtp_num_hidden_layers not in (0, 1):
+            problems.append(f"mtp_num_hidden_layers={self.mtp_num_hidden_layers!r} (jaxdecode "
+                            "holds 0 or 1 MTP layer, as every published checkpoint has)")
         if problems:
             raise ValueError("invalid Config: " + "; ".join(problems))
 

@@ -21,11 +21,12 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from jaxdecode import invariance
 from jaxdecode.activations import sigmoid, silu
 from jaxdecode.config import FULL_ATTENTION, Config
-from jaxdecode.gated_delta import l2_normalize
+from jaxdecode.gated_delta import gated_delta_rule_step, l2_normalize
 from jaxdecode.kernels import choice
 from jaxdecode.kernels.choice import Kernels
 from jaxdecode.params import AttentionParams, GatedDeltaNetParams, MLPParams, MoEParams, Params
@@ -191,36 +192,55 @@ def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurre
     conv_state, new recurrent_state).
     """
     c = config
-    batch, length, _ = x.shape
-    hk, hv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
-                      c.linear_value_head_dim)
-    kc = c.linear_conv_kernel_dim
-
     mixed, z, b, a = deltanet_projections(p, x, kernels)
     if decode:
         o, new_conv_state, new_state = choice.deltanet_decode(
             kernels, mixed[:, 0], a[:, 0], b[:, 0], valid[:, 0], start, conv_state,
-            recurrent_state, p.conv1d[:, 0, :], p.A_log, p.dt_bias, num_key_heads=hk)
+            recurrent_state, p.conv1d[:, 0, :], p.A_log, p.dt_bias,
+            num_key_heads=c.linear_num_key_heads)
         return deltanet_output(p, o[:, None], z, c, kernels), new_conv_state, new_state
 
-    # HF causal_conv1d_fn (depthwise, causal) over hist = [cached Kc-1 inputs | new]; w[:, Kc-1]
-    # multiplies the current token. Pads follow the real tokens, so no real window holds one.
-    # hist is never built: each tap reads the window and the new inputs in place (a
-    # concatenated [B, Kc-1+T, C] copy is the prefill's largest glue kernel).
     window = conv_window(conv_state, start).astype(mixed.dtype)  # [B, Kc-1, C], start-Kc+1 ..
-    w = p.conv1d[:, 0, :].astype(f32)  # [C, Kc]
-    conv = sum(_hist_slice(window, mixed, j, length).astype(f32) * w[:, j] for j in range(kc))
-    conv = jax.nn.silu(conv).astype(x.dtype)
-    # The new ring: slot s holds the last real position p in it (conv_slot_position), which is
-    # hist[p - start + Kc - 1]; with no new token (num_new = 0) the slot of p = start - Kc keeps
-    # its old value (index -1), and every other slot gets its old value back from the window.
+    new_conv_state = conv_ring_update(conv_state, window, mixed, start, num_new)
+    q, k, v, g, beta = _delta_rule_inputs(p, mixed, window, b, a, valid, c)
+    o, new_state = choice.chunk_gated_delta_rule(kernels, q, k, v, g, beta, recurrent_state)
+    return deltanet_output(p, o, z, c, kernels), new_conv_state, new_state
+
+
+def conv_ring_update(conv_state: Array, window: Array, mixed: Array, start: Array,
+                     num_new: Array) -> Array:
+    """The [B, Kc, C] conv ring after each row's first ``num_new[b]`` of the T new pre-conv
+    inputs ``mixed`` [B, T, C], from the old ring, its ``window`` before them ([B, Kc-1, C],
+    ``conv_window``) and ``start`` [B]: slot s holds the last real position p in it
+    (``conv_slot_position``), which is hist[p - start + Kc - 1] of hist = [window | mixed]."""
+    kc, length = conv_state.shape[1], mixed.shape[1]
+    # With no new token (num_new = 0) the slot of p = start - Kc keeps its old value (index
+    # -1), and every other slot gets its old value back from the window.
     end = start + num_new
     slot = jnp.arange(kc, dtype=jnp.int32)[None, :]
     idx = (conv_slot_position(end[:, None], slot, kc) - start[:, None] + kc - 1)[:, :, None]
     from_new = jnp.take_along_axis(mixed, jnp.clip(idx - (kc - 1), 0, length - 1), axis=1)
     from_window = jnp.take_along_axis(window, jnp.clip(idx, 0, kc - 2), axis=1)
     new_conv_state = jnp.where(idx >= kc - 1, from_new, from_window).astype(conv_state.dtype)
-    new_conv_state = jnp.where(idx >= 0, new_conv_state, conv_state)
+    return jnp.where(idx >= 0, new_conv_state, conv_state)
+
+
+def _delta_rule_inputs(p: GatedDeltaNetParams, mixed: Array, window: Array, b: Array, a: Array,
+                       valid: Array, config: Config):
+    """HF ``Qwen3_5GatedDeltaNet``'s causal conv and gating for T new tokens: (q, k [B, T, Hv,
+    dk], v [B, T, Hv, dv], g, beta [B, T, Hv]) float32, as ``gated_delta``'s rules take them."""
+    c = config
+    batch, length, _ = mixed.shape
+    hk, hv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+                      c.linear_value_head_dim)
+    # HF causal_conv1d_fn (depthwise, causal) over hist = [cached Kc-1 inputs | new]; w[:, Kc-1]
+    # multiplies the current token. Pads follow the real tokens, so no real window holds one.
+    # hist is never built: each tap reads the window and the new inputs in place (a
+    # concatenated [B, Kc-1+T, C] copy is the prefill's largest glue kernel).
+    w = p.conv1d[:, 0, :].astype(f32)  # [C, Kc]
+    conv = sum(_hist_slice(window, mixed, j, length).astype(f32) * w[:, j]
+               for j in range(c.linear_conv_kernel_dim))
+    conv = jax.nn.silu(conv).astype(mixed.dtype)
 
     # Channels grouped per key head: [q_i | k_i | v of its r value heads] (conv_channel_order).
     grouped = conv.reshape(batch, length, hk, 2 * dk + (hv // hk) * dv)
@@ -241,10 +261,35 @@ def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurre
 
     # Value head h reads key head h // r: HF's repeat_interleave, not tiling.
     r = c.linear_num_value_heads_per_key_head
-    q, k = jnp.repeat(q, r, axis=2), jnp.repeat(k, r, axis=2)
-    o, new_state = choice.chunk_gated_delta_rule(kernels, q, k, v, g, beta, recurrent_state)
+    return jnp.repeat(q, r, axis=2), jnp.repeat(k, r, axis=2), v, g, beta
 
-    return deltanet_output(p, o, z, c, kernels), new_conv_state, new_state
+
+@struct.dataclass
+class DeltaNetTrace:
+    """What :func:`verify_fn` keeps of one DeltaNet layer, so :func:`commit_fn` can stop after
+    any of the T verified tokens without recomputing (spec §10, vLLM's per-token state slots)."""
+    mixed: Array  # [B, T, C] the new tokens' pre-conv inputs (the conv ring's entries)
+    states: Array  # [B, T, Hv, dk, dv] float32 recurrent state after each new token
+
+
+def gated_delta_net_trace(p: GatedDeltaNetParams, x: Array, conv_state: Array,
+                          recurrent_state: Array, start: Array, valid: Array, config: Config,
+                          kernels: Kernels = choice.XLA):
+    """:func:`gated_delta_net` over T new tokens (few: a speculative verify step) keeping the
+    recurrent state after every token (HF ``torch_recurrent_gated_delta_rule``, token by token).
+    Returns (out [B, T, H], :class:`DeltaNetTrace`); the state itself is not advanced."""
+    mixed, z, b, a = deltanet_projections(p, x, kernels)
+    window = conv_window(conv_state, start).astype(mixed.dtype)
+    q, k, v, g, beta = _delta_rule_inputs(p, mixed, window, b, a, valid, config)
+
+    def step(state, xs):
+        o, state = gated_delta_rule_step(*xs, state)
+        return state, (o, state)
+
+    xs = tuple(jnp.moveaxis(t, 1, 0) for t in (q, k, v, g, beta))
+    _, (o, states) = jax.lax.scan(step, recurrent_state, xs)
+    out = deltanet_output(p, jnp.moveaxis(o, 0, 1), z, config, kernels)
+    return out, DeltaNetTrace(mixed=mixed, states=jnp.moveaxis(states, 0, 1))
 
 
 def attention_projections(p: AttentionParams, x: Array, positions: Array, config: Config,
@@ -311,9 +356,11 @@ def gated_attention(p: AttentionParams, x: Array, cache: KVCache, start: Array, 
 
 def _forward(params: Params, state: DecodeState, tokens: Array, num_new: Array | None, *,
              return_all_logits: bool, kernels: Kernels = choice.XLA,
-             active: Array | None = None, query_block: int = 512):
+             active: Array | None = None, query_block: int = 512, trace: bool = False):
     """The shared body of prefill and decode: ``num_new`` [B] int32 new tokens per row (prefill),
-    or, for decode (T == 1), ``active`` [B] bool with ``num_new`` None."""
+    or, for decode (T == 1), ``active`` [B] bool with ``num_new`` None. ``trace``
+    (:func:`verify_fn`): DeltaNet layers through :func:`gated_delta_net_trace`, their state not
+    advanced; returns (logits, state, final-norm hidden [B, T, H], traces)."""
     decode = active is not None
     c = params.config
     batch, length = tokens.shape
@@ -334,6 +381,7 @@ def _forward(params: Params, state: DecodeState, tokens: Array, num_new: Array |
 
     conv_state, recurrent_state = list(state.conv_state), list(state.recurrent_state)
     kv_cache = list(state.kv_cache)
+    traces = [None] * len(conv_state)
     lin = full = 0
     for i, (layer, kind) in enumerate(zip(params.layers, c.layer_types)):
         h = rms_norm(x, layer.input_layernorm, c.rms_norm_eps)
@@ -343,6 +391,10 @@ def _forward(params: Params, state: DecodeState, tokens: Array, num_new: Array |
                                                     num_new, valid, c, decode=decode,
                                                     kernels=kernels, query_block=query_block)
             full += 1
+        elif trace:
+            h, traces[lin] = gated_delta_net_trace(layer.linear_attn, h, conv_state[lin],
+                                                   recurrent_state[lin], start, valid, c, kernels)
+            lin += 1
         else:
             with jax.named_scope(f"layer{i}_deltanet"):
                 h, conv_state[lin], recurrent_state[lin] = gated_delta_net(
@@ -366,6 +418,8 @@ def _forward(params: Params, state: DecodeState, tokens: Array, num_new: Array |
         logits = logits[:, 0]
     new_state = DecodeState(conv_state=tuple(conv_state), recurrent_state=tuple(recurrent_state),
                             kv_cache=tuple(kv_cache), lengths=start + num_new)
+    if trace:
+        return logits, new_state.replace(lengths=start), x, tuple(traces)
     return logits, new_state
 
 
@@ -404,6 +458,7 @@ def _decode_invariant(params: Params, state: DecodeState, tokens: Array, active:
 
     conv_state, recurrent_state = list(state.conv_state), list(state.recurrent_state)
     kv_cache = list(state.kv_cache)
+    traces = [None] * len(conv_state)
     lin = full = 0
     for i, (layer, kind) in enumerate(zip(params.layers, c.layer_types)):
         norm = lambda p, x: rms_norm(x, p.input_layernorm, c.rms_norm_eps)  # noqa: E731
@@ -440,6 +495,76 @@ def _decode_invariant(params: Params, state: DecodeState, tokens: Array, active:
     new_state = DecodeState(conv_state=tuple(conv_state), recurrent_state=tuple(recurrent_state),
                             kv_cache=tuple(kv_cache), lengths=start + num_new)
     return logits, new_state
+
+
+def verify_fn(params: Params, state: DecodeState, tokens: Array, num_new: Array,
+              kernels: Kernels = choice.XLA):
+    """A speculative verify step: the target model over T new tokens per row (the last sampled
+    token and T-1 drafts), keeping what :func:`commit_fn` needs to stop after any of them.
+
+    tokens [B, T] int32, num_new [B] int32 real tokens per row (prefill's semantics, padding
+    after). Returns (logits [B, T, V] float32, hidden [B, T, H] (after the final norm: what
+    the MTP layer reads), pending state, traces): the pending state has the new keys/values
+    written but its DeltaNet states and ``lengths`` as before; ``traces`` one
+    :class:`DeltaNetTrace` per DeltaNet layer. A rejected row (as :func:`prefill_fn`) gets NaN
+    logits. Pure, un-jitted, unvalidated.
+    """
+    logits, pending, hidden, traces = _forward(params, state, tokens, num_new.astype(jnp.int32),
+                                               return_all_logits=True, kernels=kernels,
+                                               trace=True)
+    return logits, hidden, pending, traces
+
+
+def commit_fn(pending: DecodeState, traces: tuple[DeltaNetTrace, ...],
+              num_accepted: Array) -> DecodeState:
+    """The state after each row's first ``num_accepted[b]`` (in [0, T]) of :func:`verify_fn`'s
+    tokens, without recomputing: the conv ring from the kept pre-conv inputs
+    (:func:`conv_ring_update`), the recurrent state kept after token ``num_accepted - 1`` (the
+    old one at 0), ``lengths + num_accepted``; keys/values past the new length are never read
+    (the next write overwrites them). HF has no such step; vLLM keeps per-token state slots."""
+    start = pending.lengths
+    n = num_accepted.astype(jnp.int32)
+    conv, rec = [], []
+    for ring, old, t in zip(pending.conv_state, pending.recurrent_state, traces):
+        window = conv_window(ring, start).astype(t.mixed.dtype)
+        conv.append(conv_ring_update(ring, window, t.mixed, start, n))
+        kept = jnp.take_along_axis(t.states, jnp.maximum(n - 1, 0)[:, None, None, None, None],
+                                   axis=1)[:, 0]
+        rec.append(jnp.where((n > 0)[:, None, None, None], kept, old))
+    return pending.replace(conv_state=tuple(conv), recurrent_state=tuple(rec), lengths=start + n)
+
+
+def mtp_forward(params: Params, cache: KVCache, hidden: Array, tokens: Array, start: Array,
+                num_new: Array, kernels: Kernels = choice.XLA):
+    """The MTP layer (spec §6; vLLM ``Qwen3_5MultiTokenPredictor.forward``) over T pairs per row:
+    pair t joins ``hidden[:, t]`` (the main model's final-norm hidden state at position
+    ``start + t``, or the MTP's own output when drafting further) with the embedding of
+    ``tokens[:, t]`` (the token at ``start + t + 1``) and predicts the token after it.
+
+    cache: the MTP layer's own KV cache ([B, Hkv, S, D]; position p holds pair p); start [B]
+    int32 pairs already in it; num_new [B] real pairs (padding after). Returns (logits [B, T, V]
+    float32, d [B, T, H] the MTP's final-norm output (the next draft's ``hidden``), new cache).
+    ValueError if ``params`` holds no MTP layer.
+    """
+    if params.mtp is None:
+        raise ValueError("these params hold no MTP layer: load the checkpoint with "
+                         "load_checkpoint(..., mtp=True) (or a config with "
+                         "mtp_num_hidden_layers=1 for init_params)")
+    c, m = params.config, params.mtp
+    num_new = num_new.astype(jnp.int32)
+    valid = token_mask(tokens.shape[1], num_new)
+    in_vocab = (tokens >= 0) & (tokens < c.vocab_size)
+    e = jnp.take(params.embed_tokens, jnp.where(in_vocab, tokens, 0), axis=0)
+    e = rms_norm(e.astype(params.dtype), m.pre_fc_norm_embedding, c.rms_norm_eps)
+    h = rms_norm(hidden.astype(params.dtype), m.pre_fc_norm_hidden, c.rms_norm_eps)
+    u = linear(jnp.concatenate([e, h], axis=-1), m.fc, kernels=kernels)  # embedding first
+    a = rms_norm(u, m.layer.input_layernorm, c.rms_norm_eps)
+    a, cache = gated_attention(m.layer.self_attn, a, cache, start, num_new, valid, c,
+                               decode=False, kernels=kernels)
+    u = _mlp_block(m.layer, u + a, c, kernels)
+    d = rms_norm(u, m.norm, c.rms_norm_eps)
+    logits = linear(d, params.lm_head_weight, out_dtype=f32, kernels=kernels)
+    return jnp.where(valid[..., None], logits, 0.0), d, cache
 
 
 def _rejected(config: Config, state: DecodeState, tokens: Array, num_new: Array) -> Array:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -89,6 +89,18 @@ class DecoderLayerParams:
 
 
 @struct.dataclass
+class MTPParams:
+    """The multi-token-prediction layer (spec §6; vLLM ``Qwen3_5MultiTokenPredictor``): predicts
+    the token after next from the main model's final hidden state and the next token's
+    embedding. Embedding and LM head are the main model's."""
+    fc: Array  # [H, 2H]: [embedding ; hidden] -> H (embedding first)
+    pre_fc_norm_embedding: Array  # [H]  (1 + w)
+    pre_fc_norm_hidden: Array  # [H]  (1 + w)
+    layer: DecoderLayerParams  # one full-attention decoder layer (the MoE block in MoE models)
+    norm: Array  # [H]  (1 + w)
+
+
+@struct.dataclass
 class Params:
     """All weights of a Qwen3.5 text decoder (HF module names; PyTorch ``[out, in]`` layout), in the
     model dtype (float32 or bfloat16) but ``A_log`` and the gated-norm weight (float32); the
@@ -99,6 +111,7 @@ class Params:
     norm: Array  # [H]  (1 + w)
     lm_head: Array | None  # [V, H], None when tie_word_embeddings (embed_tokens is used)
     config: Config = struct.field(pytree_node=False)
+    mtp: MTPParams | None = None  # config.mtp_num_hidden_layers == 1
 
     @property
     def dtype(self):
@@ -122,52 +135,64 @@ class ParamSpec:
 def param_specs(config: Config) -> dict[str, ParamSpec]:
     """``{name: ParamSpec}`` of every parameter, keyed by its ``Qwen3_5ForCausalLM`` checkpoint
     name, in a fixed order (embedding, final norm, LM head unless tied, then layer by layer; the
-    MoE block in ``config.moe_layers``, the dense MLP elsewhere)."""
+    MoE block in ``config.moe_layers``, the dense MLP elsewhere; then the MTP layer's ``mtp.*``
+    when ``config.mtp_num_hidden_layers``, its block an MoE one in MoE models)."""
     c = config
-    h, i, hq, hkv, d = (c.hidden_size, c.intermediate_size, c.num_attention_heads,
-                        c.num_key_value_heads, c.head_dim)
-    hv, dv = c.linear_num_value_heads, c.linear_value_head_dim
+    h = c.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h),
                                           "model.norm.weight": (h,)}
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, h)
     for layer, kind in enumerate(c.layer_types):
-        p = f"model.layers.{layer}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-        if layer in c.moe_layers:
-            e, ie, i_s = c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
-            shapes[p + "mlp.gate.weight"] = (e, h)
-            shapes[p + "mlp.experts.gate_up_proj"] = (e, 2 * ie, h)
-            shapes[p + "mlp.experts.down_proj"] = (e, h, ie)
-            shapes[p + "mlp.shared_expert.gate_proj.weight"] = (i_s, h)
-            shapes[p + "mlp.shared_expert.up_proj.weight"] = (i_s, h)
-            shapes[p + "mlp.shared_expert.down_proj.weight"] = (h, i_s)
-            shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
-        else:
-            shapes[p + "mlp.gate_proj.weight"] = (i, h)
-            shapes[p + "mlp.up_proj.weight"] = (i, h)
-            shapes[p + "mlp.down_proj.weight"] = (h, i)
-        if kind == FULL_ATTENTION:
-            shapes[p + "self_attn.q_proj.weight"] = (2 * hq * d, h)
-            shapes[p + "self_attn.k_proj.weight"] = (hkv * d, h)
-            shapes[p + "self_attn.v_proj.weight"] = (hkv * d, h)
-            shapes[p + "self_attn.o_proj.weight"] = (h, hq * d)
-            shapes[p + "self_attn.q_norm.weight"] = (d,)
-            shapes[p + "self_attn.k_norm.weight"] = (d,)
-        else:
-            shapes[p + "linear_attn.in_proj_qkv.weight"] = (c.linear_conv_dim, h)
-            shapes[p + "linear_attn.in_proj_z.weight"] = (hv * dv, h)
-            shapes[p + "linear_attn.in_proj_b.weight"] = (hv, h)
-            shapes[p + "linear_attn.in_proj_a.weight"] = (hv, h)
-            shapes[p + "linear_attn.conv1d.weight"] = (c.linear_conv_dim, 1,
-                                                       c.linear_conv_kernel_dim)
-            shapes[p + "linear_attn.dt_bias"] = (hv,)
-            shapes[p + "linear_attn.A_log"] = (hv,)
-            shapes[p + "linear_attn.norm.weight"] = (dv,)
-            shapes[p + "linear_attn.out_proj.weight"] = (h, hv * dv)
+        _layer_shapes(c, shapes, f"model.layers.{layer}.", kind, layer in c.moe_layers)
+    if c.mtp_num_hidden_layers:
+        shapes["mtp.fc.weight"] = (h, 2 * h)
+        shapes["mtp.pre_fc_norm_embedding.weight"] = (h,)
+        shapes["mtp.pre_fc_norm_hidden.weight"] = (h,)
+        _layer_shapes(c, shapes, "mtp.layers.0.", FULL_ATTENTION, c.num_experts > 0)
+        shapes["mtp.norm.weight"] = (h,)
     return {name: ParamSpec(name, shape, name.endswith(FLOAT32_LEAVES))
             for name, shape in shapes.items()}
+
+
+def _layer_shapes(c: Config, shapes: dict, p: str, kind: str, moe: bool) -> None:
+    """Adds the checkpoint names and shapes of one decoder layer under prefix ``p``."""
+    h, i, hq, hkv, d = (c.hidden_size, c.intermediate_size, c.num_attention_heads,
+                        c.num_key_value_heads, c.head_dim)
+    hv, dv = c.linear_num_value_heads, c.linear_value_head_dim
+    shapes[p + "input_layernorm.weight"] = (h,)
+    shapes[p + "post_attention_layernorm.weight"] = (h,)
+    if moe:
+        e, ie, i_s = c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
+        shapes[p + "mlp.gate.weight"] = (e, h)
+        shapes[p + "mlp.experts.gate_up_proj"] = (e, 2 * ie, h)
+        shapes[p + "mlp.experts.down_proj"] = (e, h, ie)
+        shapes[p + "mlp.shared_expert.gate_proj.weight"] = (i_s, h)
+        shapes[p + "mlp.shared_expert.up_proj.weight"] = (i_s, h)
+        shapes[p + "mlp.shared_expert.down_proj.weight"] = (h, i_s)
+        shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
+    else:
+        shapes[p + "mlp.gate_proj.weight"] = (i, h)
+        shapes[p + "mlp.up_proj.weight"] = (i, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, i)
+    if kind == FULL_ATTENTION:
+        shapes[p + "self_attn.q_proj.weight"] = (2 * hq * d, h)
+        shapes[p + "self_attn.k_proj.weight"] = (hkv * d, h)
+        shapes[p + "self_attn.v_proj.weight"] = (hkv * d, h)
+        shapes[p + "self_attn.o_proj.weight"] = (h, hq * d)
+        shapes[p + "self_attn.q_norm.weight"] = (d,)
+        shapes[p + "self_attn.k_norm.weight"] = (d,)
+    else:
+        shapes[p + "linear_attn.in_proj_qkv.weight"] = (c.linear_conv_dim, h)
+        shapes[p + "linear_attn.in_proj_z.weight"] = (hv * dv, h)
+        shapes[p + "linear_attn.in_proj_b.weight"] = (hv, h)
+        shapes[p + "linear_attn.in_proj_a.weight"] = (hv, h)
+        shapes[p + "linear_attn.conv1d.weight"] = (c.linear_conv_dim, 1,
+                                                   c.linear_conv_kernel_dim)
+        shapes[p + "linear_attn.dt_bias"] = (hv,)
+        shapes[p + "linear_attn.A_log"] = (hv,)
+        shapes[p + "linear_attn.norm.weight"] = (dv,)
+        shapes[p + "linear_attn.out_proj.weight"] = (h, hv * dv)
 
 
 def leaf_dtype(spec: ParamSpec, dtype) -> jnp.dtype:
@@ -181,41 +206,50 @@ def params_from_flat(config: Config, flat: dict[str, Any]) -> Params:
     def w(name):
         return flat[name]
 
-    layers = []
-    for layer, kind in enumerate(config.layer_types):
-        p = f"model.layers.{layer}."
-        if layer in config.moe_layers:
-            m = p + "mlp."
-            mlp = MoEParams(
-                gate=w(m + "gate.weight"), experts_gate_up_proj=w(m + "experts.gate_up_proj"),
-                experts_down_proj=w(m + "experts.down_proj"),
-                shared_expert=MLPParams(gate_proj=w(m + "shared_expert.gate_proj.weight"),
-                                        up_proj=w(m + "shared_expert.up_proj.weight"),
-                                        down_proj=w(m + "shared_expert.down_proj.weight")),
-                shared_expert_gate=w(m + "shared_expert_gate.weight"))
-        else:
-            mlp = MLPParams(gate_proj=w(p + "mlp.gate_proj.weight"),
-                            up_proj=w(p + "mlp.up_proj.weight"),
-                            down_proj=w(p + "mlp.down_proj.weight"))
-        common = dict(input_layernorm=w(p + "input_layernorm.weight"),
-                      post_attention_layernorm=w(p + "post_attention_layernorm.weight"), mlp=mlp)
-        if kind == FULL_ATTENTION:
-            a = p + "self_attn."
-            layers.append(DecoderLayerParams(**common, self_attn=AttentionParams(
-                q_proj=w(a + "q_proj.weight"), k_proj=w(a + "k_proj.weight"),
-                v_proj=w(a + "v_proj.weight"), o_proj=w(a + "o_proj.weight"),
-                q_norm=w(a + "q_norm.weight"), k_norm=w(a + "k_norm.weight"))))
-        else:
-            a = p + "linear_attn."
-            layers.append(DecoderLayerParams(**common, linear_attn=GatedDeltaNetParams(
-                in_proj_qkv=w(a + "in_proj_qkv.weight"), in_proj_z=w(a + "in_proj_z.weight"),
-                in_proj_b=w(a + "in_proj_b.weight"), in_proj_a=w(a + "in_proj_a.weight"),
-                conv1d=w(a + "conv1d.weight"), dt_bias=w(a + "dt_bias"), A_log=w(a + "A_log"),
-                norm=w(a + "norm.weight"), out_proj=w(a + "out_proj.weight"))))
-    return Params(embed_tokens=w("model.embed_tokens.weight"), layers=tuple(layers),
+    layers = tuple(_layer(w, f"model.layers.{layer}.", kind, layer in config.moe_layers)
+                   for layer, kind in enumerate(config.layer_types))
+    mtp = None
+    if config.mtp_num_hidden_layers:
+        mtp = MTPParams(fc=w("mtp.fc.weight"),
+                        pre_fc_norm_embedding=w("mtp.pre_fc_norm_embedding.weight"),
+                        pre_fc_norm_hidden=w("mtp.pre_fc_norm_hidden.weight"),
+                        layer=_layer(w, "mtp.layers.0.", FULL_ATTENTION, config.num_experts > 0),
+                        norm=w("mtp.norm.weight"))
+    return Params(embed_tokens=w("model.embed_tokens.weight"), layers=layers,
                   norm=w("model.norm.weight"),
                   lm_head=None if config.tie_word_embeddings else w("lm_head.weight"),
-                  config=config)
+                  config=config, mtp=mtp)
+
+
+def _layer(w: Callable[[str], Any], p: str, kind: str, moe: bool) -> DecoderLayerParams:
+    """One decoder layer's params from ``w(checkpoint name)``, names under prefix ``p``."""
+    if moe:
+        m = p + "mlp."
+        mlp = MoEParams(
+            gate=w(m + "gate.weight"), experts_gate_up_proj=w(m + "experts.gate_up_proj"),
+            experts_down_proj=w(m + "experts.down_proj"),
+            shared_expert=MLPParams(gate_proj=w(m + "shared_expert.gate_proj.weight"),
+                                    up_proj=w(m + "shared_expert.up_proj.weight"),
+                                    down_proj=w(m + "shared_expert.down_proj.weight")),
+            shared_expert_gate=w(m + "shared_expert_gate.weight"))
+    else:
+        mlp = MLPParams(gate_proj=w(p + "mlp.gate_proj.weight"),
+                        up_proj=w(p + "mlp.up_proj.weight"),
+                        down_proj=w(p + "mlp.down_proj.weight"))
+    common = dict(input_layernorm=w(p + "input_layernorm.weight"),
+                  post_attention_layernorm=w(p + "post_attention_layernorm.weight"), mlp=mlp)
+    if kind == FULL_ATTENTION:
+        a = p + "self_attn."
+        return DecoderLayerParams(**common, self_attn=AttentionParams(
+            q_proj=w(a + "q_proj.weight"), k_proj=w(a + "k_proj.weight"),
+            v_proj=w(a + "v_proj.weight"), o_proj=w(a + "o_proj.weight"),
+            q_norm=w(a + "q_norm.weight"), k_norm=w(a + "k_norm.weight")))
+    a = p + "linear_attn."
+    return DecoderLayerParams(**common, linear_attn=GatedDeltaNetParams(
+        in_proj_qkv=w(a + "in_proj_qkv.weight"), in_proj_z=w(a + "in_proj_z.weight"),
+        in_proj_b=w(a + "in_proj_b.weight"), in_proj_a=w(a + "in_proj_a.weight"),
+        conv1d=w(a + "conv1d.weight"), dt_bias=w(a + "dt_bias"), A_log=w(a + "A_log"),
+        norm=w(a + "norm.weight"), out_proj=w(a + "out_proj.weight")))
 
 
 def params_to_flat(params: Params) -> dict[str, Array]:

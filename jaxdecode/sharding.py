@@ -94,7 +94,7 @@ STATE_RULES: dict[str, P] = {
     "lengths": P(DATA),  # [B]
 }
 
-_LAYER_PREFIX = re.compile(r"^model\.layers\.\d+\.|^model\.")
+_LAYER_PREFIX = re.compile(r"^model\.layers\.\d+\.|^model\.|^mtp\.layers\.\d+\.|^mtp\.")
 
 
 def make_mesh(data: int, model: int, *, devices: Sequence[jax.Device] | None = None) -> Mesh:
