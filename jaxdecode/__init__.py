@@ -10,7 +10,7 @@ Layers, each importing only those above it: ``config`` -> ``memory`` (bytes, the
 chunk plan) -> ``params``, ``state`` -> ``kernels`` (each kernel beside its reference;
 ``kernels.choice`` decides which runs) -> ``model`` (pure functions) -> ``sharding`` (layouts)
 -> ``step`` (the jitted, donated entry points), ``inputs`` (host checks of token lists) ->
-``generation`` (sampling loops), ``scoring`` (teacher-forced log-probs) -> ``checkpoint`` ->
+``speculative`` (MTP drafts, verify, commit) -> ``generation`` (sampling loops), ``scoring`` (teacher-forced log-probs) -> ``checkpoint`` ->
 ``cli``.
 """
 

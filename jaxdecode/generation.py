@@ -25,7 +25,7 @@ from jax import lax
 
 from jaxdecode import memory
 from jaxdecode import sampling as sampling_lib
-from jaxdecode import sharding
+from jaxdecode import sharding, speculative
 from jaxdecode.inputs import MIN_PROMPT_BUCKET, MIN_TOKEN_BUCKET, bucket, token_lists
 from jaxdecode.kernels.choice import Kernels, choose_kernels
 from jaxdecode.kernels.decode_attention import MAX_LEN_ALIGN
@@ -577,12 +577,24 @@ def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParam
              progress: Callable[[np.ndarray], None] | None = None,
              executables: Executables | None = None, prefill_chunk_size: int | None = None,
              activation_budget: int | None = None, return_logprobs: bool = False,
-             top_logprobs: int = 0) -> GenerateOutput:
+             top_logprobs: int = 0, num_speculative_tokens: int = 0) -> GenerateOutput:
     """Generates continuations with the whole loop on device (one jitted call, no per-token sync).
 
     Returns a :class:`GenerateOutput` of device arrays. ``progress``, if given, is called on the
     host after every chunk with ``num_generated [R]`` (a new function object compiles anew).
+    ``num_speculative_tokens`` k > 0: speculative decoding with the params' MTP layer
+    (``load_checkpoint(..., mtp=True)``; ``jaxdecode.speculative``), greedy only, the same
+    tokens as plain greedy decoding; ``max_len`` then needs room for k more tokens. Not yet
+    together with sampling, ``stop_sequences``, ``state``/``return_state``, ``num_samples`` > 1,
+    log-probabilities, ``progress``/``executables`` or a mesh (ValueError).
     """
+    if num_speculative_tokens:
+        return _generate_speculative(
+            params, prompts, max_new_tokens, sampling, eos_token_ids, num_speculative_tokens,
+            stop_sequences=stop_sequences, state=state, return_state=return_state,
+            max_len=max_len, num_samples=num_samples, pad_id=pad_id, kernels=kernels,
+            progress=progress, executables=executables, prefill_chunk_size=prefill_chunk_size,
+            activation_budget=activation_budget, return_logprobs=return_logprobs)
     plan = _plan(params, prompts, max_new_tokens, sampling, key, eos_token_ids, max_len=max_len,
                  num_samples=num_samples, chunk_size=chunk_size, pad_id=pad_id, kernels=kernels,
                  features=features, stop_sequences=stop_sequences, state=state,
@@ -591,6 +603,55 @@ def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParam
                  top_logprobs=top_logprobs)
     fn = _fork_jit if plan.fork_state else _generate_jit
     return _call(fn, *_generate_args(params, plan, progress, state), executables)
+
+
+def _generate_speculative(params: Params, prompts, max_new_tokens, sampling, eos_token_ids, k,
+                          *, stop_sequences, state, return_state, max_len, num_samples, pad_id,
+                          kernels, progress, executables, prefill_chunk_size, activation_budget,
+                          return_logprobs) -> GenerateOutput:
+    """:func:`generate` with ``num_speculative_tokens=k`` (checks, then
+    ``speculative.speculative_generate_fn`` in one jitted call)."""
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise ValueError(f"num_speculative_tokens={k!r} must be a positive int (0: off)")
+    if params.mtp is None:
+        raise ValueError("num_speculative_tokens needs the MTP layer: load the checkpoint with "
+                         "jd.load_checkpoint(path, mtp=True)")
+    unsupported = [name for name, used in (
+        ("stop_sequences", stop_sequences is not None), ("state", state is not None),
+        ("return_state", return_state), ("num_samples > 1", num_samples != 1),
+        ("return_logprobs", return_logprobs), ("progress", progress is not None),
+        ("executables", executables is not None),
+        ("a mesh", sharding.mesh_of(params) is not None)) if used]
+    if unsupported:
+        raise ValueError(f"num_speculative_tokens does not yet work with {unsupported}")
+    plan = _plan(params, prompts, max_new_tokens, sampling, None, eos_token_ids,
+                 max_len=max_len, num_samples=1, chunk_size=1, pad_id=pad_id, kernels=kernels,
+                 prefill_chunk_size=prefill_chunk_size, activation_budget=activation_budget)
+    if np.any(np.asarray(plan.sampling.temperature) != 0) or plan.features != \
+            sampling_lib.features_of(sampling_lib.greedy(len(plan.budgets))):
+        raise ValueError("num_speculative_tokens is greedy only for now: pass sampling=None or "
+                         "jaxdecode.sampling.greedy() (no penalties or filters)")
+    config = params.config
+    need = plan.prompt_lengths.astype(np.int64) + plan.budgets + k
+    if max_len is None:
+        cap = min(-(-(plan.prompts.shape[1] + plan.max_new_tokens + k) // MAX_LEN_ALIGN)
+                  * MAX_LEN_ALIGN, config.max_position_embeddings)
+    else:
+        cap = plan.max_len
+    if (need > cap).any():
+        i = int(np.argmax(need > cap))
+        raise ValueError(f"prompt {i}: {plan.prompt_lengths[i]} prompt tokens + max_new_tokens="
+                         f"{plan.budgets[i]} + num_speculative_tokens={k} (the verify step's "
+                         f"room) exceeds max_len={cap}")
+    state = init_state(config, len(plan.budgets), cap, params.dtype)
+    loop = speculative.speculative_generate_jit(
+        params, state, jnp.asarray(plan.prompts), jnp.asarray(plan.prompt_lengths),
+        jnp.asarray(plan.budgets), jnp.asarray(plan.eos_token_ids), plan.pad_id,
+        num_speculative_tokens=int(k), max_new_tokens=plan.max_new_tokens,
+        kernels=plan.kernels, prefill_chunk_size=plan.prefill.prefill_chunk_size,
+        query_block=plan.prefill.query_block)
+    return GenerateOutput(tokens=loop.tokens, num_generated=loop.num_generated,
+                          stop_reason=loop.stop_reason)
 
 
 def generate_stream(params: Params, prompts, max_new_tokens=64,

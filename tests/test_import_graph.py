@@ -27,6 +27,8 @@ ROOT = PACKAGE.parent
 
 # module -> modules it must not load, directly or through another module
 FORBIDDEN = {
+    "jaxdecode.speculative": {"jaxdecode.generation", "jaxdecode.step", "jaxdecode.checkpoint",
+                              "jaxdecode.scoring", "jaxdecode.cli"},
     "jaxdecode.quantization": {"jaxdecode.config", "jaxdecode.params", "jaxdecode.state",
                                "jaxdecode.kernels", "jaxdecode.model", "jaxdecode.memory",
                                "jaxdecode.step"},

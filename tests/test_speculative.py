@@ -1,0 +1,202 @@
+"""The MTP layer and greedy speculative decoding (jaxdecode.speculative, model.verify_fn /
+commit_fn / mtp_forward): the MTP forward against a float64 numpy reference of spec §6's
+equations; a verify step committed after n tokens against a prefill of those n tokens; speculative
+greedy generation against plain greedy generation token for token, with drafts from an oracle
+that is right at set positions (long accepted runs, an EOS inside one, ragged budgets); loading
+``mtp.*``; the errors."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxdecode as jd
+from conftest import tiny
+from jaxdecode import model, speculative
+from jaxdecode.params import params_to_hf
+from test_checkpoint import write_checkpoint
+
+CONFIG = tiny(mtp_num_hidden_layers=1)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return jd.init_params(CONFIG, jax.random.key(3))
+
+
+def _rms_1p(x, w, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * (1.0 + w)
+
+
+def _rope(x, positions, c):
+    """Rotate-half RoPE on the first rotary dims (HF apply_rotary_pos_emb), x [T, N, D]."""
+    rd = c.rotary_dim
+    inv = 1.0 / (c.rope_theta ** (np.arange(0, rd, 2) / rd))
+    ang = positions[:, None] * inv[None, :]
+    cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
+    xr, xp = x[..., :rd], x[..., rd:]
+    rot = np.concatenate([-xr[..., rd // 2:], xr[..., :rd // 2]], -1)
+    return np.concatenate([xr * cos[:, None] + rot * sin[:, None], xp], -1)
+
+
+def mtp_reference(flat, c, hidden, tokens):
+    """float64 numpy MTP forward (spec §6) of one row's T pairs at positions 0..T-1, causal:
+    returns (logits [T, V], d [T, H])."""
+    f = {k: np.asarray(v, np.float64) for k, v in flat.items()}
+    eps, hq, hkv, d_head = c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    e = _rms_1p(f["model.embed_tokens.weight"][tokens], f["mtp.pre_fc_norm_embedding.weight"], eps)
+    h = _rms_1p(hidden, f["mtp.pre_fc_norm_hidden.weight"], eps)
+    u = np.concatenate([e, h], -1) @ f["mtp.fc.weight"].T
+    p = "mtp.layers.0."
+    x = _rms_1p(u, f[p + "input_layernorm.weight"], eps)
+    t = len(tokens)
+    qg = (x @ f[p + "self_attn.q_proj.weight"].T).reshape(t, hq, 2 * d_head)
+    q, gate = qg[..., :d_head], qg[..., d_head:]
+    k = (x @ f[p + "self_attn.k_proj.weight"].T).reshape(t, hkv, d_head)
+    v = (x @ f[p + "self_attn.v_proj.weight"].T).reshape(t, hkv, d_head)
+    q = _rope(_rms_1p(q, f[p + "self_attn.q_norm.weight"], eps), np.arange(t, dtype=np.float64), c)
+    k = _rope(_rms_1p(k, f[p + "self_attn.k_norm.weight"], eps), np.arange(t, dtype=np.float64), c)
+    out = np.zeros((t, hq, d_head))
+    for head in range(hq):
+        kv = head // (hq // hkv)
+        s = q[:, head] @ k[:, kv].T / math.sqrt(d_head)
+        s[np.triu(np.ones((t, t), bool), 1)] = -np.inf
+        w = np.exp(s - s.max(-1, keepdims=True))
+        out[:, head] = (w / w.sum(-1, keepdims=True)) @ v[:, kv]
+    o = (out * (1.0 / (1.0 + np.exp(-gate)))).reshape(t, -1) @ f[p + "self_attn.o_proj.weight"].T
+    u = u + o
+    y = _rms_1p(u, f[p + "post_attention_layernorm.weight"], eps)
+    g = y @ f[p + "mlp.gate_proj.weight"].T
+    u = u + ((g / (1.0 + np.exp(-g))) * (y @ f[p + "mlp.up_proj.weight"].T)) @ \
+        f[p + "mlp.down_proj.weight"].T
+    d = _rms_1p(u, f["mtp.norm.weight"], eps)
+    head_w = f["model.embed_tokens.weight"] if c.tie_word_embeddings else f["lm_head.weight"]
+    return d @ head_w.T, d
+
+
+def test_mtp_forward_against_float64_reference(params):
+    """Two calls (3 pairs, then 4 more over the cache) against one float64 pass over 7 pairs."""
+    c = CONFIG
+    rng = np.random.default_rng(0)
+    hidden = rng.standard_normal((1, 7, c.hidden_size)).astype(np.float32)
+    tokens = rng.integers(0, c.vocab_size, (1, 7)).astype(np.int32)
+    kv = (1, c.num_key_value_heads, 64, c.head_dim)
+    cache = jd.KVCache(k=jnp.zeros(kv), v=jnp.zeros(kv))
+    one = jnp.ones((1,), jnp.int32)
+    lg1, d1, cache = model.mtp_forward(params, cache, hidden[:, :3], tokens[:, :3], 0 * one,
+                                       3 * one)
+    lg2, d2, _ = model.mtp_forward(params, cache, hidden[:, 3:], tokens[:, 3:], 3 * one, 4 * one)
+    want_logits, want_d = mtp_reference(params_to_hf(params), c, hidden[0].astype(np.float64),
+                                        tokens[0])
+    got_logits = np.concatenate([np.asarray(lg1[0]), np.asarray(lg2[0])])
+    got_d = np.concatenate([np.asarray(d1[0]), np.asarray(d2[0])])
+    scale = np.abs(want_logits).max()
+    assert np.abs(got_logits - want_logits).max() <= 1e-4 * scale
+    assert np.abs(got_d - want_d).max() <= 1e-4 * np.abs(want_d).max()
+
+
+def test_verify_then_commit_equals_prefill_of_the_accepted_tokens(params):
+    c = CONFIG
+    rng = np.random.default_rng(1)
+    rows, t = 4, 5
+    prompt = jnp.asarray(rng.integers(0, c.vocab_size, (rows, 9)), jnp.int32)
+    new = jnp.asarray(rng.integers(0, c.vocab_size, (rows, t)), jnp.int32)
+    xla = jd.Kernels()
+    _, state = model.prefill_fn(params, jd.init_state(c, rows, 64), prompt,
+                                jnp.array([9, 6, 1, 3]), kernels=xla)
+    logits, hidden, pending, traces = model.verify_fn(params, state, new, jnp.full((rows,), t))
+    accepted = jnp.array([0, 2, 5, 1])
+    got = model.commit_fn(pending, traces, accepted)
+    want_logits, want = model.prefill_fn(params, state, new, accepted, return_all_logits=True,
+                                         kernels=xla)
+    np.testing.assert_array_equal(got.lengths, want.lengths)
+    for a, b in zip(got.conv_state + got.recurrent_state, want.conv_state + want.recurrent_state):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5)
+    real = (np.arange(t)[None, :] < np.asarray(accepted)[:, None])[..., None]
+    scale = float(jnp.abs(want_logits).max())
+    assert np.abs(np.where(real, np.asarray(logits - want_logits), 0)).max() <= 1e-5 * scale
+    # the hidden state is the final norm's output: the LM head of it gives the logits
+    head = params.lm_head_weight
+    np.testing.assert_allclose(np.asarray(hidden @ head.T), np.asarray(logits), rtol=0,
+                               atol=1e-5 * scale)
+
+
+def test_speculative_greedy_equals_plain_greedy(params):
+    """Oracle drafts, right except at every 4th output position: accepted runs of up to k,
+    rejections mid-run, an EOS inside an accepted run (row 0), ragged budgets and prompts."""
+    c = CONFIG
+    rng = np.random.default_rng(2)
+    prompts = [list(rng.integers(0, c.vocab_size, n)) for n in (6, 11, 1)]
+    budgets = [20, 9, 17]
+    plain0 = jd.generate(params, prompts, max_new_tokens=budgets, eos_token_ids=[])
+    ref = np.asarray(plain0.tokens)
+    eos = int(ref[0, 10])  # row 0 stops at its 11th token, inside a run of accepted drafts
+    plain = jd.generate(params, prompts, max_new_tokens=budgets, eos_token_ids=[eos])
+    k = 3
+
+    def oracle(loop, drafts):
+        pos = loop.num_generated[:, None] + jnp.arange(k)[None, :]  # output index of draft j
+        right = jnp.take_along_axis(jnp.asarray(ref), jnp.minimum(pos, ref.shape[1] - 1), axis=1)
+        right = jnp.maximum(right, 0)  # past a row's end (pad -1): any id in the vocabulary
+        return jnp.where(pos % 4 == 3, (right + 1) % c.vocab_size, right).astype(jnp.int32)
+
+    n = plain.tokens.shape[1]
+    state = jd.init_state(c, 3, 64)
+    padded = np.zeros((3, 16), np.int32)
+    for i, p in enumerate(prompts):
+        padded[i, :len(p)] = p
+    eos_ids = jnp.asarray([eos] + [-1] * 7, jnp.int32)
+    loop = speculative.speculative_generate_jit(
+        params, state, jnp.asarray(padded), jnp.asarray([len(p) for p in prompts]),
+        jnp.asarray(budgets), eos_ids, -1, num_speculative_tokens=k, max_new_tokens=n,
+        kernels=jd.Kernels(), draft=oracle)
+    np.testing.assert_array_equal(np.asarray(loop.tokens), np.asarray(plain.tokens))
+    np.testing.assert_array_equal(np.asarray(loop.num_generated),
+                                  np.asarray(plain.num_generated))
+    np.testing.assert_array_equal(np.asarray(loop.stop_reason), np.asarray(plain.stop_reason))
+    assert int(plain.num_generated[0]) == 11 and plain.stop_reasons()[0] == "eos"
+    # drafts were accepted (3 of every 4 right): far fewer verify steps than tokens
+    assert int(loop.accepted) > 0.4 * int(np.sum(plain.num_generated))
+    assert int(loop.iterations) < 0.6 * int(np.max(plain.num_generated))
+
+    # through generate (the MTP's own drafts): the same tokens
+    spec = jd.generate(params, prompts, max_new_tokens=budgets, eos_token_ids=[eos],
+                       num_speculative_tokens=2)
+    np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(plain.tokens))
+    assert spec.stop_reasons() == plain.stop_reasons()
+
+
+def test_speculative_errors(params):
+    no_mtp = jd.init_params(tiny(), jax.random.key(0))
+    with pytest.raises(ValueError, match="mtp=True"):
+        jd.generate(no_mtp, [[1, 2]], 4, num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="greedy only"):
+        jd.generate(params, [[1, 2]], 4, jd.SamplingParams.create(temperature=0.7),
+                    num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="stop_sequences"):
+        jd.generate(params, [[1, 2]], 4, stop_sequences=[[3]], num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="num_speculative_tokens=3 .* exceeds max_len=8"):
+        jd.generate(params, [[1, 2]], 4, max_len=8, num_speculative_tokens=3)
+    with pytest.raises(ValueError, match="positive int"):
+        jd.generate(params, [[1, 2]], 4, num_speculative_tokens=-1)
+    with pytest.raises(ValueError, match="MTP layer"):
+        model.mtp_forward(no_mtp, None, None, jnp.zeros((1, 1), jnp.int32), None, None)
+    with pytest.raises(ValueError, match="mtp_num_hidden_layers=2"):
+        tiny(mtp_num_hidden_layers=2)
+
+
+def test_load_checkpoint_with_mtp(tmp_path, params):
+    path = write_checkpoint(tmp_path / "ck", params, prefix="model.language_model.")
+    loaded = jd.load_checkpoint(path, dtype="float32", mtp=True)
+    assert loaded.config.mtp_num_hidden_layers == 1
+    for a, b in zip(jax.tree.leaves(loaded.mtp), jax.tree.leaves(params.mtp)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    plain = jd.load_checkpoint(path, dtype="float32")  # HF's behaviour: mtp.* skipped
+    assert plain.mtp is None and plain.config.mtp_num_hidden_layers == 0
+    damaged = write_checkpoint(tmp_path / "no_fc", params, drop=("mtp.fc.weight",))
+    with pytest.raises(ValueError, match=r"missing tensor mtp\.fc\.weight"):
+        jd.load_checkpoint(damaged, dtype="float32", mtp=True)
