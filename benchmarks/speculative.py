@@ -1,0 +1,238 @@
+"""Speculative decoding with the MTP layer: the cost of a verify step, and tokens/s against the
+number of drafts accepted, in one run.
+
+    python benchmarks/speculative.py [--model qwen3.5-9b] [--batches 1,8] [--ks 1,2,3,4]
+        [--context 1024] [--tokens 256] [--oracle 0.8] [--smoke]
+
+Per (batch, k), ms per call (median of 3 repeats of 30 calls, compile apart): a plain decode step
+(``step.jit_decode_step``, the library's step), a verify step of k + 1 tokens
+(``model.verify_fn`` then ``model.commit_fn`` of all of them, jitted, state donated), and one MTP
+draft pass (``model.mtp_forward`` of one pair); the verify / plain ratio; and the tokens/s a
+speculative step would reach with ``a`` drafts accepted on average, ``(a + 1) / (t_verify + k ·
+t_draft)``, against ``1 / t_plain`` (a from 0 to k).
+
+End to end at batch 1 and k = 3 (``--tokens`` new tokens, greedy, EOS off): ``jd.generate`` plain;
+speculative with the MTP's own drafts (random weights accept almost none: the floor); and
+speculative with an oracle draft (``speculative_generate_fn``'s ``draft`` hook) that is right with
+probability ``--oracle`` per draft (the plain run's tokens, wrong ones shifted by one id): its
+measured drafts accepted per step beside its tokens/s.
+
+Weights: bf16 fixed-seed random values with the preset's shapes plus one MTP layer; the KV caches
+and states hold random values at ``--context`` tokens. ``--smoke``: the ``tiny`` preset on the CPU
+(checks the script; its times mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jaxdecode as jd  # noqa: E402
+from jaxdecode import model, speculative, step  # noqa: E402
+from decode import kernels_for, randomize_state  # noqa: E402
+
+
+def _per_call(f, args_fn, calls=30, repeats=3):
+    """Median seconds per call of ``f(*args_fn(out))`` chained ``calls`` times (the state
+    threaded through), after 3 warm-up calls."""
+    out = None
+    for _ in range(3):
+        out = f(*args_fn(out))
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            out = f(*args_fn(out))
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / calls)
+    return statistics.median(times)
+
+
+@functools.partial(jax.jit, static_argnames="kernels", donate_argnums=1)
+def _verify(params, state, toks, *, kernels):
+    """A verify step of all of ``toks`` [B, k+1], committed, lengths put back (stay at context)."""
+    n = jnp.full((toks.shape[0],), toks.shape[1], jnp.int32)
+    logits, _, pending, traces = model.verify_fn(params, state, toks, n, kernels)
+    state = model.commit_fn(pending, traces, n)
+    return logits, state.replace(lengths=state.lengths - toks.shape[1])
+
+
+@functools.partial(jax.jit, static_argnames="kernels")
+def _draft(params, cache, hidden, toks, start, *, kernels):
+    """One MTP draft pass of one pair per row."""
+    one = jnp.ones((toks.shape[0],), jnp.int32)
+    return model.mtp_forward(params, cache, hidden[:, None], toks[:, None], start, one, kernels)
+
+
+def time_steps(params, batch, k, context, max_len, kernels):
+    """(plain, verify, draft) seconds per call at this batch and k."""
+    c = params.config
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 1000, batch), jnp.int32)
+    fresh = lambda: randomize_state(jd.init_state(c, batch, max_len, params.dtype), context)  # noqa: E731
+
+    plain_step = step.jit_decode_step(c, kernels)
+    state = fresh()
+
+    def plain_args(out):
+        nonlocal state
+        if out is not None:
+            state = out[1].replace(lengths=jnp.full((batch,), context, jnp.int32))
+        return params, state, tokens, None
+
+    t_plain = _per_call(plain_step, plain_args)
+
+    vtoks = jnp.tile(tokens[:, None], (1, k + 1))
+    state = fresh()
+
+    def verify_args(out):
+        nonlocal state
+        if out is not None:
+            state = out[1]
+        return params, state, vtoks
+
+    t_verify = _per_call(lambda *a: _verify(*a, kernels=kernels), verify_args)
+
+    kv = fresh().kv_cache[0]
+    hidden = jnp.ones((batch, c.hidden_size), params.dtype)
+    start = jnp.full((batch,), context, jnp.int32)
+
+    def draft_args(out):
+        cache = kv if out is None else out[2]
+        return params, cache, hidden, tokens, start
+
+    t_draft = _per_call(lambda *a: _draft(*a, kernels=kernels), draft_args)
+    return t_plain, t_verify, t_draft
+
+
+def oracle_draft(reference, k, p):
+    """A ``draft`` hook right with probability ``p`` per draft: the reference run's next tokens,
+    a wrong one (id + 1) where a fixed hash of (row, output position) falls at or above ``p``."""
+    ref = jnp.asarray(np.maximum(reference, 0), jnp.int32)
+
+    def draft(loop, drafts):
+        pos = loop.num_generated[:, None] + jnp.arange(k)[None, :]
+        right = jnp.take_along_axis(ref, jnp.minimum(pos, ref.shape[1] - 1), axis=1)
+        row = jnp.arange(ref.shape[0])[:, None]
+        u = ((pos * 7919 + row * 104729) % 1009) / 1009.0  # a fixed hash in [0, 1)
+        return jnp.where(u < p, right, right + 1).astype(jnp.int32)
+
+    return draft
+
+
+def end_to_end(params, tokens, k, p, kernels):
+    """Seconds per token of plain generate, speculative (own drafts), speculative (oracle p), and
+    the oracle run's mean drafts accepted per verify step."""
+    c = params.config
+    prompt = [list(np.random.default_rng(2).integers(0, 1000, 16))]
+
+    def timed(fn):
+        out = fn()
+        jax.block_until_ready(out)
+        t0 = time.perf_counter()
+        out = fn()
+        jax.block_until_ready(out)
+        return time.perf_counter() - t0, out
+
+    t_plain, plain = timed(lambda: jd.generate(params, prompt, tokens, eos_token_ids=()))
+    t_own, own = timed(lambda: jd.generate(params, prompt, tokens, eos_token_ids=(),
+                                           num_speculative_tokens=k))
+    reference = np.asarray(plain.tokens)
+    draft = oracle_draft(reference, k, p)
+    n = reference.shape[1]
+    padded = np.zeros((1, 16), np.int32)
+    padded[0] = prompt[0]
+    max_len = -(-(16 + n + k) // 64) * 64
+
+    def oracle_run():
+        return speculative.speculative_generate_jit(
+            params, jd.init_state(c, 1, max_len, params.dtype), jnp.asarray(padded),
+            jnp.asarray([16]), jnp.asarray([tokens]), jnp.full((8,), -1, jnp.int32), -1,
+            num_speculative_tokens=k, max_new_tokens=n, kernels=kernels, draft=draft)
+
+    t_oracle, loop = timed(oracle_run)
+    same = (np.array_equal(np.asarray(own.tokens), reference)
+            and np.array_equal(np.asarray(loop.tokens), reference))
+    accepted = float(loop.accepted) / max(int(loop.iterations), 1)
+    return (t_plain / tokens, t_own / tokens, t_oracle / tokens, accepted,
+            int(loop.iterations), same)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="qwen3.5-9b")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--ks", default="1,2,3,4")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--oracle", type=float, default=0.8)
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args()
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+        ks = [int(k) for k in args.ks.split(",")]
+    except ValueError:
+        ap.error("--batches and --ks take comma-separated ints")
+    if min(batches) < 1 or min(ks) < 1 or not 0 <= args.oracle <= 1:
+        ap.error("batches and ks must be >= 1, --oracle in [0, 1]")
+    name, context, tokens = args.model, args.context, args.tokens
+    if args.smoke:
+        name, batches, ks, context, tokens = "tiny", [1, 2], [1, 3], 32, 12
+    elif jax.default_backend() != "gpu":
+        ap.error("timings need a GPU; on a CPU run --smoke")
+    config = dataclasses.replace(jd.Config.from_preset(name), mtp_num_hidden_layers=1)
+    params = jd.init_params(config, jax.random.key(0), "float32" if args.smoke else "bfloat16")
+    print(f"# {jax.devices()[0].device_kind}; jax {jax.__version__}; {name} + MTP layer, "
+          f"context {context}", flush=True)
+    max_len = -(-(context + 256) // 64) * 64
+    rows = []
+    for batch in batches:
+        kernels = kernels_for(params, batch)
+        for k in ks:
+            t_plain, t_verify, t_draft = time_steps(params, batch, k, context, max_len, kernels)
+            rows.append((batch, k, t_plain, t_verify, t_draft))
+            print(f"batch {batch} k {k}: plain {t_plain * 1e3:.3f} ms, verify {t_verify * 1e3:.3f}"
+                  f" ms, draft {t_draft * 1e3:.3f} ms", flush=True)
+    k_e2e = 3 if 3 in ks else ks[-1]
+    e2e = end_to_end(params, tokens, k_e2e, args.oracle, kernels_for(params, 1))
+
+    print(f"\n## Verify step against the plain step ({name}, context {context})\n")
+    print("| batch | k | plain ms | verify ms (k+1 tokens) | verify / plain | draft ms | "
+          + " | ".join(f"speed-up at a={a}" for a in range(max(ks) + 1)) + " |")
+    print("|---:|---:|---:|---:|---:|---:|" + "---:|" * (max(ks) + 1))
+    for batch, k, t_plain, t_verify, t_draft in rows:
+        cells = []
+        for a in range(max(ks) + 1):
+            cells.append(f"{(a + 1) / (t_verify + k * t_draft) * t_plain:.2f}x" if a <= k else "")
+        print(f"| {batch} | {k} | {t_plain * 1e3:.3f} | {t_verify * 1e3:.3f} | "
+              f"{t_verify / t_plain:.3f} | {t_draft * 1e3:.3f} | " + " | ".join(cells) + " |")
+    t_plain, t_own, t_oracle, accepted, iterations, same = e2e
+    print(f"\n## End to end, batch 1, k = {k_e2e}, {tokens} tokens, greedy\n")
+    print("| run | ms/token | tok/s | vs plain | drafts accepted per step |")
+    print("|---|---:|---:|---:|---:|")
+    print(f"| plain `jd.generate` | {t_plain * 1e3:.3f} | {1 / t_plain:.0f} | 1.00x | - |")
+    print(f"| speculative, MTP drafts (random weights) | {t_own * 1e3:.3f} | {1 / t_own:.0f} | "
+          f"{t_plain / t_own:.2f}x | - |")
+    print(f"| speculative, oracle right with p = {args.oracle} | {t_oracle * 1e3:.3f} | "
+          f"{1 / t_oracle:.0f} | {t_plain / t_oracle:.2f}x | {accepted:.2f} ({iterations} steps) |")
+    print(f"\nspeculative tokens == plain tokens: {same}")
+    if not same:
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
