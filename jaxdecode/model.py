@@ -356,11 +356,13 @@ def gated_attention(p: AttentionParams, x: Array, cache: KVCache, start: Array, 
 
 def _forward(params: Params, state: DecodeState, tokens: Array, num_new: Array | None, *,
              return_all_logits: bool, kernels: Kernels = choice.XLA,
-             active: Array | None = None, query_block: int = 512, trace: bool = False):
+             active: Array | None = None, query_block: int = 512, trace: bool = False,
+             return_hidden: bool = False):
     """The shared body of prefill and decode: ``num_new`` [B] int32 new tokens per row (prefill),
     or, for decode (T == 1), ``active`` [B] bool with ``num_new`` None. ``trace``
     (:func:`verify_fn`): DeltaNet layers through :func:`gated_delta_net_trace`, their state not
-    advanced; returns (logits, state, final-norm hidden [B, T, H], traces)."""
+    advanced; returns (logits, state, final-norm hidden [B, T, H], traces). ``return_hidden``:
+    returns (logits, state, final-norm hidden [B, T, H]) (the MTP layer's input)."""
     decode = active is not None
     c = params.config
     batch, length = tokens.shape
@@ -405,6 +407,7 @@ def _forward(params: Params, state: DecodeState, tokens: Array, num_new: Array |
         with jax.named_scope(f"layer{i}_mlp"):
             x = _mlp_block(layer, x, c, kernels)
 
+    hidden = rms_norm(x, params.norm, c.rms_norm_eps) if return_hidden else None
     if not return_all_logits and length > 1:  # only each row's last real token: the LM head
         last = jnp.maximum(num_new - 1, 0)
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)  # [B, 1, H]
@@ -420,6 +423,8 @@ def _forward(params: Params, state: DecodeState, tokens: Array, num_new: Array |
                             kv_cache=tuple(kv_cache), lengths=start + num_new)
     if trace:
         return logits, new_state.replace(lengths=start), x, tuple(traces)
+    if return_hidden:
+        return logits, new_state, hidden
     return logits, new_state
 
 
@@ -497,6 +502,15 @@ def _decode_invariant(params: Params, state: DecodeState, tokens: Array, active:
     return logits, new_state
 
 
+def prefill_hidden_fn(params: Params, state: DecodeState, tokens: Array, num_new: Array, *,
+                      query_block: int = 512, kernels: Kernels = choice.XLA):
+    """:func:`prefill_fn` in one call (no chunking; chunk the tokens yourself) that also returns
+    the final-norm hidden state of every new token, what the MTP layer reads. Returns (logits
+    [B, V] of each row's last new token, new_state, hidden [B, T, H]). Pure, unvalidated."""
+    return _forward(params, state, tokens, num_new.astype(jnp.int32), return_all_logits=False,
+                    query_block=query_block, kernels=kernels, return_hidden=True)
+
+
 def verify_fn(params: Params, state: DecodeState, tokens: Array, num_new: Array,
               kernels: Kernels = choice.XLA):
     """A speculative verify step: the target model over T new tokens per row (the last sampled
@@ -535,7 +549,7 @@ def commit_fn(pending: DecodeState, traces: tuple[DeltaNetTrace, ...],
 
 
 def mtp_forward(params: Params, cache: KVCache, hidden: Array, tokens: Array, start: Array,
-                num_new: Array, kernels: Kernels = choice.XLA):
+                num_new: Array, kernels: Kernels = choice.XLA, return_logits: bool = True):
     """The MTP layer (spec §6; vLLM ``Qwen3_5MultiTokenPredictor.forward``) over T pairs per row:
     pair t joins ``hidden[:, t]`` (the main model's final-norm hidden state at position
     ``start + t``, or the MTP's own output when drafting further) with the embedding of
@@ -543,7 +557,8 @@ def mtp_forward(params: Params, cache: KVCache, hidden: Array, tokens: Array, st
 
     cache: the MTP layer's own KV cache ([B, Hkv, S, D]; position p holds pair p); start [B]
     int32 pairs already in it; num_new [B] real pairs (padding after). Returns (logits [B, T, V]
-    float32, d [B, T, H] the MTP's final-norm output (the next draft's ``hidden``), new cache).
+    float32, or None without ``return_logits`` (a prompt's pairs: only the cache is wanted),
+    d [B, T, H] the MTP's final-norm output (the next draft's ``hidden``), new cache).
     ValueError if ``params`` holds no MTP layer.
     """
     if params.mtp is None:
@@ -563,6 +578,8 @@ def mtp_forward(params: Params, cache: KVCache, hidden: Array, tokens: Array, st
                                decode=False, kernels=kernels)
     u = _mlp_block(m.layer, u + a, c, kernels)
     d = rms_norm(u, m.norm, c.rms_norm_eps)
+    if not return_logits:
+        return None, d, cache
     logits = linear(d, params.lm_head_weight, out_dtype=f32, kernels=kernels)
     return jnp.where(valid[..., None], logits, 0.0), d, cache
 

@@ -200,3 +200,29 @@ def test_load_checkpoint_with_mtp(tmp_path, params):
     damaged = write_checkpoint(tmp_path / "no_fc", params, drop=("mtp.fc.weight",))
     with pytest.raises(ValueError, match=r"missing tensor mtp\.fc\.weight"):
         jd.load_checkpoint(damaged, dtype="float32", mtp=True)
+
+
+def test_prompt_prefill_in_chunks_fills_the_mtp_cache(params):
+    """speculative._prefill in chunks of 4 == one prefill of the prompt but its last token and one
+    MTP pass over its pairs (hidden at p, token at p + 1), ragged prompts (one of length 1)."""
+    c = CONFIG
+    rng = np.random.default_rng(4)
+    lengths = jnp.array([11, 6, 1])
+    prompts = jnp.asarray(rng.integers(0, c.vocab_size, (3, 12)), jnp.int32)
+    kv = (3, c.num_key_value_heads, 64, c.head_dim)
+    empty = jd.KVCache(k=jnp.zeros(kv), v=jnp.zeros(kv))
+    xla = jd.Kernels()
+    state, cache = speculative._prefill(params, jd.init_state(c, 3, 64), empty, prompts, lengths,
+                                        4, 512, xla)
+    _, want_state, hidden = model.prefill_hidden_fn(params, jd.init_state(c, 3, 64), prompts,
+                                                    lengths - 1, kernels=xla)
+    following = jnp.concatenate([prompts[:, 1:], prompts[:, :1]], axis=1)  # last: padding
+    _, _, want = model.mtp_forward(params, empty, hidden, following, jnp.zeros((3,), jnp.int32),
+                                   lengths - 1, xla, return_logits=False)
+    np.testing.assert_array_equal(np.asarray(state.lengths), np.asarray(lengths - 1))
+    written = (np.arange(64)[None, :] < np.asarray(lengths - 1)[:, None])[:, None, :, None]
+    for got, ref in ((cache.k, want.k), (cache.v, want.v)):
+        np.testing.assert_allclose(np.where(written, got, 0), np.where(written, ref, 0),
+                                   rtol=0, atol=2e-5)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(want_state)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=2e-5)
