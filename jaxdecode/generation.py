@@ -583,14 +583,15 @@ def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParam
     Returns a :class:`GenerateOutput` of device arrays. ``progress``, if given, is called on the
     host after every chunk with ``num_generated [R]`` (a new function object compiles anew).
     ``num_speculative_tokens`` k > 0: speculative decoding with the params' MTP layer
-    (``load_checkpoint(..., mtp=True)``; ``jaxdecode.speculative``), greedy only, the same
-    tokens as plain greedy decoding; ``max_len`` then needs room for k more tokens. Not yet
-    together with sampling, ``stop_sequences``, ``state``/``return_state``, ``num_samples`` > 1,
-    log-probabilities, ``progress``/``executables`` or a mesh (ValueError).
+    (``load_checkpoint(..., mtp=True)``; ``jaxdecode.speculative``): greedy rows give the same
+    tokens as plain greedy decoding, sampled rows the same distribution (other draws);
+    ``max_len`` then needs room for k more tokens. Not yet together with penalties,
+    ``stop_sequences``, ``state``/``return_state``, ``num_samples`` > 1, log-probabilities,
+    ``progress``/``executables`` or a mesh (ValueError).
     """
     if num_speculative_tokens:
         return _generate_speculative(
-            params, prompts, max_new_tokens, sampling, eos_token_ids, num_speculative_tokens,
+            params, prompts, max_new_tokens, sampling, key, eos_token_ids, num_speculative_tokens,
             stop_sequences=stop_sequences, state=state, return_state=return_state,
             max_len=max_len, num_samples=num_samples, pad_id=pad_id, kernels=kernels,
             progress=progress, executables=executables, prefill_chunk_size=prefill_chunk_size,
@@ -605,8 +606,8 @@ def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParam
     return _call(fn, *_generate_args(params, plan, progress, state), executables)
 
 
-def _generate_speculative(params: Params, prompts, max_new_tokens, sampling, eos_token_ids, k,
-                          *, stop_sequences, state, return_state, max_len, num_samples, pad_id,
+def _generate_speculative(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
+                          k, *, stop_sequences, state, return_state, max_len, num_samples, pad_id,
                           kernels, progress, executables, prefill_chunk_size, activation_budget,
                           return_logprobs) -> GenerateOutput:
     """:func:`generate` with ``num_speculative_tokens=k`` (checks, then
@@ -624,13 +625,12 @@ def _generate_speculative(params: Params, prompts, max_new_tokens, sampling, eos
         ("a mesh", sharding.mesh_of(params) is not None)) if used]
     if unsupported:
         raise ValueError(f"num_speculative_tokens does not yet work with {unsupported}")
-    plan = _plan(params, prompts, max_new_tokens, sampling, None, eos_token_ids,
+    plan = _plan(params, prompts, max_new_tokens, sampling, key, eos_token_ids,
                  max_len=max_len, num_samples=1, chunk_size=1, pad_id=pad_id, kernels=kernels,
                  prefill_chunk_size=prefill_chunk_size, activation_budget=activation_budget)
-    if np.any(np.asarray(plan.sampling.temperature) != 0) or plan.features != \
-            sampling_lib.features_of(sampling_lib.greedy(len(plan.budgets))):
-        raise ValueError("num_speculative_tokens is greedy only for now: pass sampling=None or "
-                         "jaxdecode.sampling.greedy() (no penalties or filters)")
+    if plan.features.penalties:
+        raise ValueError("num_speculative_tokens does not yet apply repetition, presence or "
+                         "frequency penalties; leave them at their defaults")
     config = params.config
     need = plan.prompt_lengths.astype(np.int64) + plan.budgets + k
     if max_len is None:
@@ -647,6 +647,7 @@ def _generate_speculative(params: Params, prompts, max_new_tokens, sampling, eos
     loop = speculative.speculative_generate_jit(
         params, state, jnp.asarray(plan.prompts), jnp.asarray(plan.prompt_lengths),
         jnp.asarray(plan.budgets), jnp.asarray(plan.eos_token_ids), plan.pad_id,
+        plan.sampling, plan.keys, features=plan.features,
         num_speculative_tokens=int(k), max_new_tokens=plan.max_new_tokens,
         kernels=plan.kernels, prefill_chunk_size=plan.prefill.prefill_chunk_size,
         query_block=plan.prefill.query_block)

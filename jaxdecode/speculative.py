@@ -1,12 +1,15 @@
-"""Speculative decoding with the checkpoint's own MTP layer (spec §6, §10): greedy, on device.
+"""Speculative decoding with the checkpoint's own MTP layer (spec §6, §10), on device.
 
 Each iteration drafts ``k`` tokens with the MTP layer (:func:`model.mtp_forward`, reused k times
 on its own output), verifies the last token and the k drafts in one target pass
-(:func:`model.verify_fn`), accepts per row the drafts that equal the target's argmax, emits the
-accepted ones plus the target's next token, and continues from the state after the last accepted
-token without recomputing (:func:`model.commit_fn`). Rows accept different counts; the whole
-loop is one ``lax.while_loop``. Greedy only: the output equals plain greedy decoding token for
-token (up to float ties in the argmax), only faster when drafts are accepted.
+(:func:`model.verify_fn`), accepts per row a prefix of the drafts, emits it plus one token from the
+target, and continues from the state after the last emitted input without recomputing
+(:func:`model.commit_fn`). Rows accept different counts; the whole loop is one
+``lax.while_loop``. Greedy rows accept while the draft is the target's argmax: the output equals
+plain greedy decoding token for token (up to float ties). Sampled rows (temperature, top-k,
+top-p, min-p as ``jaxdecode.sampling``; no penalties) draw their drafts from the MTP's processed
+distribution q and use the speculative-sampling rule (:func:`accept_drafts`), so each token is
+distributed exactly as plain sampling's (not the same draws: the keys are used differently).
 
 The MTP layer's cache holds one pair per position p (the main model's final-norm hidden state at p,
 the token at p + 1): the prompt's pairs are computed with its prefill, and each step first writes
@@ -21,10 +24,12 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
+from jaxdecode import sampling as sampling_lib
 from jaxdecode.kernels import choice
 from jaxdecode.kernels.choice import Kernels
 from jaxdecode.model import commit_fn, mtp_forward, prefill_hidden_fn, verify_fn
 from jaxdecode.params import Params
+from jaxdecode.sampling import SamplingFeatures, SamplingParams, processed_logits
 from jaxdecode.state import DecodeState, KVCache
 
 Array = jax.Array
@@ -47,6 +52,54 @@ class SpeculativeLoop:
     stop_reason: Array  # [R] int32, 0 while running
     accepted: Array  # [] int32 drafts accepted over the run (all rows)
     iterations: Array  # [] int32 verify steps run
+
+
+def distribution(logits: Array, sampling: SamplingParams, features: SamplingFeatures) -> Array:
+    """[..., V] float32 probabilities a row draws from: ``softmax(processed_logits)`` for
+    sampled rows, one-hot at the argmax for temperature-0 rows (``sampling`` leaves [R]; logits
+    [R, ..., V])."""
+    shape = logits.shape
+    flat = logits.reshape(shape[0], -1, shape[-1])
+
+    def one(x):  # [R, V] at one position
+        x = processed_logits(x, sampling, features=features)
+        greedy = jax.nn.one_hot(jnp.argmax(x, axis=-1), x.shape[-1], dtype=jnp.float32)
+        return jnp.where((jnp.asarray(sampling.temperature) > 0)[:, None],
+                         jax.nn.softmax(x, axis=-1), greedy)
+
+    return jax.vmap(one, in_axes=1, out_axes=1)(flat).reshape(shape)
+
+
+def accept_drafts(target: Array, draft: Array, drafts: Array, key: Array):
+    """The speculative-sampling rule (Leviathan et al., 2023; Chen et al., 2023): draft j is
+    accepted, while all before it were, with probability ``min(1, p_j(y_j) / q_j(y_j))``; the
+    first rejected one is replaced by a draw from ``normalise(max(0, p_j - q_j))``, and after k
+    accepted drafts a bonus token is drawn from ``p_k``. Each emitted token is then distributed
+    as the target's ``p`` given the tokens before it. One-hot p and q (greedy rows) make it
+    "accept while the draft is the argmax, then the argmax".
+
+    target [R, k+1, V] and draft [R, k, V] probabilities, drafts [R, k] int32 (drawn from q),
+    key [R] keys. Returns (emitted [R, k+1] int32: the accepted drafts, then the replacement or
+    bonus token, then don't-care; count [R] int32 emitted, accepted drafts + 1).
+    """
+    rows, k = drafts.shape
+    keys = jax.vmap(lambda key: jax.random.split(key, 2))(key)
+    u = jax.vmap(lambda key: jax.random.uniform(key, (k,)))(keys[:, 0])
+    p_y = jnp.take_along_axis(target[:, :k], drafts[..., None], axis=-1)[..., 0]
+    q_y = jnp.take_along_axis(draft, drafts[..., None], axis=-1)[..., 0]
+    ok = u * q_y < p_y  # u < p/q without the division (q_y > 0: y was drawn from q)
+    num_accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+    at = num_accepted[:, None, None]
+    p_at = jnp.take_along_axis(target, at, axis=1)[:, 0]  # [R, V]
+    q_at = jnp.take_along_axis(jnp.pad(draft, ((0, 0), (0, 1), (0, 0))), at, axis=1)[:, 0]
+    residual = jnp.maximum(p_at - q_at, 0.0)  # q is 0 past the drafts: the bonus is p_k
+    # Where p <= q everywhere (rounding only), fall back to p itself.
+    residual = jnp.where(residual.sum(-1, keepdims=True) > 0, residual, p_at)
+    last = jax.vmap(jax.random.categorical)(keys[:, 1], jnp.log(residual)).astype(jnp.int32)
+    j = jnp.arange(k + 1)[None, :]
+    emitted = jnp.where(j < num_accepted[:, None], jnp.pad(drafts, ((0, 0), (0, 1))),
+                        last[:, None])
+    return emitted.astype(jnp.int32), num_accepted + 1
 
 
 def _emit(loop: SpeculativeLoop, new: Array, count: Array, eos_ids: Array, budgets: Array,
@@ -73,21 +126,35 @@ def _emit(loop: SpeculativeLoop, new: Array, count: Array, eos_ids: Array, budge
 
 
 def speculative_generate_fn(params: Params, state: DecodeState, prompts: Array,
-                            prompt_lengths: Array, budgets: Array, eos_ids: Array, pad_id, *,
+                            prompt_lengths: Array, budgets: Array, eos_ids: Array, pad_id,
+                            sampling: SamplingParams | None = None, keys: Array | None = None, *,
                             num_speculative_tokens: int, max_new_tokens: int,
+                            features: SamplingFeatures | None = None,
                             kernels: Kernels = choice.XLA, prefill_chunk_size: int | None = None,
                             query_block: int = 512, draft=None) -> SpeculativeLoop:
-    """Greedy speculative generation; pure, un-jitted, unvalidated (``generate`` checks).
+    """Speculative generation; pure, un-jitted, unvalidated (``generate`` checks).
 
     state: an empty state of R rows with room for prompt + budget + k tokens; prompts [R, T]
     int32 right-padded, prompt_lengths [R] >= 1, budgets [R] >= 1, eos_ids [E] (-1 pads);
-    statics: ``num_speculative_tokens`` k >= 1, ``max_new_tokens`` N (the output width).
-    ``draft``: test hook, ``(loop, mtp_drafts [R, k]) -> drafts [R, k]`` replacing the MTP's
-    drafts (e.g. an oracle that is right with a set probability). Returns the final loop.
+    ``sampling`` (leaves [R]; None: greedy) without penalties, ``keys`` [R] per-row keys (a
+    row's draws at a step use ``fold_in(key, num_generated)``); statics:
+    ``num_speculative_tokens`` k >= 1, ``max_new_tokens`` N (the output width), ``features``
+    (``sampling.features_of``; None: greedy). ``draft``: test hook, ``(loop, mtp_drafts [R, k])
+    -> drafts [R, k]`` replacing the MTP's drafts (e.g. an oracle that is right with a set
+    probability; then drafts count as drawn from a one-hot q). Returns the final loop.
     """
     k = num_speculative_tokens
     rows, length = prompts.shape
     one = jnp.ones((rows,), jnp.int32)
+    greedy = sampling is None or features is None or not features.sampled
+    if keys is None:
+        keys = sampling_lib.row_keys(jax.random.key(0), rows)
+
+    def choose(logits, key):  # [R, V] -> (tokens [R], probabilities [R, V] or None)
+        if greedy:
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+        probs = distribution(logits, sampling, features)
+        return jax.vmap(jax.random.categorical)(key, jnp.log(probs)).astype(jnp.int32), probs
     cache = state.kv_cache[0]
     cache = KVCache(k=jnp.zeros_like(cache.k), v=jnp.zeros_like(cache.v))
     state, cache = _prefill(params, state, cache, prompts, prompt_lengths,
@@ -96,7 +163,7 @@ def speculative_generate_fn(params: Params, state: DecodeState, prompts: Array,
     # state the first MTP pair.
     last_prompt = jnp.take_along_axis(prompts, (prompt_lengths - 1)[:, None], axis=1)
     logits, hidden, pending, traces = verify_fn(params, state, last_prompt, one, kernels)
-    first = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+    first, _ = choose(logits[:, 0], jax.vmap(jax.random.fold_in)(keys, 0 * one))
     pad = lambda x: jnp.pad(x, ((0, 0), (0, k)) + ((0, 0),) * (x.ndim - 2))  # noqa: E731
     loop = SpeculativeLoop(
         state=commit_fn(pending, traces, one), mtp_cache=cache, last=first,
@@ -112,41 +179,49 @@ def speculative_generate_fn(params: Params, state: DecodeState, prompts: Array,
         live = running.astype(jnp.int32)
         # The last step's pairs (target hidden states, emitted tokens) into the MTP cache, the
         # last of them drafting the first token; then k - 1 drafts on the MTP's own output.
+        step_keys = jax.vmap(lambda key, n: jax.random.split(jax.random.fold_in(key, n),
+                                                             k + 1))(keys, loop.num_generated)
         lg, d, cache = mtp_forward(params, loop.mtp_cache, loop.pair_hidden, loop.pair_tokens,
                                    loop.pair_start, live * loop.pair_count, kernels)
         at = jnp.maximum(loop.pair_count - 1, 0)
-        tok = jnp.argmax(jnp.take_along_axis(lg, at[:, None, None], axis=1)[:, 0],
-                         axis=-1).astype(jnp.int32)
+        tok, q = choose(jnp.take_along_axis(lg, at[:, None, None], axis=1)[:, 0],
+                        step_keys[:, 0])
         h = jnp.take_along_axis(d, at[:, None, None], axis=1)[:, 0]
-        drafts = [tok]
+        drafts, qs = [tok], [q]
         position = loop.pair_start + loop.pair_count  # of the next draft pair
         for j in range(1, k):
             lg, d, cache = mtp_forward(params, cache, h[:, None], tok[:, None],
                                        position + j - 1, live, kernels)
-            tok = jnp.argmax(lg[:, 0], axis=-1).astype(jnp.int32)
+            tok, q = choose(lg[:, 0], step_keys[:, j])
             h = d[:, 0]
             drafts.append(tok)
+            qs.append(q)
         drafts = jnp.stack(drafts, axis=1)  # [R, k]
         if draft is not None:
             drafts = draft(loop, drafts)
+            qs = [jax.nn.one_hot(drafts[:, j], lg.shape[-1]) for j in range(k)]
         verify = jnp.concatenate([loop.last[:, None], drafts], axis=1)  # [R, k + 1]
         logits, hidden, pending, traces = verify_fn(params, loop.state, verify, live * (k + 1),
                                                     kernels)
-        target = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [R, k + 1]
-        match = jnp.cumprod((drafts == target[:, :k]).astype(jnp.int32), axis=1)
-        num_accepted = jnp.sum(match, axis=1)  # drafts accepted, [0, k]
+        if greedy:
+            target = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [R, k + 1]
+            match = jnp.cumprod((drafts == target[:, :k]).astype(jnp.int32), axis=1)
+            emitted, count = target, jnp.sum(match, axis=1) + 1
+        else:
+            emitted, count = accept_drafts(distribution(logits, sampling, features),
+                                           jnp.stack(qs, axis=1), drafts, step_keys[:, k])
         loop = loop.replace(mtp_cache=cache)
-        loop, took = _emit(loop, target, num_accepted + 1, eos_ids, budgets, pad_id)
-        # took tokens emitted = the target's outputs after ``last`` and took - 1 drafts: those
-        # ``took`` inputs enter the state; the last emitted token is the next ``last``, and
+        loop, took = _emit(loop, emitted, count, eos_ids, budgets, pad_id)
+        # took tokens emitted = took - 1 accepted drafts and the token after them: ``last`` and
+        # those drafts enter the state; the last emitted token is the next ``last``, and
         # (hidden at each verified position, the token emitted after it) the next pairs.
         at = jnp.maximum(took - 1, 0)
         moved = took > 0
         return loop.replace(
             state=commit_fn(pending, traces, took),
-            last=jnp.where(moved, jnp.take_along_axis(target, at[:, None], axis=1)[:, 0],
+            last=jnp.where(moved, jnp.take_along_axis(emitted, at[:, None], axis=1)[:, 0],
                            loop.last),
-            pair_hidden=hidden, pair_tokens=target, pair_count=jnp.where(moved, took, 0),
+            pair_hidden=hidden, pair_tokens=emitted, pair_count=jnp.where(moved, took, 0),
             pair_start=loop.state.lengths,
             accepted=loop.accepted + jnp.sum(jnp.where(moved, took - 1, 0)),
             iterations=loop.iterations + 1)
@@ -182,7 +257,7 @@ def _prefill(params: Params, state: DecodeState, cache: KVCache, prompts: Array,
 
 speculative_generate_jit = jax.jit(
     speculative_generate_fn,
-    static_argnames=("num_speculative_tokens", "max_new_tokens", "kernels",
+    static_argnames=("num_speculative_tokens", "max_new_tokens", "features", "kernels",
                      "prefill_chunk_size", "query_block", "draft"),
     donate_argnames=("state",))
 

@@ -174,8 +174,9 @@ def test_speculative_errors(params):
     no_mtp = jd.init_params(tiny(), jax.random.key(0))
     with pytest.raises(ValueError, match="mtp=True"):
         jd.generate(no_mtp, [[1, 2]], 4, num_speculative_tokens=2)
-    with pytest.raises(ValueError, match="greedy only"):
-        jd.generate(params, [[1, 2]], 4, jd.SamplingParams.create(temperature=0.7),
+    with pytest.raises(ValueError, match="penalties"):
+        jd.generate(params, [[1, 2]], 4, jd.SamplingParams.create(temperature=0.7,
+                                                                  repetition_penalty=1.2),
                     num_speculative_tokens=2)
     with pytest.raises(ValueError, match="stop_sequences"):
         jd.generate(params, [[1, 2]], 4, stop_sequences=[[3]], num_speculative_tokens=2)
@@ -226,3 +227,59 @@ def test_prompt_prefill_in_chunks_fills_the_mtp_cache(params):
                                    rtol=0, atol=2e-5)
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(want_state)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=2e-5)
+
+
+def test_accept_drafts_keeps_the_target_distribution():
+    """The rule alone, 200k rows, V = 6, k = 2, fixed target p_0..p_2 and draft q_0, q_1 that
+    differ: the first emitted token ~ p_0, the second (where emitted) ~ p_1, the third ~ p_2,
+    each within 5 standard errors per id; greedy (one-hot) rows accept exactly the argmax."""
+    rng = np.random.default_rng(5)
+    v, k, n = 6, 2, 200_000
+    p = rng.dirichlet(np.ones(v), k + 1).astype(np.float32)
+    q = rng.dirichlet(np.ones(v), k).astype(np.float32)
+    drafts = np.stack([rng.choice(v, n, p=q[j] / q[j].sum()) for j in range(k)], 1)
+    keys = jax.random.split(jax.random.key(6), n)
+    emitted, count = jax.jit(speculative.accept_drafts)(
+        jnp.broadcast_to(p, (n, k + 1, v)), jnp.broadcast_to(q, (n, k, v)),
+        jnp.asarray(drafts, jnp.int32), keys)
+    emitted, count = np.asarray(emitted), np.asarray(count)
+    assert count.min() >= 1 and count.max() <= k + 1
+    for j in range(k + 1):
+        rows = count > j
+        freq = np.bincount(emitted[rows, j], minlength=v) / rows.sum()
+        se = np.sqrt(p[j] * (1 - p[j]) / rows.sum())
+        assert np.all(np.abs(freq - p[j]) <= 5 * se + 1e-4), (j, freq, p[j])
+    # greedy rows: one-hot p and q
+    target = jax.nn.one_hot(jnp.array([[2, 4, 1]]), v)
+    e, c = speculative.accept_drafts(target, jax.nn.one_hot(jnp.array([[2, 3]]), v),
+                                     jnp.array([[2, 3]]), jax.random.split(jax.random.key(0), 1))
+    assert int(c[0]) == 2 and e[0, :2].tolist() == [2, 4]
+
+
+def test_speculative_sampling_matches_plain_sampling_in_distribution(params):
+    """2,048 rows of one prompt, temperature 1 and top-k 4, 3 tokens: the joint distribution of
+    the 2nd and 3rd tokens (both past a verify step) from speculative sampling (the MTP's own
+    drafts, k = 2) against plain sampling's, a two-sample chi-square over the 16 cells; a greedy
+    row in the same batch keeps plain greedy's tokens."""
+    rows = 2048
+    prompt = [[5, 17, 99, 3]] * rows
+    sampling = jd.SamplingParams.create(temperature=1.0, top_k=4)
+    plain = np.asarray(jd.generate(params, prompt, 3, sampling, jax.random.key(1),
+                                   eos_token_ids=[]).tokens)[:, 1:3]
+    spec = np.asarray(jd.generate(params, prompt, 3, sampling, jax.random.key(2),
+                                  eos_token_ids=[], num_speculative_tokens=2).tokens)[:, 1:3]
+    cells = sorted(set(map(tuple, plain)) | set(map(tuple, spec)))
+    a = np.array([np.sum(np.all(plain == c, axis=1)) for c in cells], float)
+    b = np.array([np.sum(np.all(spec == c, axis=1)) for c in cells], float)
+    keep = (a + b) >= 10  # pool the rare cells
+    a = np.append(a[keep], a[~keep].sum())
+    b = np.append(b[keep], b[~keep].sum())
+    expected_a = (a + b) / 2
+    chi2 = np.sum((a - expected_a) ** 2 / np.maximum(expected_a, 1e-9)) * 2
+    dof = int(np.sum((a + b) > 0)) - 1
+    assert chi2 < dof + 6 * np.sqrt(2 * dof), (chi2, dof)  # far out in the tail only
+    mixed = jd.SamplingParams.create(2, temperature=[0.0, 1.0], top_k=[0, 4])
+    got = jd.generate(params, [[5, 17, 99, 3]] * 2, 8, mixed, jax.random.key(3),
+                      eos_token_ids=[], num_speculative_tokens=3)
+    want = jd.generate(params, [[5, 17, 99, 3]], 8, eos_token_ids=[])
+    np.testing.assert_array_equal(np.asarray(got.tokens)[0], np.asarray(want.tokens)[0])
