@@ -463,7 +463,6 @@ def _decode_invariant(params: Params, state: DecodeState, tokens: Array, active:
 
     conv_state, recurrent_state = list(state.conv_state), list(state.recurrent_state)
     kv_cache = list(state.kv_cache)
-    traces = [None] * len(conv_state)
     lin = full = 0
     for i, (layer, kind) in enumerate(zip(params.layers, c.layer_types)):
         norm = lambda p, x: rms_norm(x, p.input_layernorm, c.rms_norm_eps)  # noqa: E731

@@ -102,8 +102,8 @@ def accept_drafts(target: Array, draft: Array, drafts: Array, key: Array):
     return emitted.astype(jnp.int32), num_accepted + 1
 
 
-def _emit(loop: SpeculativeLoop, new: Array, count: Array, eos_ids: Array, budgets: Array,
-          pad_id) -> tuple[SpeculativeLoop, Array]:
+def _emit(loop: SpeculativeLoop, new: Array, count: Array, eos_ids: Array,
+          budgets: Array) -> tuple[SpeculativeLoop, Array]:
     """Appends each running row's first ``count`` of ``new`` [R, W] to its output, cut after an
     EOS id or at its budget. Returns (loop with tokens/num_generated/stop_reason updated, the
     number of tokens each row took)."""
@@ -120,7 +120,6 @@ def _emit(loop: SpeculativeLoop, new: Array, count: Array, eos_ids: Array, budge
     num_generated = loop.num_generated + took
     stop = jnp.where(running & (first_eos < took), STOP_EOS,
                      jnp.where(running & (num_generated >= budgets), STOP_LENGTH, 0))
-    del pad_id  # the buffer starts as pad_id: unwritten slots keep it
     return loop.replace(tokens=tokens, num_generated=num_generated,
                         stop_reason=jnp.where(running, stop, loop.stop_reason)), took
 
@@ -172,7 +171,7 @@ def speculative_generate_fn(params: Params, state: DecodeState, prompts: Array,
         tokens=jnp.full((rows, max_new_tokens), pad_id, jnp.int32),
         num_generated=jnp.zeros((rows,), jnp.int32), stop_reason=jnp.zeros((rows,), jnp.int32),
         accepted=jnp.zeros((), jnp.int32), iterations=jnp.zeros((), jnp.int32))
-    loop, _ = _emit(loop, first[:, None], one, eos_ids, budgets, pad_id)
+    loop, _ = _emit(loop, first[:, None], one, eos_ids, budgets)
 
     def body(loop: SpeculativeLoop) -> SpeculativeLoop:
         running = loop.stop_reason == 0
@@ -211,7 +210,7 @@ def speculative_generate_fn(params: Params, state: DecodeState, prompts: Array,
             emitted, count = accept_drafts(distribution(logits, sampling, features),
                                            jnp.stack(qs, axis=1), drafts, step_keys[:, k])
         loop = loop.replace(mtp_cache=cache)
-        loop, took = _emit(loop, emitted, count, eos_ids, budgets, pad_id)
+        loop, took = _emit(loop, emitted, count, eos_ids, budgets)
         # took tokens emitted = took - 1 accepted drafts and the token after them: ``last`` and
         # those drafts enter the state; the last emitted token is the next ``last``, and
         # (hidden at each verified position, the token emitted after it) the next pairs.
