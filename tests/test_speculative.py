@@ -7,6 +7,7 @@ that is right at set positions (long accepted runs, an EOS inside one, ragged bu
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -283,3 +284,26 @@ def test_speculative_sampling_matches_plain_sampling_in_distribution(params):
                       eos_token_ids=[], num_speculative_tokens=3)
     want = jd.generate(params, [[5, 17, 99, 3]], 8, eos_token_ids=[])
     np.testing.assert_array_equal(np.asarray(got.tokens)[0], np.asarray(want.tokens)[0])
+
+
+def test_moe_mtp_layer_loads_per_expert_and_drafts(tmp_path):
+    """An MoE model's MTP layer holds an MoE block: it loads from per-expert tensors
+    (``mtp.layers.0.mlp.experts.{e}.*``, as save_pretrained writes them) and drafts."""
+    import json
+
+    from safetensors.numpy import save_file
+    from test_checkpoint import MOE_CONFIG, per_expert
+    config = dataclasses.replace(MOE_CONFIG, mtp_num_hidden_layers=1)
+    params = jd.init_params(config, jax.random.key(7))
+    assert params.mtp.layer.mlp.experts_gate_up_proj.shape[0] == config.num_experts
+    tensors = per_expert({k: np.asarray(v, np.float32) for k, v in params_to_hf(params).items()},
+                         config)
+    assert "mtp.layers.0.mlp.experts.3.down_proj.weight" in tensors
+    (tmp_path / "config.json").write_text(json.dumps(MOE_CONFIG.to_hf_config()))
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    loaded = jd.load_checkpoint(tmp_path, dtype="float32", mtp=True)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    got = jd.generate(loaded, [[3, 1, 4, 1, 5]], 6, eos_token_ids=[], num_speculative_tokens=2)
+    want = jd.generate(loaded, [[3, 1, 4, 1, 5]], 6, eos_token_ids=[])
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
