@@ -6,6 +6,7 @@ vocabulary) and prints the ids, the text and the speed, compilation timed apart 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -83,6 +84,9 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     arg("--quantize", choices=("fp8",), default=None,
         help="hold the Linears in block FP8 (load_checkpoint(..., quantize='fp8'); an FP8 "
         "checkpoint loads as FP8 without it)")
+    arg("--num-speculative-tokens", type=_int_in(0), default=0, metavar="K",
+        help="speculative decoding: K drafts per step from the checkpoint's MTP layer "
+        "(load_checkpoint(..., mtp=True); the embedded model gets a random one); 0 = off")
     arg("--chunk-size", type=_int_in(1), default=None, metavar="N",
         help="decode steps per device call (default: 1 with --stream, else 8)")
     arg("--compile-cache", metavar="DIR", default=_default_cache_dir(),
@@ -177,7 +181,14 @@ def _generate(args) -> int:
                          f"tokenizer; this checkpoint has none (no tokenizer.json, vocab_size="
                          f"{config.vocab_size}): pass --prompt-ids / --stop-ids")
     t0 = time.perf_counter()
+    speculative = args.num_speculative_tokens > 0
+    if speculative and (args.stream or args.num_samples > 1 or stops or args.stop
+                        or args.repetition_penalty != 1 or args.presence_penalty != 0):
+        raise UsageError("--num-speculative-tokens does not yet work with --stream, "
+                         "--num-samples > 1, --stop/--stop-ids or penalties")
     if args.checkpoint is None:
+        if speculative:
+            config = dataclasses.replace(config, mtp_num_hidden_layers=1)
         params = jd.init_params(config, jax.random.key(0), dtype=args.dtype)
         if args.quantize == "fp8":
             params = jd.quantize_fp8(params)
@@ -186,7 +197,8 @@ def _generate(args) -> int:
                 f"{RANDOM_WEIGHTS_NOTE}")
         eos = tuple(config.eos_token_id)
     else:
-        params = jd.load_checkpoint(args.checkpoint, dtype=args.dtype, quantize=args.quantize)
+        params = jd.load_checkpoint(args.checkpoint, dtype=args.dtype, quantize=args.quantize,
+                                    mtp=speculative)
         config = params.config
         what = (f"{args.checkpoint} ({jd.num_params(params) / 1e6:.1f}M params, {args.dtype}"
                 f"{_fp8_note(params)})")
@@ -215,6 +227,8 @@ def _generate(args) -> int:
                   stop_sequences=stops, chunk_size=args.chunk_size or (1 if args.stream else 8))
     if args.stream:
         return _stream(params, [prompt_ids], kwargs, tokenizer, args.compile_cache)
+    if speculative:
+        return _speculative(params, [prompt_ids], kwargs, args, tokenizer)
     progress = _Progress(args.max_new_tokens * args.num_samples) if sys.stderr.isatty() else None
     t = time.perf_counter()
     executables = precompile(params, [prompt_ids], progress=progress, **kwargs)
@@ -237,6 +251,31 @@ def _generate(args) -> int:
     _say(f"generate: {total} tokens in {run_s * 1e3:.1f} ms = {total / run_s:.1f} tokens/s "
          f"(prefill + decode in one on-device loop, {args.num_samples} row(s); --stream splits "
          f"prefill and decode)")
+    return 0
+
+
+def _speculative(params, prompts, kwargs, args, tokenizer) -> int:
+    """``generate(..., num_speculative_tokens=K)``: once to compile, once timed."""
+    import jax
+    from jaxdecode.generation import generate
+
+    for name in ("num_samples", "stop_sequences", "chunk_size"):
+        kwargs.pop(name)
+    k = args.num_speculative_tokens
+    t = time.perf_counter()
+    jax.block_until_ready(generate(params, prompts, num_speculative_tokens=k, **kwargs))
+    compile_s = time.perf_counter() - t
+    t = time.perf_counter()
+    out = jax.block_until_ready(generate(params, prompts, num_speculative_tokens=k, **kwargs))
+    run_s = time.perf_counter() - t
+    ids, reason = out.token_lists()[0], out.stop_reasons()[0]
+    _say(f"--- {len(ids)} tokens, stopped by {reason} ---\nids: {ids}")
+    if tokenizer is not None:
+        _say(f"text: {tokenizer.decode(ids)}")
+    _say("--- timing (wall clock, second run) ---\n"
+         f"first run (compile + run): {compile_s:.2f} s\n"
+         f"generate: {len(ids)} tokens in {run_s * 1e3:.1f} ms = {len(ids) / run_s:.1f} "
+         f"tokens/s (speculative, {k} drafts per step from the MTP layer)")
     return 0
 
 

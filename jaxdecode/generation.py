@@ -618,7 +618,8 @@ def _generate_speculative(params: Params, prompts, max_new_tokens, sampling, key
         raise ValueError("num_speculative_tokens needs the MTP layer: load the checkpoint with "
                          "jd.load_checkpoint(path, mtp=True)")
     unsupported = [name for name, used in (
-        ("stop_sequences", stop_sequences is not None), ("state", state is not None),
+        ("stop_sequences", stop_sequences is not None and len(stop_sequences) > 0),
+        ("state", state is not None),
         ("return_state", return_state), ("num_samples > 1", num_samples != 1),
         ("return_logprobs", return_logprobs), ("progress", progress is not None),
         ("executables", executables is not None),

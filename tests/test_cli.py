@@ -219,3 +219,16 @@ def test_cli_stop_text_without_a_tokenizer_is_a_clear_error(capsys, monkeypatch)
     monkeypatch.setattr(tokenizer, "load_tokenizer", lambda *a: None)
     status, _, err = _cli(capsys, "--max-new-tokens", "2", "--stop", "x")
     assert status == 2 and "--stop needs a tokenizer" in err and "--stop-ids" in err, err
+
+
+def test_cli_speculative_decoding_gives_the_greedy_tokens(capsys):
+    status, out, _ = _cli(capsys, "--max-new-tokens", "10")
+    assert status == 0
+    plain = re.search(r"^ids: \[(.*)\]$", out, re.M).group(1)
+    status, out, _ = _cli(capsys, "--max-new-tokens", "10", "--num-speculative-tokens", "3")
+    assert status == 0, out
+    assert re.search(r"^ids: \[(.*)\]$", out, re.M).group(1) == plain
+    assert "3 drafts per step from the MTP layer" in out
+    status, _, err = _cli(capsys, "--max-new-tokens", "4", "--num-speculative-tokens", "2",
+                          "--stream")
+    assert status == 2 and err.count("\n") == 1 and "--num-speculative-tokens" in err, err
