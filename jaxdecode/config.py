@@ -335,7 +335,9 @@ class Config:
 
     def to_hf_config(self) -> dict[str, Any]:
         """The ``qwen3_5_text`` (``qwen3_5_moe_text``, ``qwen3_next``) config.json dict for this
-        Config (inverse of from_hf_config)."""
+        Config (inverse of from_hf_config, but for ``mtp_num_hidden_layers``: written as held,
+        read as 0 by from_hf_config, since holding the MTP layer is ``load_checkpoint``'s
+        ``mtp`` choice)."""
         d = dataclasses.asdict(self)
         moe = ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
                "shared_expert_intermediate_size")

@@ -589,13 +589,14 @@ def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParam
     ``stop_sequences``, ``state``/``return_state``, ``num_samples`` > 1, log-probabilities,
     ``progress``/``executables`` or a mesh (ValueError).
     """
-    if num_speculative_tokens:
+    if not (type(num_speculative_tokens) is int and num_speculative_tokens == 0):
         return _generate_speculative(
             params, prompts, max_new_tokens, sampling, key, eos_token_ids, num_speculative_tokens,
             stop_sequences=stop_sequences, state=state, return_state=return_state,
             max_len=max_len, num_samples=num_samples, pad_id=pad_id, kernels=kernels,
             progress=progress, executables=executables, prefill_chunk_size=prefill_chunk_size,
-            activation_budget=activation_budget, return_logprobs=return_logprobs)
+            activation_budget=activation_budget, return_logprobs=return_logprobs,
+            top_logprobs=top_logprobs, chunk_size=chunk_size, features=features)
     plan = _plan(params, prompts, max_new_tokens, sampling, key, eos_token_ids, max_len=max_len,
                  num_samples=num_samples, chunk_size=chunk_size, pad_id=pad_id, kernels=kernels,
                  features=features, stop_sequences=stop_sequences, state=state,
@@ -609,10 +610,10 @@ def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParam
 def _generate_speculative(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
                           k, *, stop_sequences, state, return_state, max_len, num_samples, pad_id,
                           kernels, progress, executables, prefill_chunk_size, activation_budget,
-                          return_logprobs) -> GenerateOutput:
+                          return_logprobs, top_logprobs, chunk_size, features) -> GenerateOutput:
     """:func:`generate` with ``num_speculative_tokens=k`` (checks, then
     ``speculative.speculative_generate_fn`` in one jitted call)."""
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+    if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)) or k < 1:
         raise ValueError(f"num_speculative_tokens={k!r} must be a positive int (0: off)")
     if params.mtp is None:
         raise ValueError("num_speculative_tokens needs the MTP layer: load the checkpoint with "
@@ -621,14 +622,16 @@ def _generate_speculative(params: Params, prompts, max_new_tokens, sampling, key
         ("stop_sequences", stop_sequences is not None and len(stop_sequences) > 0),
         ("state", state is not None),
         ("return_state", return_state), ("num_samples > 1", num_samples != 1),
-        ("return_logprobs", return_logprobs), ("progress", progress is not None),
+        ("return_logprobs", bool(return_logprobs) or bool(top_logprobs)),
+        ("progress", progress is not None),
         ("executables", executables is not None),
         ("a mesh", sharding.mesh_of(params) is not None)) if used]
     if unsupported:
         raise ValueError(f"num_speculative_tokens does not yet work with {unsupported}")
     plan = _plan(params, prompts, max_new_tokens, sampling, key, eos_token_ids,
-                 max_len=max_len, num_samples=1, chunk_size=1, pad_id=pad_id, kernels=kernels,
-                 prefill_chunk_size=prefill_chunk_size, activation_budget=activation_budget)
+                 max_len=max_len, num_samples=1, chunk_size=chunk_size, pad_id=pad_id,
+                 kernels=kernels, features=features, prefill_chunk_size=prefill_chunk_size,
+                 activation_budget=activation_budget)
     if plan.features.penalties:
         raise ValueError("num_speculative_tokens does not yet apply repetition, presence or "
                          "frequency penalties; leave them at their defaults")

@@ -183,8 +183,13 @@ def test_speculative_errors(params):
         jd.generate(params, [[1, 2]], 4, stop_sequences=[[3]], num_speculative_tokens=2)
     with pytest.raises(ValueError, match="num_speculative_tokens=3 .* exceeds max_len=8"):
         jd.generate(params, [[1, 2]], 4, max_len=8, num_speculative_tokens=3)
-    with pytest.raises(ValueError, match="positive int"):
-        jd.generate(params, [[1, 2]], 4, num_speculative_tokens=-1)
+    for bad in (-1, 0.0, False, 2.5, None):
+        with pytest.raises(ValueError, match="positive int"):
+            jd.generate(params, [[1, 2]], 4, num_speculative_tokens=bad)
+    with pytest.raises(ValueError, match="return_logprobs"):
+        jd.generate(params, [[1, 2]], 4, top_logprobs=3, num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="chunk_size"):
+        jd.generate(params, [[1, 2]], 4, chunk_size=0, num_speculative_tokens=2)
     with pytest.raises(ValueError, match="MTP layer"):
         model.mtp_forward(no_mtp, None, None, jnp.zeros((1, 1), jnp.int32), None, None)
     with pytest.raises(ValueError, match="mtp_num_hidden_layers=2"):
