@@ -43,16 +43,20 @@ def gated_delta_rule_step(q, k, v, g, beta, state):
     return o, state
 
 
-def naive_gated_delta_rule(q, k, v, g, beta, state):
+def naive_gated_delta_rule(q, k, v, g, beta, state, *, all_states: bool = False):
     """Token-by-token reference (``lax.scan`` of :func:`gated_delta_rule_step`); shapes as in the
-    module docstring. Returns (o [B, T, H, dv], final state)."""
+    module docstring. Returns (o [B, T, H, dv], final state), or with ``all_states`` (o, the
+    state after every token [B, T, H, dk, dv]: a speculative verify step's, spec §10)."""
     def step(s, xs):
         o, s = gated_delta_rule_step(*xs, s)
-        return s, o
+        return s, (o, s) if all_states else o
 
     xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta))
-    state, o = jax.lax.scan(step, state, xs)
-    return jnp.moveaxis(o, 0, 1), state
+    state, out = jax.lax.scan(step, state, xs)
+    if all_states:
+        o, states = out
+        return jnp.moveaxis(o, 0, 1), jnp.moveaxis(states, 0, 1)
+    return jnp.moveaxis(out, 0, 1), state
 
 
 def pad_to_chunks(q, k, v, g, beta, chunk_size: int):

@@ -306,7 +306,8 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
           num_samples, chunk_size, pad_id, kernels, features: SamplingFeatures | None = None,
           stop_sequences=None, state: DecodeState | None = None, return_state: bool = False,
           prefill_chunk_size: int | None = None, activation_budget: int | None = None,
-          return_logprobs: bool = False, top_logprobs: int = 0) -> _Plan:
+          return_logprobs: bool = False, top_logprobs: int = 0,
+          reserve: tuple[int, str] = (0, "")) -> _Plan:
     if kernels is not None and not isinstance(kernels, Kernels):
         raise ValueError(f"kernels={kernels!r} must be a jaxdecode.Kernels (or None)")
     config = params.config
@@ -355,17 +356,20 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
             raise ValueError(f"{max_len=} must be a positive int")
         if max_len > limit:
             raise ValueError(f"{max_len=} exceeds the model's max_position_embeddings={limit}")
-    need = cached + prompt_lengths + budgets
+    # reserve: (tokens, why) of cache room past the budget (a speculative verify step's k)
+    extra, why = reserve
+    need = cached + prompt_lengths + budgets + extra
     for cap, what in ((limit, "the model's max_position_embeddings"), (max_len, "max_len")):
         if cap is not None and (need > cap).any():
             i = int(np.argmax(need > cap))
             pre = f"{cached[i]} cached + " if state is not None else ""
             raise ValueError(f"prompt {i}: {pre}{prompt_lengths[i]} prompt tokens + "
-                             f"max_new_tokens={budgets[i]} exceeds {what}={cap}")
+                             f"max_new_tokens={budgets[i]}{f' + {why}' if extra else ''} "
+                             f"exceeds {what}={cap}")
     t_bucket = bucket(int(prompt_lengths.max()), MIN_PROMPT_BUCKET)
     n_bucket = bucket(int(budgets.max()), MIN_TOKEN_BUCKET)
     if max_len is None:  # a multiple of the decode kernel's block, so it never pads the cache
-        max_len = min(-(-(t_bucket + n_bucket) // MAX_LEN_ALIGN) * MAX_LEN_ALIGN, limit)
+        max_len = min(-(-(t_bucket + n_bucket + extra) // MAX_LEN_ALIGN) * MAX_LEN_ALIGN, limit)
     padded = np.zeros((num_prompts, t_bucket), np.int32)
     for i, p in enumerate(prompt_list):
         padded[i, :len(p)] = p
@@ -631,23 +635,12 @@ def _generate_speculative(params: Params, prompts, max_new_tokens, sampling, key
     plan = _plan(params, prompts, max_new_tokens, sampling, key, eos_token_ids,
                  max_len=max_len, num_samples=1, chunk_size=chunk_size, pad_id=pad_id,
                  kernels=kernels, features=features, prefill_chunk_size=prefill_chunk_size,
-                 activation_budget=activation_budget)
+                 activation_budget=activation_budget,
+                 reserve=(int(k), f"num_speculative_tokens={k} (the verify step's room)"))
     if plan.features.penalties:
         raise ValueError("num_speculative_tokens does not yet apply repetition, presence or "
                          "frequency penalties; leave them at their defaults")
-    config = params.config
-    need = plan.prompt_lengths.astype(np.int64) + plan.budgets + k
-    if max_len is None:
-        cap = min(-(-(plan.prompts.shape[1] + plan.max_new_tokens + k) // MAX_LEN_ALIGN)
-                  * MAX_LEN_ALIGN, config.max_position_embeddings)
-    else:
-        cap = plan.max_len
-    if (need > cap).any():
-        i = int(np.argmax(need > cap))
-        raise ValueError(f"prompt {i}: {plan.prompt_lengths[i]} prompt tokens + max_new_tokens="
-                         f"{plan.budgets[i]} + num_speculative_tokens={k} (the verify step's "
-                         f"room) exceeds max_len={cap}")
-    state = init_state(config, len(plan.budgets), cap, params.dtype)
+    state = init_state(params.config, len(plan.budgets), plan.max_len, params.dtype)
     loop = speculative.speculative_generate_jit(
         params, state, jnp.asarray(plan.prompts), jnp.asarray(plan.prompt_lengths),
         jnp.asarray(plan.budgets), jnp.asarray(plan.eos_token_ids), plan.pad_id,

@@ -26,7 +26,7 @@ from flax import struct
 from jaxdecode import invariance
 from jaxdecode.activations import sigmoid, silu
 from jaxdecode.config import FULL_ATTENTION, Config
-from jaxdecode.gated_delta import gated_delta_rule_step, l2_normalize
+from jaxdecode.gated_delta import l2_normalize, naive_gated_delta_rule
 from jaxdecode.kernels import choice
 from jaxdecode.kernels.choice import Kernels
 from jaxdecode.params import AttentionParams, GatedDeltaNetParams, MLPParams, MoEParams, Params
@@ -281,15 +281,8 @@ def gated_delta_net_trace(p: GatedDeltaNetParams, x: Array, conv_state: Array,
     mixed, z, b, a = deltanet_projections(p, x, kernels)
     window = conv_window(conv_state, start).astype(mixed.dtype)
     q, k, v, g, beta = _delta_rule_inputs(p, mixed, window, b, a, valid, config)
-
-    def step(state, xs):
-        o, state = gated_delta_rule_step(*xs, state)
-        return state, (o, state)
-
-    xs = tuple(jnp.moveaxis(t, 1, 0) for t in (q, k, v, g, beta))
-    _, (o, states) = jax.lax.scan(step, recurrent_state, xs)
-    out = deltanet_output(p, jnp.moveaxis(o, 0, 1), z, config, kernels)
-    return out, DeltaNetTrace(mixed=mixed, states=jnp.moveaxis(states, 0, 1))
+    o, states = naive_gated_delta_rule(q, k, v, g, beta, recurrent_state, all_states=True)
+    return deltanet_output(p, o, z, config, kernels), DeltaNetTrace(mixed=mixed, states=states)
 
 
 def attention_projections(p: AttentionParams, x: Array, positions: Array, config: Config,
@@ -407,12 +400,15 @@ def _forward(params: Params, state: DecodeState, tokens: Array, num_new: Array |
         with jax.named_scope(f"layer{i}_mlp"):
             x = _mlp_block(layer, x, c, kernels)
 
-    hidden = rms_norm(x, params.norm, c.rms_norm_eps) if return_hidden else None
+    hidden = None  # the final-norm hidden states of every token, for trace / return_hidden
+    if (trace or return_hidden) and not return_all_logits and length > 1:
+        hidden = rms_norm(x, params.norm, c.rms_norm_eps)
     if not return_all_logits and length > 1:  # only each row's last real token: the LM head
         last = jnp.maximum(num_new - 1, 0)
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)  # [B, 1, H]
         valid = (num_new > 0)[:, None]
     x = rms_norm(x, params.norm, c.rms_norm_eps)
+    hidden = x if hidden is None else hidden
     with jax.named_scope("lm_head"):
         logits = linear(x, params.lm_head_weight, out_dtype=f32)
     logits = jnp.where(valid[..., None], logits, 0.0)
@@ -422,7 +418,7 @@ def _forward(params: Params, state: DecodeState, tokens: Array, num_new: Array |
     new_state = DecodeState(conv_state=tuple(conv_state), recurrent_state=tuple(recurrent_state),
                             kv_cache=tuple(kv_cache), lengths=start + num_new)
     if trace:
-        return logits, new_state.replace(lengths=start), x, tuple(traces)
+        return logits, new_state.replace(lengths=start), hidden, tuple(traces)
     if return_hidden:
         return logits, new_state, hidden
     return logits, new_state
