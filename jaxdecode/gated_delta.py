@@ -43,16 +43,19 @@ def gated_delta_rule_step(q, k, v, g, beta, state):
     return o, state
 
 
-def naive_gated_delta_rule(q, k, v, g, beta, state, *, all_states: bool = False):
+def naive_gated_delta_rule(q, k, v, g, beta, state, *, all_states: bool = False,
+                           unroll: bool = False):
     """Token-by-token reference (``lax.scan`` of :func:`gated_delta_rule_step`); shapes as in the
     module docstring. Returns (o [B, T, H, dv], final state), or with ``all_states`` (o, the
-    state after every token [B, T, H, dk, dv]: a speculative verify step's, spec §10)."""
+    state after every token [B, T, H, dk, dv]: a speculative verify step's, spec §10).
+    ``unroll``: the scan unrolled (a few tokens: a GPU while loop costs a host round trip per
+    token)."""
     def step(s, xs):
         o, s = gated_delta_rule_step(*xs, s)
         return s, (o, s) if all_states else o
 
     xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta))
-    state, out = jax.lax.scan(step, state, xs)
+    state, out = jax.lax.scan(step, state, xs, unroll=unroll)
     if all_states:
         o, states = out
         return jnp.moveaxis(o, 0, 1), jnp.moveaxis(states, 0, 1)

@@ -26,7 +26,7 @@ from flax import struct
 from jaxdecode import invariance
 from jaxdecode.activations import sigmoid, silu
 from jaxdecode.config import FULL_ATTENTION, Config
-from jaxdecode.gated_delta import l2_normalize, naive_gated_delta_rule
+from jaxdecode.gated_delta import l2_normalize
 from jaxdecode.kernels import choice
 from jaxdecode.kernels.choice import Kernels
 from jaxdecode.params import AttentionParams, GatedDeltaNetParams, MLPParams, MoEParams, Params
@@ -281,7 +281,7 @@ def gated_delta_net_trace(p: GatedDeltaNetParams, x: Array, conv_state: Array,
     mixed, z, b, a = deltanet_projections(p, x, kernels)
     window = conv_window(conv_state, start).astype(mixed.dtype)
     q, k, v, g, beta = _delta_rule_inputs(p, mixed, window, b, a, valid, config)
-    o, states = naive_gated_delta_rule(q, k, v, g, beta, recurrent_state, all_states=True)
+    o, states = choice.gated_delta_states(kernels, q, k, v, g, beta, recurrent_state)
     return deltanet_output(p, o, z, config, kernels), DeltaNetTrace(mixed=mixed, states=states)
 
 

@@ -52,18 +52,20 @@ def fake_mesh(data: int, model: int) -> Mesh:
 
 def kernels(attention="xla", deltanet="xla", delta_rule="xla", mesh=None,
             prefill_attention=None, prefill_delta_rule=None, batch_invariant=False,
-            fp8_linear="xla"):
+            fp8_linear="xla", verify_delta_rule="xla"):
     """What choose_kernels returns: interpret=False (it compiles for the GPU it found); the
     prefill kernels where the decode attention kernel is (None), unless given."""
     return choice.Kernels(attention=attention, deltanet=deltanet, delta_rule=delta_rule,
                           prefill_attention=prefill_attention or attention,
                           prefill_delta_rule=prefill_delta_rule or attention, interpret=False,
-                          mesh=mesh, batch_invariant=batch_invariant, fp8_linear=fp8_linear)
+                          mesh=mesh, batch_invariant=batch_invariant, fp8_linear=fp8_linear,
+                          verify_delta_rule=verify_delta_rule)
 
 
 def hopper_kernels(**kw):
-    """choose_kernels on Hopper for a 16-bit model on one device: the FP8 linear kernel too."""
-    return kernels(fp8_linear="pallas", **kw)
+    """choose_kernels on Hopper for a 16-bit model on one device: the FP8 linear kernel and the
+    verify step's delta-rule kernel too (unless given)."""
+    return kernels(**{"fp8_linear": "pallas", "verify_delta_rule": "pallas", **kw})
 
 
 # ----- the value ----------------------------------------------------------------------------
@@ -152,7 +154,8 @@ def test_hopper_choice_on_a_mesh_is_per_device(hopper, data, model, batch, rule)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         got = choice.choose_kernels(config, batch, dtype="bfloat16", mesh=mesh)
-    assert got == kernels(attention="pallas", deltanet="xla", delta_rule=rule, mesh=mesh)
+    assert got == kernels(attention="pallas", deltanet="xla", delta_rule=rule, mesh=mesh,
+                          verify_delta_rule="pallas")
     assert got.mesh is mesh
 
 
@@ -160,11 +163,11 @@ def test_hopper_choice_on_a_mesh_is_per_device(hopper, data, model, batch, rule)
     (dict(head_dim=32), 1, "decode attention", "head_dim=32",
      hopper_kernels(deltanet="pallas", prefill_delta_rule="pallas")),
     (dict(linear_key_head_dim=32), 1, "the Gated DeltaNet core", "not a multiple of 64",
-     hopper_kernels(attention="pallas", prefill_delta_rule="xla")),
+     hopper_kernels(attention="pallas", prefill_delta_rule="xla", verify_delta_rule="xla")),
     (dict(linear_key_head_dim=32), RULE, "the gated delta rule", "not a multiple of 64",
-     hopper_kernels(attention="pallas", prefill_delta_rule="xla")),
+     hopper_kernels(attention="pallas", prefill_delta_rule="xla", verify_delta_rule="xla")),
     (dict(linear_value_head_dim=44), RULE, "the gated delta rule", "not a multiple of 8",
-     hopper_kernels(attention="pallas", prefill_delta_rule="xla")),
+     hopper_kernels(attention="pallas", prefill_delta_rule="xla", verify_delta_rule="xla")),
     (dict(linear_value_head_dim=96), RULE, "the prefill's delta rule",
      r"\(the kernels take 64 or 128\)",
      hopper_kernels(attention="pallas", delta_rule="pallas", prefill_delta_rule="xla")),
@@ -319,3 +322,35 @@ def test_prefill_delta_rule_runs_what_kernels_says_on_and_off_a_mesh(impl):
         o, state = jax.jit(lambda *x: choice.chunk_gated_delta_rule(kern, *x))(*args)
         assert_rel_close(o, want_o, 2e-5, f"o (mesh={mesh is not None})")
         assert_rel_close(state, s, 2e-5, f"final state (mesh={mesh is not None})")
+
+
+@INTERPRETED
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_gated_delta_states_runs_what_kernels_says_on_and_off_a_mesh(impl):
+    """choice.gated_delta_states (a verify step's few tokens, every state kept), one device and
+    under shard_map (a one-device mesh), against the float64 recurrence."""
+    keys = jax.random.split(jax.random.key(13), 6)
+    b, t, h, dk, dv = 2, 3, 2, 64, 64
+    q = jax.nn.standardize(jax.random.normal(keys[0], (b, t, h, dk)), axis=-1) * dk**-1
+    k = jax.nn.standardize(jax.random.normal(keys[1], (b, t, h, dk)), axis=-1) * dk**-0.5
+    v = jax.random.normal(keys[2], (b, t, h, dv))
+    g = -jax.nn.softplus(jax.random.normal(keys[3], (b, t, h)))
+    beta = jax.nn.sigmoid(jax.random.normal(keys[4], (b, t, h)))
+    s0 = jax.random.normal(keys[5], (b, h, dk, dv))
+    args = (q, k, v, g, beta, s0)
+    qn, kn, vn, gn, bn, s = (np.asarray(x, np.float64) for x in args)
+    want_o, want_s = np.zeros(vn.shape), np.zeros((b, t, h, dk, dv))
+    for i in range(t):
+        s = s * np.exp(gn[:, i])[..., None, None]
+        d = bn[:, i, :, None] * (vn[:, i] - np.einsum("bhkv,bhk->bhv", s, kn[:, i]))
+        s = s + kn[:, i, :, :, None] * d[:, :, None, :]
+        want_o[:, i] = np.einsum("bhkv,bhk->bhv", s, qn[:, i])
+        want_s[:, i] = s
+    for mesh in (None, sharding.make_mesh(1, 1)):
+        kern = choice.Kernels(verify_delta_rule=impl, mesh=mesh)
+        fn = jax.jit(lambda *x: choice.gated_delta_states(kern, *x))
+        o, states = fn(*args)
+        assert_rel_close(o, want_o, 2e-5, f"o (mesh={mesh is not None})")
+        assert_rel_close(states, want_s, 2e-5, f"states (mesh={mesh is not None})")
+        if impl == "xla":  # unrolled: no loop (on a GPU, a host round trip per token)
+            assert "while" not in fn.lower(*args).as_text()

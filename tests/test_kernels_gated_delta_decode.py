@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 
 from conftest import MODES, lower_for_cuda_text, numpy_recurrence, random_inputs
-from jaxdecode.gated_delta import gated_delta_rule_step
+from jaxdecode.gated_delta import gated_delta_rule_step, naive_gated_delta_rule
 from jaxdecode.kernels import gated_delta_decode as gdd
 from jaxdecode.kernels.gated_delta_decode import (choose_block_v, gated_delta_decode_pallas,
-                                                  gated_delta_decode_reference)
+                                                  gated_delta_decode_reference,
+                                                  gated_delta_states_pallas)
 
 CASES = {
     # name: (batch, key heads, value heads, dk, dv, block_v, decay_scale)
@@ -126,6 +127,61 @@ def test_reference_rejects_value_heads_not_a_multiple_of_key_heads():
     with pytest.raises(ValueError, match="3 value heads are not a multiple of 2 key heads"):
         gated_delta_decode_reference(jnp.tile(args[0], (1, 2, 1)), jnp.tile(args[1], (1, 2, 1)),
                                      *args[2:])
+
+
+# ----- T tokens, every state kept (the speculative verify step's form) ---------------------------
+
+def float64_states(q, k, v, g, beta, state):
+    """The float64 recurrence's (o [B, T, Hv, dv], the state after each token [B, T, ...])."""
+    outs, states = [], []
+    for t in range(q.shape[1]):
+        o, state = numpy_recurrence(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1],
+                                    g[:, t:t + 1], beta[:, t:t + 1], state)
+        outs.append(o[:, 0])
+        states.append(state)
+    return np.stack(outs, 1), np.stack(states, 1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", [(2, 4, 2, 4, 128, 128, 16), (1, 2, 1, 3, 64, 192, 32),
+                                  (3, 5, 2, 2, 128, 64, 32)],
+                         ids=["b2-t4-gqa", "b1-t2-r3-dv192", "b3-t5-mha"])
+def test_states_kernel_matches_float64_recurrence(mode, case):
+    batch, length, hk, hv, dk, dv, block_v = case
+    q, k, v, g, beta, state = random_inputs(length * 7 + batch, batch, length, hv, dk, dv,
+                                            decay_scale=2.0)
+    q, k = q[:, :, ::hv // hk], k[:, :, ::hv // hk]  # one per key head
+    r = hv // hk
+    beta[0, 1] = 0.0  # an inert token of row 0: its state equals the one before
+    g[0, 1] = 0.0
+    k[0, 1] = 0.0
+    want_o, want_s = float64_states(np.repeat(q, r, axis=2), np.repeat(k, r, axis=2), v, g, beta,
+                                    state)
+    fn = jax.jit(lambda *a: gated_delta_states_pallas(*a, block_v=block_v,
+                                                      interpret=mode == "interpret"))
+    o, s = fn(*map(jnp.asarray, (q, k, v, g, beta, state)))
+    assert o.shape == (batch, length, hv, dv) and s.shape == (batch, length, hv, dk, dv)
+    np.testing.assert_allclose(np.asarray(o), want_o, rtol=0, atol=1e-5 * np.abs(want_o).max())
+    np.testing.assert_allclose(np.asarray(s), want_s, rtol=0, atol=1e-5 * np.abs(want_s).max())
+    np.testing.assert_array_equal(np.asarray(s)[0, 1], np.asarray(s)[0, 0])
+    # and the XLA form the model falls back to
+    o_xla, s_xla = naive_gated_delta_rule(*(jnp.repeat(jnp.asarray(x), r, axis=2) for x in (q, k)),
+                                          *map(jnp.asarray, (v, g, beta, state)), all_states=True)
+    np.testing.assert_allclose(np.asarray(s), np.asarray(s_xla), rtol=0,
+                               atol=1e-5 * np.abs(want_s).max())
+
+
+def test_states_kernel_bad_inputs_raise():
+    q, k, v, g, beta, state = map(jnp.asarray, random_inputs(0, 1, 2, 2, 64, 32, decay_scale=1.0))
+    with pytest.raises(ValueError, match="float32"):
+        gated_delta_states_pallas(q.astype(jnp.bfloat16), k, v, g, beta, state)
+    with pytest.raises(ValueError, match=r"'v'"):
+        gated_delta_states_pallas(q, k, v[:, :1], g, beta, state)
+    long = random_inputs(0, 1, 64, 2, 128, 128, decay_scale=1.0)
+    with pytest.raises(ValueError, match="shared memory"):
+        gated_delta_states_pallas(*map(jnp.asarray, long), block_v=32)
+    assert gdd.check_states_supported((1, 4, 16, 128), (1, 32, 128, 128)) is None
+    assert "shared memory" in gdd.check_states_supported((1, 64, 16, 128), (1, 32, 128, 128), 32)
 
 
 # ----- the CUDA lowering, on CPU ---------------------------------------------------------------

@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdecode import experts, invariance, quantization
 from jaxdecode.config import Config
+from jaxdecode.gated_delta import naive_gated_delta_rule
 from jaxdecode.kernels import chunk_gated_delta as chunk_rule_kernel
 from jaxdecode.kernels import decode_attention as attention_kernel
 from jaxdecode.kernels import deltanet_decode as deltanet_kernel
@@ -52,6 +53,9 @@ class Kernels:
     prefill_attention: str = "xla"  # the flash prefill attention kernel, or its reference
     prefill_delta_rule: str = "xla"  # the chunked delta rule's recurrence in one kernel, or XLA
     fp8_linear: str = "xla"  # block-FP8 Linears of up to 64 rows: the kernel, or dequantise + dot
+    # a speculative verify step's delta rule over a few tokens keeping every state: one kernel
+    # (the state read once), or XLA's unrolled token-by-token form
+    verify_delta_rule: str = "xla"
     interpret: bool | None = None  # Mosaic GPU interpreter (CPU); None: when not on a GPU
     # (read when a step is traced, not at construction: importing jaxdecode must not start
     # the backend, or jax.distributed.initialize could no longer run)
@@ -64,7 +68,7 @@ class Kernels:
 
     def __post_init__(self):
         for name in ("attention", "deltanet", "delta_rule", "prefill_attention",
-                     "prefill_delta_rule", "fp8_linear"):
+                     "prefill_delta_rule", "fp8_linear", "verify_delta_rule"):
             if getattr(self, name) not in CHOICES:
                 raise ValueError(f"Kernels.{name}={getattr(self, name)!r} must be one of "
                                  f"{CHOICES}")
@@ -89,6 +93,8 @@ _deltanet_pallas = jax.jit(deltanet_kernel.deltanet_decode_pallas,
                            static_argnames=("num_key_heads", "block_v", "interpret"))
 _delta_rule_pallas = jax.jit(delta_rule_kernel.gated_delta_decode_pallas,
                              static_argnames=("block_v", "interpret"))
+_delta_states_pallas = jax.jit(delta_rule_kernel.gated_delta_states_pallas,
+                               static_argnames=("block_v", "interpret"))
 _prefill_attention_pallas = jax.jit(prefill_kernel.prefill_attention_pallas,
                                     static_argnames=("config", "interpret"))
 _prefill_delta_rule_pallas = jax.jit(chunk_rule_kernel.chunk_gated_delta_rule_pallas,
@@ -149,9 +155,10 @@ def choose_kernels(config: Config, batch_size: int, *, dtype="bfloat16",
     core = (mesh is None and (batch_invariant or rows < DELTANET_CORE_MAX_BATCH)
             and supported("the Gated DeltaNet core", deltanet_kernel.check_supported(
                 (rows, hv, dk, dv), c.linear_conv_kernel_dim, dtype)))
+    rule_why = delta_rule_kernel.check_supported((rows, hk, dk), (rows, hv, dk, dv))
     rule = not core and (batch_invariant or rows >= DELTA_RULE_MIN_BATCH) and supported(
-        "the gated delta rule",
-        delta_rule_kernel.check_supported((rows, hk, dk), (rows, hv, dk, dv)))
+        "the gated delta rule", rule_why)
+    verify_rule = rule_why is None and not batch_invariant
     prefill = supported("prefill attention", prefill_kernel.check_supported(
         (rows, 1, hq, c.head_dim), (rows, hkv, 64, c.head_dim), dtype))
     chunk_rule = supported("the prefill's delta rule", chunk_rule_kernel.check_supported(
@@ -161,7 +168,8 @@ def choose_kernels(config: Config, batch_size: int, *, dtype="bfloat16",
     pick = lambda use: "pallas" if use else "xla"  # noqa: E731
     return Kernels(attention=pick(attention), deltanet=pick(core), delta_rule=pick(rule),
                    prefill_attention=pick(prefill), prefill_delta_rule=pick(chunk_rule),
-                   fp8_linear=pick(fp8), interpret=False, mesh=mesh,
+                   fp8_linear=pick(fp8), verify_delta_rule=pick(verify_rule),
+                   interpret=False, mesh=mesh,
                    batch_invariant=batch_invariant)
 
 
@@ -303,6 +311,26 @@ def chunk_gated_delta_rule(kernels: Kernels, q, k, v, g, beta, state):
     return jax.shard_map(rule, mesh=kernels.mesh,
                          in_specs=(tokens, tokens, tokens, gates, gates, heads),
                          out_specs=(tokens, heads), check_vma=False)(
+        q, k, v, g, beta, state)
+
+
+def gated_delta_states(kernels: Kernels, q, k, v, g, beta, state):
+    """The gated delta rule over a few tokens keeping the state after each (a speculative verify
+    step) as ``kernels.verify_delta_rule`` says: q, k [B, T, H, dk] (repeated to the value
+    heads), v [B, T, H, dv], g, beta [B, T, H], state [B, H, dk, dv], float32. Returns (o [B, T,
+    H, dv], states [B, T, H, dk, dv]). The kernel where it takes the shapes
+    (``gated_delta_decode.check_states_supported``), else ``naive_gated_delta_rule`` unrolled;
+    heads over "model" on a mesh."""
+    if (kernels.verify_delta_rule == "xla"
+            or delta_rule_kernel.check_states_supported(q.shape, state.shape) is not None):
+        return naive_gated_delta_rule(q, k, v, g, beta, state, all_states=True, unroll=True)
+    rule = functools.partial(_delta_states_pallas, interpret=_interpret(kernels))
+    if kernels.mesh is None:
+        return rule(q, k, v, g, beta, state)
+    tokens, gates = P(DATA, None, MODEL, None), P(DATA, None, MODEL)
+    return jax.shard_map(rule, mesh=kernels.mesh,
+                         in_specs=(tokens, tokens, tokens, gates, gates, P(DATA, MODEL)),
+                         out_specs=(tokens, P(DATA, None, MODEL)), check_vma=False)(
         q, k, v, g, beta, state)
 
 

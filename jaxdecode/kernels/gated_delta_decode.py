@@ -15,12 +15,17 @@ float32 tile in the wgmma register layout and writes it back in place (the state
 the input); XLA's form makes several passes over S (benchmarks/RESULTS.md). Unlike the XLA form it
 is not ``jax.vmap``-able (``pl.run_state`` has no batching rule), and non-finite inputs may give
 inf where XLA gives NaN.
+
+:func:`gated_delta_states_pallas` runs the same step over T tokens (a speculative verify step's
+few) and writes the state after every token: the state read once, T states written, no copies
+(``gated_delta.naive_gated_delta_rule(..., all_states=True)`` is its reference).
 """
 
 from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -31,6 +36,7 @@ from jaxdecode.kernels import wait_for_inputs
 
 TILE_ROWS = 64  # the wgmma register layout covers rows in multiples of 64
 TARGET_PROGRAMS = 264  # two per SM of a 132-SM Hopper GPU
+STATES_SMEM_BYTES = 160 * 1024  # the T staged state tiles of a states-kernel program
 
 
 def choose_block_v(batch: int, heads: int, dv: int) -> int:
@@ -126,6 +132,94 @@ def gated_delta_decode_pallas(q, k, v, g, beta, state, *, block_v: int | None = 
         kernel(q, k, v, g, beta, o_ref, state_ref)
 
     return pl.run_state(run)((lax.empty((batch, heads, dv), jnp.float32), state))
+
+
+def _states_kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, state_gmem, o_gmem, states_gmem,
+                   s_smem, o_smem, *, block_v, r, length, interpret):
+    wait_for_inputs(interpret)
+    b, h, j = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("j")
+    cols = pl.ds(j * block_v, block_v)
+    layout = plgpu.Layout.WGMMA
+    s = plgpu.load(state_gmem.at[b, h, :, cols], layout=layout, optimized=False)  # [dk, bv]
+    for t in range(length):  # static: T is a few tokens
+        k = plgpu.load(k_gmem.at[b, t, h // r], layout=layout.reduce(1), optimized=False)
+        q = plgpu.load(q_gmem.at[b, t, h // r], layout=layout.reduce(1), optimized=False)
+        v = plgpu.load(v_gmem.at[b, t, h, cols], layout=layout.reduce(0), optimized=False)
+        decay, beta = jnp.exp(g_gmem[b, t, h]), beta_gmem[b, t, h]
+        k_rows = lax.broadcast_in_dim(k, s.shape, [0])
+        s = decay * s
+        delta = beta * (v - jnp.sum(s * k_rows, axis=0))  # [bv]
+        s = s + k_rows * lax.broadcast_in_dim(delta, s.shape, [1])
+        s_smem.at[t][...] = s
+        o_smem.at[t][...] = jnp.sum(s * lax.broadcast_in_dim(q, s.shape, [0]), axis=0)
+    plgpu.commit_smem()
+    for t in range(length):
+        plgpu.copy_smem_to_gmem(s_smem.at[t], states_gmem.at[b, t, h, :, cols])
+        plgpu.copy_smem_to_gmem(o_smem.at[t], o_gmem.at[b, t, h, cols])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def check_states_supported(q_shape, state_shape, block_v: int | None = None) -> str | None:
+    """Why :func:`gated_delta_states_pallas` cannot take q [B, T, Hk, dk] and this state (None
+    if it can): :func:`check_supported`'s reasons, or T staged state tiles over
+    :data:`STATES_SMEM_BYTES`."""
+    batch, length, hk, dk = q_shape
+    why = check_supported((batch, hk, dk), state_shape)
+    if why is not None:
+        return why
+    block_v = block_v or choose_block_v(batch, state_shape[1], state_shape[3])
+    if length * (dk + 1) * block_v * 4 > STATES_SMEM_BYTES:
+        return (f"{length} tokens of [{dk}, {block_v}] float32 state tiles exceed "
+                f"{STATES_SMEM_BYTES} bytes of shared memory")
+    return None
+
+
+def gated_delta_states_pallas(q, k, v, g, beta, state, *, block_v: int | None = None,
+                              interpret: bool = False):
+    """The gated delta rule over T tokens keeping the state after each (HF
+    ``torch_recurrent_gated_delta_rule`` token by token; spec §10's per-token states).
+
+    q, k [B, T, Hk, dk], v [B, T, Hv, dv], g, beta [B, T, Hv], state [B, Hv, dk, dv], all
+    float32 (the module docstring's per-token shapes with a T axis; value head h reads key head
+    h // (Hv // Hk)). Returns (o [B, T, Hv, dv], states [B, T, Hv, dk, dv]: the state after
+    token t), float32; ``state`` is only read. An inert token (g = beta = 0, k = 0) passes the
+    state through. Raises ValueError: inputs not float32, shapes that disagree, or what
+    :func:`check_states_supported` names.
+    """
+    batch, heads, dk, dv = state.shape
+    arrays = dict(q=q, k=k, v=v, g=g, beta=beta, state=state)
+    bad = {n: x.dtype for n, x in arrays.items() if x.dtype != jnp.float32}
+    if bad:
+        raise ValueError(f"gated_delta_states_pallas takes float32 inputs; got {bad}")
+    length, key_heads = (q.shape[1], q.shape[2]) if q.ndim == 4 else (-1, -1)
+    want = dict(q=(batch, length, key_heads, dk), k=(batch, length, key_heads, dk),
+                v=(batch, length, heads, dv), g=(batch, length, heads),
+                beta=(batch, length, heads))
+    wrong = {n: (tuple(arrays[n].shape), s) for n, s in want.items() if arrays[n].shape != s}
+    if wrong:
+        raise ValueError(f"gated_delta_states_pallas: shapes (got, expected from q {q.shape} "
+                         f"and state {state.shape}): {wrong}")
+    block_v = block_v or choose_block_v(batch, heads, dv)
+    why = check_states_supported(q.shape, state.shape, block_v)
+    if why is None and (dv % block_v or block_v % 8):
+        why = f"dv={dv} is not a multiple of block_v={block_v}, or block_v not of 8"
+    if why is not None:
+        raise ValueError(f"gated_delta_states_pallas: {why}")
+    f32 = jnp.float32
+    if batch * heads * length == 0:
+        return (jnp.zeros((batch, length, heads, dv), f32),
+                jnp.zeros((batch, length, heads, dk, dv), f32))
+    kernel = plgpu.kernel(
+        functools.partial(_states_kernel, block_v=block_v, r=heads // key_heads, length=length,
+                          interpret=interpret),
+        out_type=(jax.ShapeDtypeStruct((batch, length, heads, dv), f32),
+                  jax.ShapeDtypeStruct((batch, length, heads, dk, dv), f32)),
+        scratch_types=(plgpu.SMEM((length, dk, block_v), f32),
+                       plgpu.SMEM((length, block_v), f32)),
+        grid=(batch, heads, dv // block_v), grid_names=("b", "h", "j"),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+    return kernel(q, k, v, g, beta, state)
 
 
 def gated_delta_decode_reference(q, k, v, g, beta, state):
