@@ -2,7 +2,7 @@
 number of drafts accepted, in one run.
 
     python benchmarks/speculative.py [--model qwen3.5-9b] [--batches 1,8] [--ks 1,2,3,4]
-        [--context 1024] [--tokens 256] [--oracle 0.8] [--smoke]
+        [--context 1024] [--tokens 256] [--oracle 0.8] [--draft-vocab N] [--smoke]
 
 Per (batch, k), ms per call (median of 3 repeats of 30 calls, compile apart): a plain decode step
 (``step.jit_decode_step``, the library's step), a verify step of k + 1 tokens
@@ -16,6 +16,10 @@ speculative with the MTP's own drafts (random weights accept almost none: the fl
 speculative with an oracle draft (``speculative_generate_fn``'s ``draft`` hook) that is right with
 probability ``--oracle`` per draft (the MTP-draft run's tokens, wrong ones shifted by one id): its
 measured drafts accepted per step beside its tokens/s.
+
+``--draft-vocab N``: the drafts (MTP pass and end to end) from N fixed random ids
+(``generate``'s ``draft_vocab``: the LM head's rows of those ids only); 0, the default, the whole
+vocabulary.
 
 Weights: bf16 fixed-seed random values with the preset's shapes plus one MTP layer; the KV caches
 and states hold random values at ``--context`` tokens. ``--smoke``: the ``tiny`` preset on the CPU
@@ -72,13 +76,14 @@ def _verify(params, state, toks, *, kernels):
 
 
 @functools.partial(jax.jit, static_argnames="kernels")
-def _draft(params, cache, hidden, toks, start, *, kernels):
-    """One MTP draft pass of one pair per row."""
+def _draft(params, cache, hidden, toks, start, head, *, kernels):
+    """One MTP draft pass of one pair per row, scored against ``head`` (None: the LM head)."""
     one = jnp.ones((toks.shape[0],), jnp.int32)
-    return model.mtp_forward(params, cache, hidden[:, None], toks[:, None], start, one, kernels)
+    return model.mtp_forward(params, cache, hidden[:, None], toks[:, None], start, one, kernels,
+                             lm_head=head)
 
 
-def time_steps(params, batch, k, context, max_len, kernels):
+def time_steps(params, batch, k, context, max_len, kernels, draft_vocab=None):
     """(plain, verify, draft) seconds per call at this batch and k."""
     c = params.config
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 1000, batch), jnp.int32)
@@ -110,9 +115,11 @@ def time_steps(params, batch, k, context, max_len, kernels):
     hidden = jnp.ones((batch, c.hidden_size), params.dtype)
     start = jnp.full((batch,), context, jnp.int32)
 
+    head = None if draft_vocab is None else params.lm_head_weight[draft_vocab]
+
     def draft_args(out):
         cache = kv if out is None else out[2]
-        return params, cache, hidden, tokens, start
+        return params, cache, hidden, tokens, start, head
 
     t_draft = _per_call(lambda *a: _draft(*a, kernels=kernels), draft_args)
     return t_plain, t_verify, t_draft
@@ -133,7 +140,7 @@ def oracle_draft(reference, k, p):
     return draft
 
 
-def end_to_end(params, tokens, k, p, kernels):
+def end_to_end(params, tokens, k, p, kernels, draft_vocab=None):
     """Seconds per token of plain generate, speculative (own drafts), speculative (oracle p), and
     the oracle run's mean drafts accepted per verify step."""
     c = params.config
@@ -149,7 +156,7 @@ def end_to_end(params, tokens, k, p, kernels):
 
     t_plain, plain = timed(lambda: jd.generate(params, prompt, tokens, eos_token_ids=()))
     t_own, own = timed(lambda: jd.generate(params, prompt, tokens, eos_token_ids=(),
-                                           num_speculative_tokens=k))
+                                           num_speculative_tokens=k, draft_vocab=draft_vocab))
     # The oracle follows the speculative run's own tokens: in bf16 with random weights (near-tied
     # logits) the verify step's rounding can flip a greedy token against plain decoding's, and
     # an oracle of plain's tokens would then be wrong from there on.
@@ -164,7 +171,8 @@ def end_to_end(params, tokens, k, p, kernels):
         return speculative.speculative_generate_jit(
             params, jd.init_state(c, 1, max_len, params.dtype), jnp.asarray(padded),
             jnp.asarray([16]), jnp.asarray([tokens]), jnp.full((8,), -1, jnp.int32), -1,
-            num_speculative_tokens=k, max_new_tokens=n, kernels=kernels, draft=draft)
+            num_speculative_tokens=k, max_new_tokens=n, kernels=kernels, draft=draft,
+            draft_vocab=draft_vocab)
 
     t_oracle, loop = timed(oracle_run)
     same = np.array_equal(np.asarray(loop.tokens), reference)
@@ -183,6 +191,8 @@ def main():
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--oracle", type=float, default=0.8)
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="drafts from this many fixed random ids (0: the whole vocabulary)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     try:
@@ -199,19 +209,27 @@ def main():
         ap.error("timings need a GPU; on a CPU run --smoke")
     config = dataclasses.replace(jd.Config.from_preset(name), mtp_num_hidden_layers=1)
     params = jd.init_params(config, jax.random.key(0), "float32" if args.smoke else "bfloat16")
+    if not 0 <= args.draft_vocab <= config.vocab_size:
+        ap.error(f"--draft-vocab must be in [0, {config.vocab_size}]")
+    draft_vocab = None
+    if args.draft_vocab:
+        draft_vocab = jnp.asarray(np.random.default_rng(0).permutation(config.vocab_size)[
+            :args.draft_vocab], jnp.int32)
     print(f"# {jax.devices()[0].device_kind}; jax {jax.__version__}; {name} + MTP layer, "
-          f"context {context}", flush=True)
+          f"context {context}; drafts from "
+          f"{args.draft_vocab or config.vocab_size} of {config.vocab_size} ids", flush=True)
     max_len = -(-(context + 256) // 64) * 64
     rows = []
     for batch in batches:
         kernels = kernels_for(params, batch)
         for k in ks:
-            t_plain, t_verify, t_draft = time_steps(params, batch, k, context, max_len, kernels)
+            t_plain, t_verify, t_draft = time_steps(params, batch, k, context, max_len, kernels,
+                                                    draft_vocab)
             rows.append((batch, k, t_plain, t_verify, t_draft))
             print(f"batch {batch} k {k}: plain {t_plain * 1e3:.3f} ms, verify {t_verify * 1e3:.3f}"
                   f" ms, draft {t_draft * 1e3:.3f} ms", flush=True)
     k_e2e = 3 if 3 in ks else ks[-1]
-    e2e = end_to_end(params, tokens, k_e2e, args.oracle, kernels_for(params, 1))
+    e2e = end_to_end(params, tokens, k_e2e, args.oracle, kernels_for(params, 1), draft_vocab)
 
     print(f"\n## Verify step against the plain step ({name}, context {context})\n")
     print("| batch | k | plain ms | verify ms (k+1 tokens) | verify / plain | draft ms | "

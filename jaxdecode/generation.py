@@ -581,7 +581,8 @@ def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParam
              progress: Callable[[np.ndarray], None] | None = None,
              executables: Executables | None = None, prefill_chunk_size: int | None = None,
              activation_budget: int | None = None, return_logprobs: bool = False,
-             top_logprobs: int = 0, num_speculative_tokens: int = 0) -> GenerateOutput:
+             top_logprobs: int = 0, num_speculative_tokens: int = 0,
+             draft_vocab=None) -> GenerateOutput:
     """Generates continuations with the whole loop on device (one jitted call, no per-token sync).
 
     Returns a :class:`GenerateOutput` of device arrays. ``progress``, if given, is called on the
@@ -591,8 +592,14 @@ def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParam
     tokens as plain greedy decoding, sampled rows the same distribution (other draws);
     ``max_len`` then needs room for k more tokens. Not yet together with penalties,
     ``stop_sequences``, ``state``/``return_state``, ``num_samples`` > 1, log-probabilities,
-    ``progress``/``executables`` or a mesh (ValueError).
+    ``progress``/``executables`` or a mesh (ValueError). ``draft_vocab``: token ids [V'] the
+    drafts are chosen from (``jaxdecode.speculative``: a cheaper draft, the same output;
+    distinct ids in [0, vocab_size), else ValueError; only with ``num_speculative_tokens``).
     """
+    if draft_vocab is not None and type(num_speculative_tokens) is int \
+            and num_speculative_tokens == 0:
+        raise ValueError("draft_vocab applies to speculative decoding: pass "
+                         "num_speculative_tokens > 0 with it")
     if not (type(num_speculative_tokens) is int and num_speculative_tokens == 0):
         return _generate_speculative(
             params, prompts, max_new_tokens, sampling, key, eos_token_ids, num_speculative_tokens,
@@ -600,7 +607,8 @@ def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParam
             max_len=max_len, num_samples=num_samples, pad_id=pad_id, kernels=kernels,
             progress=progress, executables=executables, prefill_chunk_size=prefill_chunk_size,
             activation_budget=activation_budget, return_logprobs=return_logprobs,
-            top_logprobs=top_logprobs, chunk_size=chunk_size, features=features)
+            top_logprobs=top_logprobs, chunk_size=chunk_size, features=features,
+            draft_vocab=draft_vocab)
     plan = _plan(params, prompts, max_new_tokens, sampling, key, eos_token_ids, max_len=max_len,
                  num_samples=num_samples, chunk_size=chunk_size, pad_id=pad_id, kernels=kernels,
                  features=features, stop_sequences=stop_sequences, state=state,
@@ -614,7 +622,8 @@ def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParam
 def _generate_speculative(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
                           k, *, stop_sequences, state, return_state, max_len, num_samples, pad_id,
                           kernels, progress, executables, prefill_chunk_size, activation_budget,
-                          return_logprobs, top_logprobs, chunk_size, features) -> GenerateOutput:
+                          return_logprobs, top_logprobs, chunk_size, features,
+                          draft_vocab) -> GenerateOutput:
     """:func:`generate` with ``num_speculative_tokens=k`` (checks, then
     ``speculative.speculative_generate_fn`` in one jitted call)."""
     if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)) or k < 1:
@@ -632,6 +641,8 @@ def _generate_speculative(params: Params, prompts, max_new_tokens, sampling, key
         ("a mesh", sharding.mesh_of(params) is not None)) if used]
     if unsupported:
         raise ValueError(f"num_speculative_tokens does not yet work with {unsupported}")
+    if draft_vocab is not None:
+        draft_vocab = speculative.check_draft_vocab(draft_vocab, params.config.vocab_size)
     plan = _plan(params, prompts, max_new_tokens, sampling, key, eos_token_ids,
                  max_len=max_len, num_samples=1, chunk_size=chunk_size, pad_id=pad_id,
                  kernels=kernels, features=features, prefill_chunk_size=prefill_chunk_size,
@@ -647,7 +658,7 @@ def _generate_speculative(params: Params, prompts, max_new_tokens, sampling, key
         plan.sampling, plan.keys, features=plan.features,
         num_speculative_tokens=int(k), max_new_tokens=plan.max_new_tokens,
         kernels=plan.kernels, prefill_chunk_size=plan.prefill.prefill_chunk_size,
-        query_block=plan.prefill.query_block)
+        query_block=plan.prefill.query_block, draft_vocab=draft_vocab)
     return GenerateOutput(tokens=loop.tokens, num_generated=loop.num_generated,
                           stop_reason=loop.stop_reason)
 

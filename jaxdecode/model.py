@@ -544,7 +544,8 @@ def commit_fn(pending: DecodeState, traces: tuple[DeltaNetTrace, ...],
 
 
 def mtp_forward(params: Params, cache: KVCache, hidden: Array, tokens: Array, start: Array,
-                num_new: Array, kernels: Kernels = choice.XLA, return_logits: bool = True):
+                num_new: Array, kernels: Kernels = choice.XLA, return_logits: bool = True,
+                lm_head: Array | None = None):
     """The MTP layer (spec §6; vLLM ``Qwen3_5MultiTokenPredictor.forward``) over T pairs per row:
     pair t joins ``hidden[:, t]`` (the main model's final-norm hidden state at position
     ``start + t``, or the MTP's own output when drafting further) with the embedding of
@@ -554,7 +555,8 @@ def mtp_forward(params: Params, cache: KVCache, hidden: Array, tokens: Array, st
     int32 pairs already in it; num_new [B] real pairs (padding after). Returns (logits [B, T, V]
     float32, or None without ``return_logits`` (a prompt's pairs: only the cache is wanted),
     d [B, T, H] the MTP's final-norm output (the next draft's ``hidden``), new cache).
-    ValueError if ``params`` holds no MTP layer.
+    ``lm_head`` [V', H]: the rows of the LM head to score (a draft vocabulary; logits [B, T,
+    V']), default the whole head. ValueError if ``params`` holds no MTP layer.
     """
     if params.mtp is None:
         raise ValueError("these params hold no MTP layer: load the checkpoint with "
@@ -575,7 +577,8 @@ def mtp_forward(params: Params, cache: KVCache, hidden: Array, tokens: Array, st
     d = rms_norm(u, m.norm, c.rms_norm_eps)
     if not return_logits:
         return None, d, cache
-    logits = linear(d, params.lm_head_weight, out_dtype=f32, kernels=kernels)
+    head = params.lm_head_weight if lm_head is None else lm_head
+    logits = linear(d, head, out_dtype=f32, kernels=kernels)
     return jnp.where(valid[..., None], logits, 0.0), d, cache
 
 

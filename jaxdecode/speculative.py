@@ -11,6 +11,13 @@ top-p, min-p as ``jaxdecode.sampling``; no penalties) draw their drafts from the
 distribution q and use the speculative-sampling rule (:func:`accept_drafts`), so each token is
 distributed exactly as plain sampling's (not the same draws: the keys are used differently).
 
+A draft vocabulary (``draft_vocab``: the ids the MTP may propose, e.g. a corpus's most frequent
+tokens; Zhao et al., "FR-Spec", 2025) scores each draft against those rows of the LM head only,
+the draft's largest read (248k x H at every draft); q is then zero outside it, which the rule
+allows, so the output is unchanged: greedy tokens equal plain greedy's, sampled ones follow the
+target's distribution. Only the acceptance rate can fall (a target token outside the set is
+never drafted).
+
 The MTP layer's cache holds one pair per position p (the main model's final-norm hidden state at p,
 the token at p + 1): the prompt's pairs are computed with its prefill, and each step first writes
 the pairs of the tokens the last step accepted (the target's hidden states, not the draft's own),
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax import lax
 
@@ -68,6 +76,34 @@ def distribution(logits: Array, sampling: SamplingParams, features: SamplingFeat
                          jax.nn.softmax(x, axis=-1), greedy)
 
     return jax.vmap(one, in_axes=1, out_axes=1)(flat).reshape(shape)
+
+
+def check_draft_vocab(draft_vocab, vocab_size: int) -> Array:
+    """``draft_vocab`` as a [V'] int32 device array after host checks: a non-empty 1-D array of
+    distinct integer ids in [0, vocab_size) (a repeated id would misstate q); else ValueError."""
+    ids = np.asarray(draft_vocab)
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"draft_vocab must be a non-empty 1-D array of token ids; got shape "
+                         f"{ids.shape}, dtype {ids.dtype}")
+    outside = ids[(ids < 0) | (ids >= vocab_size)]
+    if outside.size:
+        raise ValueError(f"draft_vocab holds ids outside [0, {vocab_size}): "
+                         f"{outside[:8].tolist()}")
+    if np.unique(ids).size != ids.size:
+        values, counts = np.unique(ids, return_counts=True)
+        raise ValueError(f"draft_vocab repeats ids: {values[counts > 1][:8].tolist()}")
+    return jnp.asarray(ids, jnp.int32)
+
+
+def draft_tokens(tokens: Array, q: Array | None, draft_vocab: Array | None, vocab_size: int):
+    """Drafts chosen over a draft vocabulary, in the model's ids: tokens [R] (indices into
+    ``draft_vocab``) -> ids, q [R, V'] -> [R, V] (zero outside the set; None stays None).
+    Without ``draft_vocab`` both pass through."""
+    if draft_vocab is None:
+        return tokens, q
+    if q is not None:
+        q = jnp.zeros((q.shape[0], vocab_size), q.dtype).at[:, draft_vocab].set(q)
+    return draft_vocab[tokens], q
 
 
 def accept_drafts(target: Array, draft: Array, drafts: Array, key: Array):
@@ -130,7 +166,8 @@ def speculative_generate_fn(params: Params, state: DecodeState, prompts: Array,
                             num_speculative_tokens: int, max_new_tokens: int,
                             features: SamplingFeatures | None = None,
                             kernels: Kernels = choice.XLA, prefill_chunk_size: int | None = None,
-                            query_block: int = 512, draft=None) -> SpeculativeLoop:
+                            query_block: int = 512, draft=None,
+                            draft_vocab: Array | None = None) -> SpeculativeLoop:
     """Speculative generation; pure, un-jitted, unvalidated (``generate`` checks).
 
     state: an empty state of R rows with room for prompt + budget + k tokens; prompts [R, T]
@@ -140,7 +177,9 @@ def speculative_generate_fn(params: Params, state: DecodeState, prompts: Array,
     ``num_speculative_tokens`` k >= 1, ``max_new_tokens`` N (the output width), ``features``
     (``sampling.features_of``; None: greedy). ``draft``: test hook, ``(loop, mtp_drafts [R, k])
     -> drafts [R, k]`` replacing the MTP's drafts (e.g. an oracle that is right with a set
-    probability; then drafts count as drawn from a one-hot q). Returns the final loop.
+    probability; then drafts count as drawn from a one-hot q). ``draft_vocab``: [V'] int32
+    distinct ids the drafts come from (:func:`check_draft_vocab`; None: the whole vocabulary).
+    Returns the final loop.
     """
     k = num_speculative_tokens
     rows, length = prompts.shape
@@ -154,6 +193,12 @@ def speculative_generate_fn(params: Params, state: DecodeState, prompts: Array,
             return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
         probs = distribution(logits, sampling, features)
         return jax.vmap(jax.random.categorical)(key, jnp.log(probs)).astype(jnp.int32), probs
+    vocab = params.config.vocab_size
+    # the draft vocabulary's rows of the LM head, gathered once for the whole loop
+    head = None if draft_vocab is None else jnp.take(params.lm_head_weight, draft_vocab, axis=0)
+
+    def choose_draft(logits, key):  # MTP logits [R, V'] -> (ids [R], q [R, V] or None)
+        return draft_tokens(*choose(logits, key), draft_vocab, vocab)
     cache = state.kv_cache[0]
     cache = KVCache(k=jnp.zeros_like(cache.k), v=jnp.zeros_like(cache.v))
     state, cache = _prefill(params, state, cache, prompts, prompt_lengths,
@@ -181,24 +226,25 @@ def speculative_generate_fn(params: Params, state: DecodeState, prompts: Array,
         step_keys = jax.vmap(lambda key, n: jax.random.split(jax.random.fold_in(key, n),
                                                              k + 1))(keys, loop.num_generated)
         lg, d, cache = mtp_forward(params, loop.mtp_cache, loop.pair_hidden, loop.pair_tokens,
-                                   loop.pair_start, live * loop.pair_count, kernels)
+                                   loop.pair_start, live * loop.pair_count, kernels,
+                                   lm_head=head)
         at = jnp.maximum(loop.pair_count - 1, 0)
-        tok, q = choose(jnp.take_along_axis(lg, at[:, None, None], axis=1)[:, 0],
-                        step_keys[:, 0])
+        tok, q = choose_draft(jnp.take_along_axis(lg, at[:, None, None], axis=1)[:, 0],
+                              step_keys[:, 0])
         h = jnp.take_along_axis(d, at[:, None, None], axis=1)[:, 0]
         drafts, qs = [tok], [q]
         position = loop.pair_start + loop.pair_count  # of the next draft pair
         for j in range(1, k):
             lg, d, cache = mtp_forward(params, cache, h[:, None], tok[:, None],
-                                       position + j - 1, live, kernels)
-            tok, q = choose(lg[:, 0], step_keys[:, j])
+                                       position + j - 1, live, kernels, lm_head=head)
+            tok, q = choose_draft(lg[:, 0], step_keys[:, j])
             h = d[:, 0]
             drafts.append(tok)
             qs.append(q)
         drafts = jnp.stack(drafts, axis=1)  # [R, k]
         if draft is not None:
             drafts = draft(loop, drafts)
-            qs = [jax.nn.one_hot(drafts[:, j], lg.shape[-1]) for j in range(k)]
+            qs = [jax.nn.one_hot(drafts[:, j], vocab) for j in range(k)]
         verify = jnp.concatenate([loop.last[:, None], drafts], axis=1)  # [R, k + 1]
         logits, hidden, pending, traces = verify_fn(params, loop.state, verify, live * (k + 1),
                                                     kernels)

@@ -295,42 +295,11 @@ def test_delta_rule_kernel_per_device_on_a_mesh():
     np.testing.assert_array_equal(np.asarray(got[1]), want[1])
 
 
-@INTERPRETED
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
-def test_prefill_delta_rule_runs_what_kernels_says_on_and_off_a_mesh(impl):
-    """choice.chunk_gated_delta_rule, one device and under shard_map (a one-device mesh),
-    against the float64 recurrence."""
-    keys = jax.random.split(jax.random.key(12), 6)
-    b, t, h, dk, dv = 2, 70, 2, 64, 64
-    q = jax.nn.standardize(jax.random.normal(keys[0], (b, t, h, dk)), axis=-1) * dk**-1
-    k = jax.nn.standardize(jax.random.normal(keys[1], (b, t, h, dk)), axis=-1) * dk**-0.5
-    v = jax.random.normal(keys[2], (b, t, h, dv))
-    g = -jax.nn.softplus(jax.random.normal(keys[3], (b, t, h)))
-    beta = jax.nn.sigmoid(jax.random.normal(keys[4], (b, t, h)))
-    s0 = jax.random.normal(keys[5], (b, h, dk, dv))
-    args = (q, k, v, g, beta, s0)
-    # float64 token-by-token recurrence (HF torch_recurrent_gated_delta_rule)
-    qn, kn, vn, gn, bn, s = (np.asarray(x, np.float64) for x in args)
-    want_o = np.zeros(vn.shape)
-    for i in range(t):
-        s = s * np.exp(gn[:, i])[..., None, None]
-        d = bn[:, i, :, None] * (vn[:, i] - np.einsum("bhkv,bhk->bhv", s, kn[:, i]))
-        s = s + kn[:, i, :, :, None] * d[:, :, None, :]
-        want_o[:, i] = np.einsum("bhkv,bhk->bhv", s, qn[:, i])
-    for mesh in (None, sharding.make_mesh(1, 1)):
-        kern = choice.Kernels(prefill_delta_rule=impl, mesh=mesh)
-        o, state = jax.jit(lambda *x: choice.chunk_gated_delta_rule(kern, *x))(*args)
-        assert_rel_close(o, want_o, 2e-5, f"o (mesh={mesh is not None})")
-        assert_rel_close(state, s, 2e-5, f"final state (mesh={mesh is not None})")
-
-
-@INTERPRETED
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
-def test_gated_delta_states_runs_what_kernels_says_on_and_off_a_mesh(impl):
-    """choice.gated_delta_states (a verify step's few tokens, every state kept), one device and
-    under shard_map (a one-device mesh), against the float64 recurrence."""
-    keys = jax.random.split(jax.random.key(13), 6)
-    b, t, h, dk, dv = 2, 3, 2, 64, 64
+def delta_rule_case(seed, b, t, h, dk, dv):
+    """Fresh random float32 delta-rule inputs (q, k, v, g, beta, state) and the float64
+    token-by-token recurrence's (o [B, T, H, dv], the state after each token [B, T, H, dk, dv])
+    (HF torch_recurrent_gated_delta_rule)."""
+    keys = jax.random.split(jax.random.key(seed), 6)
     q = jax.nn.standardize(jax.random.normal(keys[0], (b, t, h, dk)), axis=-1) * dk**-1
     k = jax.nn.standardize(jax.random.normal(keys[1], (b, t, h, dk)), axis=-1) * dk**-0.5
     v = jax.random.normal(keys[2], (b, t, h, dv))
@@ -346,6 +315,28 @@ def test_gated_delta_states_runs_what_kernels_says_on_and_off_a_mesh(impl):
         s = s + kn[:, i, :, :, None] * d[:, :, None, :]
         want_o[:, i] = np.einsum("bhkv,bhk->bhv", s, qn[:, i])
         want_s[:, i] = s
+    return args, want_o, want_s
+
+
+@INTERPRETED
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_prefill_delta_rule_runs_what_kernels_says_on_and_off_a_mesh(impl):
+    """choice.chunk_gated_delta_rule, one device and under shard_map (a one-device mesh),
+    against the float64 recurrence."""
+    args, want_o, want_s = delta_rule_case(12, 2, 70, 2, 64, 64)
+    for mesh in (None, sharding.make_mesh(1, 1)):
+        kern = choice.Kernels(prefill_delta_rule=impl, mesh=mesh)
+        o, state = jax.jit(lambda *x: choice.chunk_gated_delta_rule(kern, *x))(*args)
+        assert_rel_close(o, want_o, 2e-5, f"o (mesh={mesh is not None})")
+        assert_rel_close(state, want_s[:, -1], 2e-5, f"final state (mesh={mesh is not None})")
+
+
+@INTERPRETED
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_gated_delta_states_runs_what_kernels_says_on_and_off_a_mesh(impl):
+    """choice.gated_delta_states (a verify step's few tokens, every state kept), one device and
+    under shard_map (a one-device mesh), against the float64 recurrence."""
+    args, want_o, want_s = delta_rule_case(13, 2, 3, 2, 64, 64)
     for mesh in (None, sharding.make_mesh(1, 1)):
         kern = choice.Kernels(verify_delta_rule=impl, mesh=mesh)
         fn = jax.jit(lambda *x: choice.gated_delta_states(kern, *x))

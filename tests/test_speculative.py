@@ -2,7 +2,8 @@
 commit_fn / mtp_forward): the MTP forward against a float64 numpy reference of spec §6's
 equations; a verify step committed after n tokens against a prefill of those n tokens; speculative
 greedy generation against plain greedy generation token for token, with drafts from an oracle
-that is right at set positions (long accepted runs, an EOS inside one, ragged budgets); loading
+that is right at set positions (long accepted runs, an EOS inside one, ragged budgets); drafts
+from a draft vocabulary (greedy tokens unchanged, sampled ones in distribution); loading
 ``mtp.*``; the errors."""
 
 from __future__ import annotations
@@ -265,8 +266,9 @@ def test_accept_drafts_keeps_the_target_distribution():
 def test_speculative_sampling_matches_plain_sampling_in_distribution(params):
     """2,048 rows of one prompt, temperature 1 and top-k 4, 3 tokens: the joint distribution of
     the 2nd and 3rd tokens (both past a verify step) from speculative sampling (the MTP's own
-    drafts, k = 2) against plain sampling's, a two-sample chi-square over the 16 cells; a greedy
-    row in the same batch keeps plain greedy's tokens."""
+    drafts, k = 2; again with drafts from a third of the vocabulary) against plain sampling's, a
+    two-sample chi-square over the 16 cells; a greedy row in the same batch keeps plain greedy's
+    tokens."""
     rows = 2048
     prompt = [[5, 17, 99, 3]] * rows
     sampling = jd.SamplingParams.create(temperature=1.0, top_k=4)
@@ -274,6 +276,23 @@ def test_speculative_sampling_matches_plain_sampling_in_distribution(params):
                                    eos_token_ids=[]).tokens)[:, 1:3]
     spec = np.asarray(jd.generate(params, prompt, 3, sampling, jax.random.key(2),
                                   eos_token_ids=[], num_speculative_tokens=2).tokens)[:, 1:3]
+    _chi_square_same(plain, spec)
+    # drafts from a third of the vocabulary (q zero elsewhere): the same distribution
+    ids = np.random.default_rng(7).permutation(CONFIG.vocab_size)[:CONFIG.vocab_size // 3]
+    subset = np.asarray(jd.generate(params, prompt, 3, sampling, jax.random.key(4),
+                                    eos_token_ids=[], num_speculative_tokens=2,
+                                    draft_vocab=ids).tokens)[:, 1:3]
+    _chi_square_same(plain, subset)
+    mixed = jd.SamplingParams.create(2, temperature=[0.0, 1.0], top_k=[0, 4])
+    got = jd.generate(params, [[5, 17, 99, 3]] * 2, 8, mixed, jax.random.key(3),
+                      eos_token_ids=[], num_speculative_tokens=3)
+    want = jd.generate(params, [[5, 17, 99, 3]], 8, eos_token_ids=[])
+    np.testing.assert_array_equal(np.asarray(got.tokens)[0], np.asarray(want.tokens)[0])
+
+
+def _chi_square_same(plain, spec):
+    """A two-sample chi-square over the joint cells of two [N, 2] token samples (rare cells
+    pooled): fails only far out in the tail."""
     cells = sorted(set(map(tuple, plain)) | set(map(tuple, spec)))
     a = np.array([np.sum(np.all(plain == c, axis=1)) for c in cells], float)
     b = np.array([np.sum(np.all(spec == c, axis=1)) for c in cells], float)
@@ -284,11 +303,88 @@ def test_speculative_sampling_matches_plain_sampling_in_distribution(params):
     chi2 = np.sum((a - expected_a) ** 2 / np.maximum(expected_a, 1e-9)) * 2
     dof = int(np.sum((a + b) > 0)) - 1
     assert chi2 < dof + 6 * np.sqrt(2 * dof), (chi2, dof)  # far out in the tail only
-    mixed = jd.SamplingParams.create(2, temperature=[0.0, 1.0], top_k=[0, 4])
-    got = jd.generate(params, [[5, 17, 99, 3]] * 2, 8, mixed, jax.random.key(3),
-                      eos_token_ids=[], num_speculative_tokens=3)
-    want = jd.generate(params, [[5, 17, 99, 3]], 8, eos_token_ids=[])
-    np.testing.assert_array_equal(np.asarray(got.tokens)[0], np.asarray(want.tokens)[0])
+
+
+def test_draft_tokens_maps_draft_vocab_indices_to_ids():
+    ids = jnp.asarray([7, 2, 11], jnp.int32)
+    q = jnp.asarray([[0.5, 0.25, 0.25], [0.0, 1.0, 0.0]])
+    tokens, full = speculative.draft_tokens(jnp.asarray([2, 1]), q, ids, 12)
+    assert tokens.tolist() == [11, 2]
+    want = np.zeros((2, 12))
+    want[0, [7, 2, 11]] = [0.5, 0.25, 0.25]
+    want[1, 2] = 1.0
+    np.testing.assert_array_equal(np.asarray(full), want)
+    same, none = speculative.draft_tokens(jnp.asarray([2, 1]), None, None, 12)
+    assert same.tolist() == [2, 1] and none is None
+
+
+def test_accept_drafts_with_q_zero_outside_a_draft_vocab():
+    """q drawn over a subset of the ids (a draft vocabulary): the emitted tokens still follow
+    p, including ids q never proposes (they come from the residual)."""
+    rng = np.random.default_rng(8)
+    v, k, n = 6, 2, 200_000
+    subset = np.array([0, 2, 3])
+    p = rng.dirichlet(np.ones(v), k + 1).astype(np.float32)
+    q = np.zeros((k, v), np.float32)
+    q[:, subset] = rng.dirichlet(np.ones(len(subset)), k)
+    drafts = np.stack([rng.choice(v, n, p=q[j] / q[j].sum()) for j in range(k)], 1)
+    emitted, count = jax.jit(speculative.accept_drafts)(
+        jnp.broadcast_to(p, (n, k + 1, v)), jnp.broadcast_to(q, (n, k, v)),
+        jnp.asarray(drafts, jnp.int32), jax.random.split(jax.random.key(9), n))
+    emitted, count = np.asarray(emitted), np.asarray(count)
+    for j in range(k + 1):
+        rows = count > j
+        freq = np.bincount(emitted[rows, j], minlength=v) / rows.sum()
+        se = np.sqrt(p[j] * (1 - p[j]) / rows.sum())
+        assert np.all(np.abs(freq - p[j]) <= 5 * se + 1e-4), (j, freq, p[j])
+
+
+def test_draft_vocab_keeps_greedy_tokens_and_drafts_from_the_set(params):
+    """Greedy with a draft vocabulary (half the ids; all of them shuffled) gives plain greedy's
+    tokens; the MTP's drafts are ids of the set: an oracle draft hook that turns wrong whenever
+    an MTP draft falls outside it would accept nothing."""
+    c = CONFIG
+    rng = np.random.default_rng(4)
+    prompts = [list(rng.integers(0, c.vocab_size, n)) for n in (5, 9)]
+    plain = jd.generate(params, prompts, 12, eos_token_ids=[])
+    half = rng.permutation(c.vocab_size)[:c.vocab_size // 2]
+    for ids in (half, rng.permutation(c.vocab_size)):
+        spec = jd.generate(params, prompts, 12, eos_token_ids=[], num_speculative_tokens=2,
+                           draft_vocab=ids)
+        np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(plain.tokens))
+
+    ref = jnp.asarray(np.asarray(plain.tokens))
+    in_set = jnp.zeros(c.vocab_size, bool).at[jnp.asarray(half)].set(True)
+    k = 2
+
+    def oracle_if_in_set(loop, mtp_drafts):
+        pos = loop.num_generated[:, None] + jnp.arange(k)[None, :]
+        right = jnp.take_along_axis(ref, jnp.minimum(pos, ref.shape[1] - 1), axis=1)
+        right = jnp.maximum(right, 0)  # past a row's end (pad -1): any id in the vocabulary
+        ok = jnp.all(in_set[mtp_drafts])
+        return jnp.where(ok, right, (right + 1) % c.vocab_size).astype(jnp.int32)
+
+    padded = np.zeros((2, 9), np.int32)
+    for i, p in enumerate(prompts):
+        padded[i, :len(p)] = p
+    loop = speculative.speculative_generate_jit(
+        params, jd.init_state(c, 2, 32), jnp.asarray(padded), jnp.asarray([5, 9]),
+        jnp.asarray([12, 12]), jnp.full((8,), -1, jnp.int32), -1, num_speculative_tokens=k,
+        max_new_tokens=12, kernels=jd.Kernels(), draft=oracle_if_in_set,
+        draft_vocab=jnp.asarray(half, jnp.int32))
+    np.testing.assert_array_equal(np.asarray(loop.tokens), np.asarray(plain.tokens)[:, :12])
+    assert int(loop.accepted) >= 0.5 * 2 * 12  # nearly every draft right: all MTP drafts in set
+
+
+def test_draft_vocab_errors(params):
+    v = CONFIG.vocab_size
+    for bad, match in (([[1, 2]], "1-D"), ([], "non-empty"), ([1.0, 2.0], "dtype float"),
+                       ([0, v], rf"outside \[0, {v}\): \[{v}\]"), ([-1, 3], "outside"),
+                       ([4, 5, 4], r"repeats ids: \[4\]")):
+        with pytest.raises(ValueError, match=match):
+            jd.generate(params, [[1, 2]], 4, num_speculative_tokens=2, draft_vocab=bad)
+    with pytest.raises(ValueError, match="num_speculative_tokens > 0"):
+        jd.generate(params, [[1, 2]], 4, draft_vocab=[1, 2])
 
 
 def test_moe_mtp_layer_loads_per_expert_and_drafts(tmp_path):
