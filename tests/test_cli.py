@@ -232,3 +232,26 @@ def test_cli_speculative_decoding_gives_the_greedy_tokens(capsys):
     status, _, err = _cli(capsys, "--max-new-tokens", "4", "--num-speculative-tokens", "2",
                           "--stream")
     assert status == 2 and err.count("\n") == 1 and "--num-speculative-tokens" in err, err
+
+
+def test_cli_draft_vocab(capsys, tmp_path):
+    """--draft-vocab FILE: the same greedy tokens; a bad file or a missing
+    --num-speculative-tokens is one usage line."""
+    status, out, _ = _cli(capsys, "--max-new-tokens", "8")
+    plain = re.search(r"^ids: \[(.*)\]$", out, re.M).group(1)
+    ids = tmp_path / "ids.txt"
+    ids.write_text(" ".join(map(str, range(0, 512, 2))) + "\n" + ",".join(map(str, range(1, 64, 2))))
+    status, out, _ = _cli(capsys, "--max-new-tokens", "8", "--num-speculative-tokens", "2",
+                          "--draft-vocab", str(ids))
+    assert status == 0, out
+    assert re.search(r"^ids: \[(.*)\]$", out, re.M).group(1) == plain
+    for text, args, message in (
+            ("1 2 x3", ("--num-speculative-tokens", "2"), "token ids must be integers"),
+            ("1 2 1", ("--num-speculative-tokens", "2"), r"repeats ids: \[1\]"),
+            ("1 2", (), "--draft-vocab needs --num-speculative-tokens")):
+        ids.write_text(text)
+        status, _, err = _cli(capsys, "--max-new-tokens", "4", *args, "--draft-vocab", str(ids))
+        assert status == 2 and err.count("\n") == 1 and re.search(message, err), err
+    status, _, err = _cli(capsys, "--max-new-tokens", "4", "--num-speculative-tokens", "2",
+                          "--draft-vocab", str(tmp_path / "missing.txt"))
+    assert status == 2 and "missing.txt" in err, err
