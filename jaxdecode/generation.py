@@ -596,11 +596,13 @@ def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParam
     drafts are chosen from (``jaxdecode.speculative``: a cheaper draft, the same output;
     distinct ids in [0, vocab_size), else ValueError; only with ``num_speculative_tokens``).
     """
-    if draft_vocab is not None and type(num_speculative_tokens) is int \
-            and num_speculative_tokens == 0:
+    speculation_off = (isinstance(num_speculative_tokens, (int, np.integer))
+                       and not isinstance(num_speculative_tokens, (bool, np.bool_))
+                       and num_speculative_tokens == 0)  # an int 0, numpy's too
+    if draft_vocab is not None and speculation_off:
         raise ValueError("draft_vocab applies to speculative decoding: pass "
                          "num_speculative_tokens > 0 with it")
-    if not (type(num_speculative_tokens) is int and num_speculative_tokens == 0):
+    if not speculation_off:
         return _generate_speculative(
             params, prompts, max_new_tokens, sampling, key, eos_token_ids, num_speculative_tokens,
             stop_sequences=stop_sequences, state=state, return_state=return_state,

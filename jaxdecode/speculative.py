@@ -81,7 +81,13 @@ def distribution(logits: Array, sampling: SamplingParams, features: SamplingFeat
 def check_draft_vocab(draft_vocab, vocab_size: int) -> Array:
     """``draft_vocab`` as a [V'] int32 device array after host checks: a non-empty 1-D array of
     distinct integer ids in [0, vocab_size) (a repeated id would misstate q); else ValueError."""
-    ids = np.asarray(draft_vocab)
+    if isinstance(draft_vocab, (set, frozenset)):
+        raise ValueError("draft_vocab must be a sequence or array of token ids, not a set "
+                         "(pass sorted(ids))")
+    try:
+        ids = np.asarray(draft_vocab)
+    except ValueError as e:  # ragged nesting
+        raise ValueError(f"draft_vocab must be a 1-D array of token ids: {e}") from None
     if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(f"draft_vocab must be a non-empty 1-D array of token ids; got shape "
                          f"{ids.shape}, dtype {ids.dtype}")

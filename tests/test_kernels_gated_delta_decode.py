@@ -180,6 +180,12 @@ def test_states_kernel_bad_inputs_raise():
     long = random_inputs(0, 1, 64, 2, 128, 128, decay_scale=1.0)
     with pytest.raises(ValueError, match="shared memory"):
         gated_delta_states_pallas(*map(jnp.asarray, long), block_v=32)
+    with pytest.raises(ValueError, match="block_v=-8"):
+        gated_delta_states_pallas(q, k, v, g, beta, state, block_v=-8)
+    empty = random_inputs(0, 1, 2, 2, 64, 32, decay_scale=1.0)
+    empty[0], empty[1], empty[5] = empty[0][..., :0], empty[1][..., :0], empty[5][:, :, :0]
+    with pytest.raises(ValueError, match="head dims must be positive"):
+        gated_delta_states_pallas(*map(jnp.asarray, empty))
     assert gdd.check_states_supported((1, 4, 16, 128), (1, 32, 128, 128)) is None
     assert "shared memory" in gdd.check_states_supported((1, 64, 16, 128), (1, 32, 128, 128), 32)
 

@@ -380,11 +380,13 @@ def test_draft_vocab_errors(params):
     v = CONFIG.vocab_size
     for bad, match in (([[1, 2]], "1-D"), ([], "non-empty"), ([1.0, 2.0], "dtype float"),
                        ([0, v], rf"outside \[0, {v}\): \[{v}\]"), ([-1, 3], "outside"),
-                       ([4, 5, 4], r"repeats ids: \[4\]")):
+                       ([4, 5, 4], r"repeats ids: \[4\]"), ({1, 2}, r"not a set"),
+                       ([[1], [2, 3]], "draft_vocab must be a 1-D array")):
         with pytest.raises(ValueError, match=match):
             jd.generate(params, [[1, 2]], 4, num_speculative_tokens=2, draft_vocab=bad)
-    with pytest.raises(ValueError, match="num_speculative_tokens > 0"):
-        jd.generate(params, [[1, 2]], 4, draft_vocab=[1, 2])
+    for off in (0, np.int32(0)):  # an int zero, numpy's too, is "off"
+        with pytest.raises(ValueError, match="num_speculative_tokens > 0"):
+            jd.generate(params, [[1, 2]], 4, draft_vocab=[1, 2], num_speculative_tokens=off)
 
 
 def test_moe_mtp_layer_loads_per_expert_and_drafts(tmp_path):

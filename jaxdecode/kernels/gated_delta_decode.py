@@ -58,6 +58,8 @@ def check_supported(q_shape, state_shape) -> str | None:
     """Why the kernel cannot take these shapes (None if it can)."""
     _, hk, dk = q_shape
     _, hv, _, dv = state_shape
+    if dk <= 0 or dv <= 0:
+        return f"head dims must be positive (linear_key_head_dim={dk}, linear_value_head_dim={dv})"
     if dk % TILE_ROWS:
         return f"linear_key_head_dim={dk} is not a multiple of {TILE_ROWS}"
     if dv % 8:
@@ -111,7 +113,7 @@ def gated_delta_decode_pallas(q, k, v, g, beta, state, *, block_v: int | None = 
         raise ValueError(f"shapes (got, expected from state {state.shape}): {wrong}")
     why = check_supported(q.shape, state.shape)
     block_v = block_v or choose_block_v(batch, heads, dv)
-    if why is None and (dv % block_v or block_v % 8):
+    if why is None and (block_v <= 0 or dv % block_v or block_v % 8):
         why = f"dv={dv} is not a multiple of block_v={block_v}, or block_v not of 8"
     if why is not None:
         raise ValueError(f"gated_delta_decode_pallas: {why}")
@@ -201,7 +203,7 @@ def gated_delta_states_pallas(q, k, v, g, beta, state, *, block_v: int | None = 
                          f"and state {state.shape}): {wrong}")
     block_v = block_v or choose_block_v(batch, heads, dv)
     why = check_states_supported(q.shape, state.shape, block_v)
-    if why is None and (dv % block_v or block_v % 8):
+    if why is None and (block_v <= 0 or dv % block_v or block_v % 8):
         why = f"dv={dv} is not a multiple of block_v={block_v}, or block_v not of 8"
     if why is not None:
         raise ValueError(f"gated_delta_states_pallas: {why}")
