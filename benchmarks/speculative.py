@@ -2,7 +2,7 @@
 number of drafts accepted, in one run.
 
     python benchmarks/speculative.py [--model qwen3.5-9b] [--batches 1,8] [--ks 1,2,3,4]
-        [--context 1024] [--tokens 256] [--oracle 0.8] [--draft-vocab N] [--smoke]
+        [--context 1024] [--tokens 256] [--oracle 0.8,0.9] [--draft-vocab N] [--smoke]
 
 Per (batch, k), ms per call (median of 3 repeats of 30 calls, compile apart): a plain decode step
 (``step.jit_decode_step``, the library's step), a verify step of k + 1 tokens
@@ -14,8 +14,8 @@ t_draft)``, against ``1 / t_plain`` (a from 0 to k).
 End to end at batch 1 and k = 3 (``--tokens`` new tokens, greedy, EOS off): ``jd.generate`` plain;
 speculative with the MTP's own drafts (random weights accept almost none: the floor); and
 speculative with an oracle draft (``speculative_generate_fn``'s ``draft`` hook) that is right with
-probability ``--oracle`` per draft (the MTP-draft run's tokens, wrong ones shifted by one id): its
-measured drafts accepted per step beside its tokens/s.
+probability ``--oracle`` per draft (the MTP-draft run's tokens, wrong ones shifted by one id; a
+comma-separated list runs one each): its measured drafts accepted per step beside its tokens/s.
 
 ``--draft-vocab N``: the drafts (MTP pass and end to end) from N fixed random ids
 (``generate``'s ``draft_vocab``: the LM head's rows of those ids only); 0, the default, the whole
@@ -127,7 +127,9 @@ def time_steps(params, batch, k, context, max_len, kernels, draft_vocab=None):
 
 def oracle_draft(reference, k, p):
     """A ``draft`` hook right with probability ``p`` per draft: the reference run's next tokens,
-    a wrong one (id + 1) where a fixed hash of (row, output position) falls at or above ``p``."""
+    a wrong one where a fixed hash of (row, output position) falls at or above ``p``: the MTP's
+    own draft, or the right id + 1 where that is right. The result depends on every MTP draft,
+    so XLA keeps all k draft passes (their LM heads included) as in a real run."""
     ref = jnp.asarray(np.maximum(reference, 0), jnp.int32)
 
     def draft(loop, drafts):
@@ -135,14 +137,16 @@ def oracle_draft(reference, k, p):
         right = jnp.take_along_axis(ref, jnp.minimum(pos, ref.shape[1] - 1), axis=1)
         row = jnp.arange(ref.shape[0])[:, None]
         u = ((pos * 7919 + row * 104729) % 1009) / 1009.0  # a fixed hash in [0, 1)
-        return jnp.where(u < p, right, right + 1).astype(jnp.int32)
+        wrong = jnp.where(drafts != right, drafts, right + 1)
+        return jnp.where(u < p, right, wrong).astype(jnp.int32)
 
     return draft
 
 
-def end_to_end(params, tokens, k, p, kernels, draft_vocab=None):
-    """Seconds per token of plain generate, speculative (own drafts), speculative (oracle p), and
-    the oracle run's mean drafts accepted per verify step."""
+def end_to_end(params, tokens, k, ps, kernels, draft_vocab=None):
+    """Seconds per token of plain generate and speculative (own drafts), and for each oracle
+    probability in ``ps``: (p, seconds per token, mean drafts accepted per verify step, verify
+    steps, whether its tokens equal the own-draft run's)."""
     c = params.config
     prompt = [list(np.random.default_rng(2).integers(0, 1000, 16))]
 
@@ -161,26 +165,28 @@ def end_to_end(params, tokens, k, p, kernels, draft_vocab=None):
     # logits) the verify step's rounding can flip a greedy token against plain decoding's, and
     # an oracle of plain's tokens would then be wrong from there on.
     reference = np.asarray(own.tokens)
-    draft = oracle_draft(reference, k, p)
     n = reference.shape[1]
     padded = np.zeros((1, 16), np.int32)
     padded[0] = prompt[0]
     max_len = -(-(16 + n + k) // 64) * 64
 
-    def oracle_run():
+    def oracle_run(draft):
         return speculative.speculative_generate_jit(
             params, jd.init_state(c, 1, max_len, params.dtype), jnp.asarray(padded),
             jnp.asarray([16]), jnp.asarray([tokens]), jnp.full((8,), -1, jnp.int32), -1,
             num_speculative_tokens=k, max_new_tokens=n, kernels=kernels, draft=draft,
             draft_vocab=draft_vocab)
 
-    t_oracle, loop = timed(oracle_run)
-    same = np.array_equal(np.asarray(loop.tokens), reference)
+    oracles = []
+    for p in ps:
+        draft = oracle_draft(reference, k, p)  # one function per p: the loop's jit key
+        t_oracle, loop = timed(lambda: oracle_run(draft))
+        oracles.append((p, t_oracle / tokens,
+                        float(loop.accepted) / max(int(loop.iterations), 1),
+                        int(loop.iterations), np.array_equal(np.asarray(loop.tokens), reference)))
     differ = np.flatnonzero(np.asarray(plain.tokens)[0] != reference[0])
     first_differing = int(differ[0]) if differ.size else None
-    accepted = float(loop.accepted) / max(int(loop.iterations), 1)
-    return (t_plain / tokens, t_own / tokens, t_oracle / tokens, accepted,
-            int(loop.iterations), same, first_differing)
+    return t_plain / tokens, t_own / tokens, oracles, first_differing
 
 
 def main():
@@ -190,7 +196,8 @@ def main():
     ap.add_argument("--ks", default="1,2,3,4")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--oracle", type=float, default=0.8)
+    ap.add_argument("--oracle", default="0.8",
+                    help="comma-separated probabilities that the oracle draft is right")
     ap.add_argument("--draft-vocab", type=int, default=0,
                     help="drafts from this many fixed random ids (0: the whole vocabulary)")
     ap.add_argument("--smoke", action="store_true")
@@ -198,9 +205,10 @@ def main():
     try:
         batches = [int(b) for b in args.batches.split(",")]
         ks = [int(k) for k in args.ks.split(",")]
+        ps = [float(p) for p in args.oracle.split(",")]
     except ValueError:
-        ap.error("--batches and --ks take comma-separated ints")
-    if min(batches) < 1 or min(ks) < 1 or not 0 <= args.oracle <= 1:
+        ap.error("--batches and --ks take comma-separated ints, --oracle floats")
+    if min(batches) < 1 or min(ks) < 1 or not all(0 <= p <= 1 for p in ps):
         ap.error("batches and ks must be >= 1, --oracle in [0, 1]")
     name, context, tokens = args.model, args.context, args.tokens
     if args.smoke:
@@ -229,7 +237,7 @@ def main():
             print(f"batch {batch} k {k}: plain {t_plain * 1e3:.3f} ms, verify {t_verify * 1e3:.3f}"
                   f" ms, draft {t_draft * 1e3:.3f} ms", flush=True)
     k_e2e = 3 if 3 in ks else ks[-1]
-    e2e = end_to_end(params, tokens, k_e2e, args.oracle, kernels_for(params, 1), draft_vocab)
+    e2e = end_to_end(params, tokens, k_e2e, ps, kernels_for(params, 1), draft_vocab)
 
     print(f"\n## Verify step against the plain step ({name}, context {context})\n")
     print("| batch | k | plain ms | verify ms (k+1 tokens) | verify / plain | draft ms | "
@@ -241,16 +249,19 @@ def main():
             cells.append(f"{(a + 1) / (t_verify + k * t_draft) * t_plain:.2f}x" if a <= k else "")
         print(f"| {batch} | {k} | {t_plain * 1e3:.3f} | {t_verify * 1e3:.3f} | "
               f"{t_verify / t_plain:.3f} | {t_draft * 1e3:.3f} | " + " | ".join(cells) + " |")
-    t_plain, t_own, t_oracle, accepted, iterations, same, first_differing = e2e
+    t_plain, t_own, oracles, first_differing = e2e
     print(f"\n## End to end, batch 1, k = {k_e2e}, {tokens} tokens, greedy\n")
     print("| run | ms/token | tok/s | vs plain | drafts accepted per step |")
     print("|---|---:|---:|---:|---:|")
     print(f"| plain `jd.generate` | {t_plain * 1e3:.3f} | {1 / t_plain:.0f} | 1.00x | - |")
     print(f"| speculative, MTP drafts (random weights) | {t_own * 1e3:.3f} | {1 / t_own:.0f} | "
           f"{t_plain / t_own:.2f}x | - |")
-    print(f"| speculative, oracle right with p = {args.oracle} | {t_oracle * 1e3:.3f} | "
-          f"{1 / t_oracle:.0f} | {t_plain / t_oracle:.2f}x | {accepted:.2f} ({iterations} steps) |")
-    print(f"\noracle run's tokens == the MTP-draft run's: {same}; first token where speculative "
+    for p, t_oracle, accepted, iterations, _ in oracles:
+        print(f"| speculative, oracle right with p = {p} | {t_oracle * 1e3:.3f} | "
+              f"{1 / t_oracle:.0f} | {t_plain / t_oracle:.2f}x | {accepted:.2f} "
+              f"({iterations} steps) |")
+    same = all(o[4] for o in oracles)
+    print(f"\noracle runs' tokens == the MTP-draft run's: {same}; first token where speculative "
           f"and plain greedy differ (bf16 rounding on near-tied random logits): "
           f"{first_differing}")
     if not same:

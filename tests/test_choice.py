@@ -52,14 +52,17 @@ def fake_mesh(data: int, model: int) -> Mesh:
 
 def kernels(attention="xla", deltanet="xla", delta_rule="xla", mesh=None,
             prefill_attention=None, prefill_delta_rule=None, batch_invariant=False,
-            fp8_linear="xla", verify_delta_rule="xla"):
+            fp8_linear="xla", verify_delta_rule="xla", verify_attention=None):
     """What choose_kernels returns: interpret=False (it compiles for the GPU it found); the
-    prefill kernels where the decode attention kernel is (None), unless given."""
+    prefill kernels where the decode attention kernel is (None), unless given; the few-query
+    attention kernel too, unless batch-invariant."""
     return choice.Kernels(attention=attention, deltanet=deltanet, delta_rule=delta_rule,
                           prefill_attention=prefill_attention or attention,
                           prefill_delta_rule=prefill_delta_rule or attention, interpret=False,
                           mesh=mesh, batch_invariant=batch_invariant, fp8_linear=fp8_linear,
-                          verify_delta_rule=verify_delta_rule)
+                          verify_delta_rule=verify_delta_rule,
+                          verify_attention=verify_attention or (
+                              "xla" if batch_invariant else attention))
 
 
 def hopper_kernels(**kw):
@@ -257,6 +260,25 @@ def test_decode_attention_kernel_per_device_on_a_mesh():
     out = jax.jit(lambda *a: choice.decode_attention(k, *a))(q, kc, vc, kv_len)
     assert_attention_close(out, attention_reference_f64(q, kc, vc, kv_len), kv_len,
                            ATTENTION_TOL[bf16])
+
+
+@INTERPRETED
+def test_few_query_attention_runs_the_decode_kernel_on_and_off_a_mesh():
+    """choice.prefill_attention with verify_attention="pallas": T·G <= 64 queries through the
+    decode-attention kernel (one device and under shard_map), more through the prefill path;
+    both against float64 (each query sees the keys up to its position)."""
+    from test_kernels_decode_attention import check_queries, query_inputs
+    rows = ((0, 4), (60, 64), (296, 300))
+    for queries, mesh in ((4, None), (4, sharding.make_mesh(1, 1)), (40, None)):
+        rows_t = tuple((n - queries if n >= queries else 0, n if n >= queries else queries)
+                       for _, n in rows)
+        q, kc, vc, kv_len, start = query_inputs(14, (8, 2), 64, queries, f32, rows_t)
+        k = choice.Kernels(verify_attention="pallas", mesh=mesh)
+        fn = jax.jit(lambda *a: choice.prefill_attention(k, *a))
+        out = fn(q, kc, vc, start, kv_len - start)
+        check_queries(out, q, kc, vc, kv_len, start, f32)
+        hlo = fn.lower(q, kc, vc, start, kv_len - start).as_text()
+        assert ("decode_attention" in hlo) == (queries == 4), (queries, mesh)
 
 
 DELTANET_KERNELS = {"xla": choice.XLA, "core-pallas": choice.Kernels(deltanet="pallas"),

@@ -139,6 +139,76 @@ def test_kernel_pads_odd_max_len():
     check(out, q, k, v, lengths)
 
 
+# A verify step's / MTP draft's few queries per row: (query_start, kv_len) per row. Query t sits
+# at query_start + t and sees keys [0, min(query_start + t + 1, kv_len)). Rows: a new prompt, the
+# last T positions ending on and across block boundaries, padding queries (kv_len < start + T),
+# and an empty row.
+QUERY_ROWS = ((0, 4), (60, 64), (62, 66), (296, 300), (10, 12), (0, 0))
+QUERY_CASES = {"16x4-d256-T4": ((16, 4), 256, 4, bf16), "8x2-d128-T8": ((8, 2), 128, 8, bf16),
+               "16x1-d128-T3": ((16, 1), 128, 3, bf16), "8x2-d64-T1": ((8, 2), 64, 1, bf16),
+               "16x4-d128-T4-f32": ((16, 4), 128, 4, f32)}
+
+
+def query_inputs(seed, heads, head_dim, queries, dtype, rows=QUERY_ROWS, max_len=320):
+    """q [B, T, Hq, D], caches (NaN past each row's kv_len), kv_len, query_start: fresh normals."""
+    starts, lengths = (jnp.asarray(x, i32) for x in zip(*rows))
+    _, k, v, _ = attention_inputs(seed, heads, head_dim, max_len, lengths, dtype)
+    q = jax.random.normal(jax.random.key(seed + 100), (len(rows), queries, heads[0], head_dim),
+                          dtype)
+    return q, k, v, lengths, starts
+
+
+def check_queries(out, q, k, v, lengths, starts, dtype):
+    """Every (row, query) against the float64 reference over the keys it sees."""
+    batch, queries = q.shape[:2]
+    seen = np.minimum(np.asarray(starts)[:, None] + np.arange(queries)[None, :] + 1,
+                      np.asarray(lengths)[:, None]).reshape(-1)
+    flat = lambda x: jnp.repeat(x, queries, axis=0)  # noqa: E731
+    q1 = q.reshape(batch * queries, *q.shape[2:])
+    expected = attention_reference_f64(q1, flat(k), flat(v), seen)
+    return assert_attention_close(out.reshape(q1.shape), expected, seen, ATTENTION_TOL[dtype])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("heads, head_dim, queries, dtype", QUERY_CASES.values(),
+                         ids=QUERY_CASES.keys())
+def test_kernel_queries(mode, heads, head_dim, queries, dtype):
+    q, k, v, lengths, starts = query_inputs(20, heads, head_dim, queries, dtype)
+    out = jax.jit(lambda *a: da.decode_attention_pallas(*a, interpret=(mode == "interpret")))(
+        q, k, v, lengths, starts)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    check_queries(out, q, k, v, lengths, starts, dtype)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_kernel_queries_with_splits(mode):
+    """Splits that hold no key an earlier query sees (its partial must weigh 0, not NaN)."""
+    rows = ((250, 256), (120, 128), (0, 3))
+    q, k, v, lengths, starts = query_inputs(21, (8, 2), 64, 8, bf16, rows, max_len=256)
+    config = da.DecodeAttentionConfig(block_kv=64, num_stages=2, num_splits=4)
+    out = jax.jit(lambda *a: da.decode_attention_pallas(
+        *a, config=config, interpret=(mode == "interpret")))(q, k, v, lengths, starts)
+    check_queries(out, q, k, v, lengths, starts, bf16)
+
+
+@pytest.mark.parametrize("heads, head_dim, queries, dtype", QUERY_CASES.values(),
+                         ids=QUERY_CASES.keys())
+def test_reference_queries(heads, head_dim, queries, dtype):
+    q, k, v, lengths, starts = query_inputs(22, heads, head_dim, queries, dtype)
+    out = jax.jit(da.decode_attention_reference)(q, k, v, lengths, starts)
+    check_queries(out, q, k, v, lengths, starts, dtype)
+
+
+def test_queries_rejected_beyond_the_tile():
+    q, k, v, lengths, starts = query_inputs(23, (16, 1), 64, 5, bf16)  # 5 x 16 rows > 64
+    with pytest.raises(ValueError, match="5 queries x 16 query heads"):
+        da.decode_attention_pallas(q, k, v, lengths, starts, interpret=True)
+    with pytest.raises(ValueError, match="query_start"):
+        da.decode_attention_pallas(q, k, v, lengths, interpret=True)
+    with pytest.raises(ValueError, match="query_start"):
+        da.decode_attention_reference(q[:, 0], k, v, lengths, starts)
+
+
 def test_kernel_rejects_what_it_cannot_do():
     q, k, v, lengths = attention_inputs(0, (4, 2), 32, 64, (3, 3), jnp.bfloat16)
     with pytest.raises(ValueError, match="head_dim=32"):

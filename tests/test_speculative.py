@@ -127,6 +127,39 @@ def test_verify_then_commit_equals_prefill_of_the_accepted_tokens(params):
                                atol=1e-5 * scale)
 
 
+@pytest.mark.parametrize("mode", [pytest.param("interpret", marks=pytest.mark.slow),
+                                  pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_verify_step_and_draft_through_the_few_query_attention_kernel(mode):
+    """verify_fn and mtp_forward with Kernels(verify_attention="pallas") (the decode-attention
+    kernel with T queries) against the XLA path, float32, ragged lengths."""
+    if mode == "gpu" and jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    c = tiny(mtp_num_hidden_layers=1, head_dim=64)  # a head_dim the kernel takes
+    params = jd.init_params(c, jax.random.key(5))
+    rng = np.random.default_rng(5)
+    rows, t = 3, 4
+    prompt = jnp.asarray(rng.integers(0, c.vocab_size, (rows, 70)), jnp.int32)
+    new = jnp.asarray(rng.integers(0, c.vocab_size, (rows, t)), jnp.int32)
+    _, state = model.prefill_fn(params, jd.init_state(c, rows, 128), prompt,
+                                jnp.array([70, 61, 2]))
+    mine = jd.Kernels(verify_attention="pallas", interpret=(mode == "interpret"))
+    num_new = jnp.array([t, t, 2])
+    want = model.verify_fn(params, state, new, num_new)[:2]
+    got = model.verify_fn(params, state, new, num_new, mine)[:2]
+    real = (np.arange(t)[None, :] < np.asarray(num_new)[:, None])[..., None]
+    for a, b in zip(got, want):
+        scale = float(jnp.abs(b).max())
+        assert np.abs(np.where(real, np.asarray(a - b), 0)).max() <= 1e-5 * scale
+    hidden = jax.random.normal(jax.random.key(6), (rows, 1, c.hidden_size))
+    one = jnp.ones((rows,), jnp.int32)
+    want = model.mtp_forward(params, state.kv_cache[0], hidden, new[:, :1], state.lengths, one)
+    got = model.mtp_forward(params, state.kv_cache[0], hidden, new[:, :1], state.lengths, one,
+                            mine)
+    for a, b in zip(got[:2], want[:2]):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0,
+                                   atol=1e-5 * float(jnp.abs(b).max()))
+
+
 def test_speculative_greedy_equals_plain_greedy(params):
     """Oracle drafts, right except at every 4th output position: accepted runs of up to k,
     rejections mid-run, an EOS inside an accepted run (row 0), ragged budgets and prompts."""

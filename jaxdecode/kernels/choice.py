@@ -56,6 +56,10 @@ class Kernels:
     # a speculative verify step's delta rule over a few tokens keeping every state: one kernel
     # (the state read once), or XLA's unrolled token-by-token form
     verify_delta_rule: str = "xla"
+    # attention of a few queries per row (T·G <= 64: a verify step's k + 1 tokens, an MTP
+    # draft's one): the decode-attention kernel with T queries (the cache read once, no
+    # 128-query tile), or the prefill attention as ``prefill_attention`` says
+    verify_attention: str = "xla"
     interpret: bool | None = None  # Mosaic GPU interpreter (CPU); None: when not on a GPU
     # (read when a step is traced, not at construction: importing jaxdecode must not start
     # the backend, or jax.distributed.initialize could no longer run)
@@ -68,7 +72,8 @@ class Kernels:
 
     def __post_init__(self):
         for name in ("attention", "deltanet", "delta_rule", "prefill_attention",
-                     "prefill_delta_rule", "fp8_linear", "verify_delta_rule"):
+                     "prefill_delta_rule", "fp8_linear", "verify_delta_rule",
+                     "verify_attention"):
             if getattr(self, name) not in CHOICES:
                 raise ValueError(f"Kernels.{name}={getattr(self, name)!r} must be one of "
                                  f"{CHOICES}")
@@ -159,6 +164,7 @@ def choose_kernels(config: Config, batch_size: int, *, dtype="bfloat16",
     rule = not core and (batch_invariant or rows >= DELTA_RULE_MIN_BATCH) and supported(
         "the gated delta rule", rule_why)
     verify_rule = rule_why is None and not batch_invariant
+    verify_attention = attention and not batch_invariant
     prefill = supported("prefill attention", prefill_kernel.check_supported(
         (rows, 1, hq, c.head_dim), (rows, hkv, 64, c.head_dim), dtype))
     chunk_rule = supported("the prefill's delta rule", chunk_rule_kernel.check_supported(
@@ -169,7 +175,7 @@ def choose_kernels(config: Config, batch_size: int, *, dtype="bfloat16",
     return Kernels(attention=pick(attention), deltanet=pick(core), delta_rule=pick(rule),
                    prefill_attention=pick(prefill), prefill_delta_rule=pick(chunk_rule),
                    fp8_linear=pick(fp8), verify_delta_rule=pick(verify_rule),
-                   interpret=False, mesh=mesh,
+                   verify_attention=pick(verify_attention), interpret=False, mesh=mesh,
                    batch_invariant=batch_invariant)
 
 
@@ -207,7 +213,20 @@ def prefill_attention(kernels: Kernels, q, k_cache, v_cache, start, num_new, *,
                       query_block: int = 512):
     """Causal prefill attention as ``kernels.prefill_attention`` says: q [B, T, Hq, D], caches
     [B, Hkv, S, D] (the new keys written), start/num_new [B] int32 (``prefill_attention``'s
-    module docstring); ``query_block``: the reference's. Returns [B, T, Hq, D]."""
+    module docstring); ``query_block``: the reference's. Returns [B, T, Hq, D]. A few queries
+    (``kernels.verify_attention``, T·G <= 64): the decode-attention kernel with T queries
+    (query t at ``start + t``, keys up to ``start + num_new``; a padding query's output is
+    don't-care either way)."""
+    if (kernels.verify_attention == "pallas" and not kernels.batch_invariant
+            and attention_kernel.check_supported(q.shape, k_cache.shape, k_cache.dtype) is None):
+        attend = functools.partial(_attention_pallas, interpret=_interpret(kernels))
+        args = (q, k_cache, v_cache, start + num_new, start)
+        if kernels.mesh is None:
+            return attend(*args)
+        heads, cache = P(DATA, None, MODEL, None), P(DATA, MODEL, None, None)
+        return jax.shard_map(attend, mesh=kernels.mesh,
+                             in_specs=(heads, cache, cache, P(DATA), P(DATA)), out_specs=heads,
+                             check_vma=False)(*args)
     if kernels.prefill_attention == "xla":
         return prefill_kernel.prefill_attention_reference(q, k_cache, v_cache, start, num_new,
                                                           query_block=query_block)

@@ -1,9 +1,11 @@
-"""GQA decode attention: one new query token per row against a KV cache.
+"""GQA decode attention: one new query token per row (or a few) against a KV cache.
 
 Shapes: q [B, Hq, D], k_cache/v_cache [B, Hkv, S, D], kv_len [B] int32 (keys 0 .. kv_len[b]-1 of
 row b are valid, the current token already written). Query head h uses KV head h // (Hq // Hkv)
 (HF ``repeat_kv``); scores scaled by D**-0.5, softmax and accumulation in float32, output in q's
-dtype. :func:`decode_attention_pallas` is a Pallas Mosaic GPU kernel (Hopper) with split-K
+dtype. A few queries per row (a speculative verify step's k + 1 tokens, an MTP draft's): q [B,
+T, Hq, D] with ``query_start`` [B] int32: query t sits at position ``query_start[b] + t`` and
+attends to keys [0, min(query_start[b] + t + 1, kv_len[b])) (causal). :func:`decode_attention_pallas` is a Pallas Mosaic GPU kernel (Hopper) with split-K
 "flash decoding": program (b, kv head, split) streams its share of row b's keys through a TMA
 pipeline of ``block_kv`` blocks with an online softmax and writes a float32 partial output and
 its log2-sum-exp, which :func:`_combine` merges. :func:`decode_attention_reference` is the same
@@ -13,6 +15,7 @@ Why the kernel looks the way it does:
 
 * GQA: each K/V block is loaded once for the G query heads of its group, padded to the 64-row
   ``wgmma`` tile (rows are independent; decode is memory bound, so the wasted work is free).
+  T queries fill T·G of the tile's rows (t-major), so the cache is still read once per row.
 * Blocks past a row's length are never loaded: the row's real blocks are split between the
   static ``num_splits`` programs (:func:`choose_config`) by its real length.
 * Entries at positions >= kv_len[b] may hold NaN: their scores are replaced (not multiplied) by
@@ -122,26 +125,45 @@ def choose_config(batch: int, num_kv_heads: int, max_len: int, head_dim: int, ca
     return DecodeAttentionConfig(block_kv=block_kv, num_stages=num_stages, num_splits=best)
 
 
-def _split_range(kv_len_gmem, b, s, *, max_len, block_kv, num_splits):
-    """(length, first block, number of blocks) of split ``s`` of row ``b`` (all int32 scalars)."""
-    length = jnp.clip(kv_len_gmem[b], 0, max_len)
+def _lengths(len_gmem, b, causal):
+    """Row ``b``'s (kv_len, query_start or None): ``len_gmem`` is kv_len [B] for one query per
+    row, [2, B] (kv_len; query_start) for ``causal`` queries (q [B, T, Hq, D])."""
+    if not causal:
+        return len_gmem[b], None
+    return len_gmem[0, b], len_gmem[1, b]
+
+
+def _split_range(kv_len, s, *, max_len, block_kv, num_splits):
+    """(length, first block, number of blocks) of split ``s`` of a row with ``kv_len`` keys
+    (all int32 scalars)."""
+    length = jnp.clip(kv_len, 0, max_len)
     num_blocks = lax.div(length + (block_kv - 1), block_kv)
     per_split = lax.div(num_blocks + (num_splits - 1), num_splits)
     first = s * per_split
     return length, first, jnp.clip(num_blocks - first, 0, per_split)
 
 
-def _online_softmax_step(scores, start, length, m, l, *, scale, block_kv):
+def _online_softmax_step(scores, start, length, m, l, *, scale, block_kv, query_start=None,
+                         group=1):
     """Masks one [64, block_kv] score tile and updates the running max/sum (log2 domain).
 
-    Returns (p [64, block_kv] f32, alpha [64] rescale of the old accumulator, m, l).
+    With a ``query_start`` (q [B, T, Hq, D]), tile row r is query r // ``group`` (position
+    ``query_start + r // group``) and sees keys up to its position too. Returns (p [64, block_kv] f32, alpha [64]
+    rescale of the old accumulator, m, l).
     """
     key = start + plgpu.broadcasted_iota(jnp.int32, (TILE_M, block_kv), 1,
                                          layout=plgpu.Layout.WGMMA)
-    scores = jnp.where(key < length, scores * scale, -jnp.inf)  # where, not *: NaN past length
-    m_new = jnp.maximum(m, scores.max(axis=1))  # finite: every loaded block has a valid key
-    alpha = jnp.exp2(m - m_new)
-    p = jnp.exp2(scores - lax.broadcast_in_dim(m_new, scores.shape, [0]))
+    visible = key < length
+    if query_start is not None:  # key <= query_start + r // group  <=>  (key - query_start) * group <= r
+        row = plgpu.broadcasted_iota(jnp.int32, (TILE_M, block_kv), 0, layout=plgpu.Layout.WGMMA)
+        visible &= (key - query_start) * group <= row
+    scores = jnp.where(visible, scores * scale, -jnp.inf)  # where, not *: NaN past length
+    m_new = jnp.maximum(m, scores.max(axis=1))  # one query: every loaded block has a valid key
+    m_safe = m_new
+    if query_start is not None:  # an earlier query may see none of a block (or of a whole split): m = -inf
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp2(m - m_safe)
+    p = jnp.exp2(scores - lax.broadcast_in_dim(m_safe, scores.shape, [0]))
     return p, alpha, m_new, l * alpha + p.sum(axis=1)
 
 
@@ -179,8 +201,8 @@ def _write_partial(acc, m, l, o_smem, lse_smem, o_gmem, lse_gmem, *, rows):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _kernel_16bit(kv_len_gmem,  # [B] int32 (Gp: G rounded up to 8)
-                  q_gmem,        # [B, Hkv, Gp, D] cache dtype
+def _kernel_16bit(len_gmem,     # [B] int32 kv_len, or [2, B] (kv_len; query_start) (_lengths)
+                  q_gmem,        # [B, Hkv, Gp, D] cache dtype (Gp: T·G rounded up to 8)
                   k_gmem,        # [B, Hkv, S, D]
                   v_gmem,        # [B, Hkv, S, D]
                   o_gmem,        # [B, Hkv, splits, Gp, D] f32
@@ -190,14 +212,16 @@ def _kernel_16bit(kv_len_gmem,  # [B] int32 (Gp: G rounded up to 8)
                   kvo_smem,      # union: ([stages, block_kv, D] x2) | [64, D] f32
                   lse_smem,      # [64] f32
                   q_barrier, k_barriers, v_barriers,
-                  *, max_len, block_kv, num_stages, num_splits, rows, scale, interpret):
+                  *, max_len, block_kv, num_stages, num_splits, rows, scale, causal, group,
+                  interpret):
     wait_for_inputs(interpret)
     (k_smem, v_smem), o_smem = kvo_smem
     head_dim = q_smem.shape[-1]
     b, h, s = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
     # q first: its copy overlaps the latency of the kv_len[b] load that the K/V copies wait on.
     plgpu.copy_gmem_to_smem(q_gmem.at[b, h], q_smem.at[pl.ds(0, rows)], q_barrier)
-    length, first, n = _split_range(kv_len_gmem, b, s, max_len=max_len, block_kv=block_kv,
+    kv_len, query_start = _lengths(len_gmem, b, causal)
+    length, first, n = _split_range(kv_len, s, max_len=max_len, block_kv=block_kv,
                                     num_splits=num_splits)
 
     def fetch(i, slot):
@@ -221,7 +245,8 @@ def _kernel_16bit(kv_len_gmem,  # [B] int32 (Gp: G rounded up to 8)
 
         scores = pl.run_scoped(qk, plgpu.ACC((TILE_M, block_kv), jnp.float32))
         p, alpha, m, l = _online_softmax_step(scores, start, length, m, l, scale=scale,
-                                              block_kv=block_kv)
+                                              block_kv=block_kv, query_start=query_start,
+                                              group=group)
         p_smem[...] = p.astype(p_smem.dtype)
         plgpu.barrier_wait(v_barriers.at[slot])
 
@@ -261,7 +286,7 @@ def _split_hi_lo(x):
     return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
 
 
-def _kernel_f32(kv_len_gmem,  # [B] int32
+def _kernel_f32(len_gmem,     # [B] or [2, B] int32 (_kernel_16bit)
                 q_gmem,        # [B, Hkv, Gp, D] f32
                 k_gmem,        # [B, Hkv, S, D] f32
                 v_gmem,        # [B, Hkv, S, D] f32
@@ -272,14 +297,15 @@ def _kernel_f32(kv_len_gmem,  # [B] int32
                 union_smem,    # [64, D] f32 q staging | 4 x [block_kv, D] bf16 | [64, D] f32 out
                 lse_smem,      # [64] f32
                 q_barrier,
-                *, max_len, block_kv, num_splits, rows, scale, interpret):
+                *, max_len, block_kv, num_splits, rows, scale, causal, group, interpret):
     wait_for_inputs(interpret)
     (q32_smem,), (k_hi, k_lo, v_hi, v_lo), (o_smem,) = union_smem
     head_dim = q_hi.shape[-1]
     chunk = min(64, head_dim)  # columns converted at a time (bounds register use)
     wgmma_layout = plgpu.Layout.WGMMA
     b, h, s = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
-    length, first, n = _split_range(kv_len_gmem, b, s, max_len=max_len, block_kv=block_kv,
+    kv_len, query_start = _lengths(len_gmem, b, causal)
+    length, first, n = _split_range(kv_len, s, max_len=max_len, block_kv=block_kv,
                                     num_splits=num_splits)
 
     plgpu.copy_gmem_to_smem(q_gmem.at[b, h], q32_smem.at[pl.ds(0, rows)], q_barrier)
@@ -313,7 +339,8 @@ def _kernel_f32(kv_len_gmem,  # [B] int32
 
         scores = pl.run_scoped(qk, plgpu.ACC((TILE_M, block_kv), jnp.float32))
         p, alpha, m, l = _online_softmax_step(scores, start, length, m, l, scale=scale,
-                                              block_kv=block_kv)
+                                              block_kv=block_kv, query_start=query_start,
+                                              group=group)
         hi, lo = _split_hi_lo(p)
         p_hi[...] = hi
         p_lo[...] = lo
@@ -345,8 +372,10 @@ def _smem_tile(shape, dtype):
 
 
 def check_supported(q_shape, k_shape, cache_dtype) -> str | None:
-    """Why :func:`decode_attention_pallas` cannot take these shapes/dtype, or None if it can."""
-    batch, num_heads, head_dim = q_shape
+    """Why :func:`decode_attention_pallas` cannot take these shapes/dtype (q [B, Hq, D] or [B,
+    T, Hq, D]), or None if it can."""
+    queries = q_shape[1] if len(q_shape) == 4 else 1
+    num_heads, head_dim = q_shape[-2:]
     _, num_kv_heads, _, _ = k_shape
     if jnp.dtype(cache_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
                                       jnp.dtype(jnp.float32)):
@@ -354,29 +383,31 @@ def check_supported(q_shape, k_shape, cache_dtype) -> str | None:
     if head_dim % 64 or not 64 <= head_dim <= 256:
         return f"{head_dim=} (the kernel takes multiples of 64 up to 256)"
     group = num_heads // num_kv_heads
-    if -(-group // 8) * 8 > TILE_M:
-        return f"{group=} query heads per KV head (the kernel takes up to {TILE_M})"
+    if -(-group * queries // 8) * 8 > TILE_M:
+        return (f"{queries} queries x {group} query heads per KV head (the kernel takes up to "
+                f"{TILE_M} in all)")
     return None
 
 
-def decode_attention_pallas(q, k_cache, v_cache, kv_len, *,
+def decode_attention_pallas(q, k_cache, v_cache, kv_len, query_start=None, *,
                             config: DecodeAttentionConfig | None = None,
                             batch_invariant: bool = False, interpret: bool = False):
     """Decode attention as a Pallas Mosaic GPU kernel (Hopper) plus an XLA split combine.
 
     Arguments and result as :func:`decode_attention_reference`, plus: caches bfloat16, float16
-    or float32 (q is cast to their dtype), D a multiple of 64 up to 256, G <= 64, else
+    or float32 (q is cast to their dtype), D a multiple of 64 up to 256, T·G <= 64, else
     ValueError (:func:`check_supported`); an S not a multiple of ``block_kv`` is zero-padded (a
     copy: allocate multiples of ``MAX_LEN_ALIGN``). ``config``: None picks :func:`choose_config`;
     ``batch_invariant``: merge the splits by elementwise ops in split order, in fixed groups of
     rows (``jaxdecode.invariance.map_row_groups``), so a row's result does not depend on the
     batch (with a fixed ``config``); ``interpret``: run in the Mosaic GPU interpreter (CPU).
     """
-    batch, num_heads, head_dim = q.shape
+    queries = _check_queries(q, query_start)
+    batch, num_heads, head_dim = q.shape[0], *q.shape[-2:]
     _, num_kv_heads, max_len, _ = k_cache.shape
     if k_cache.shape != v_cache.shape or k_cache.shape[0] != batch or k_cache.shape[3] != head_dim:
         raise ValueError(f"{q.shape=}, {k_cache.shape=}, {v_cache.shape=} do not match "
-                         "[B, Hq, D], [B, Hkv, S, D], [B, Hkv, S, D]")
+                         "[B, (T,) Hq, D], [B, Hkv, S, D], [B, Hkv, S, D]")
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads=} must be divisible by {num_kv_heads=}")
     if k_cache.dtype != v_cache.dtype:
@@ -399,13 +430,20 @@ def decode_attention_pallas(q, k_cache, v_cache, kv_len, *,
         k_cache, v_cache = jnp.pad(k_cache, pad), jnp.pad(v_cache, pad)
 
     group = num_heads // num_kv_heads
-    rows = -(-group // 8) * 8  # TMA into the tiled q buffer moves whole 8-row tiles
-    qg = q.reshape(batch, num_kv_heads, group, head_dim).astype(cache_dtype)
-    if rows != group:  # a tiny copy; inside the model XLA fuses it into RoPE
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+    used = queries * group  # tile rows t * G + g
+    rows = -(-used // 8) * 8  # TMA into the tiled q buffer moves whole 8-row tiles
+    qg = q.reshape(batch, queries, num_kv_heads, group, head_dim).astype(cache_dtype)
+    qg = jnp.moveaxis(qg, 2, 1).reshape(batch, num_kv_heads, used, head_dim)
+    if rows != used:  # a tiny copy; inside the model XLA fuses it into RoPE
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - used), (0, 0)))
+    lengths = kv_len.astype(jnp.int32)
+    causal = query_start is not None
+    if causal:
+        lengths = jnp.stack([lengths, query_start.astype(jnp.int32)])
 
     statics = dict(max_len=max_len, block_kv=block_kv, num_splits=num_splits, rows=rows,
-                   scale=head_dim**-0.5 * LOG2E, interpret=interpret)
+                   scale=head_dim**-0.5 * LOG2E, causal=causal, group=group,
+                   interpret=interpret)
     out_f32 = lambda x: _smem_tile(x, jnp.float32)  # noqa: E731
     if is_f32:
         body = functools.partial(_kernel_f32, **statics)
@@ -441,14 +479,27 @@ def decode_attention_pallas(q, k_cache, v_cache, kv_len, *,
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    o_part, lse = kernel(kv_len.astype(jnp.int32), qg, k_cache, v_cache)
-    o_part, lse = o_part[:, :, :, :group], lse[:, :, :, :group]
+    o_part, lse = kernel(lengths, qg, k_cache, v_cache)
+    o_part, lse = o_part[:, :, :, :used], lse[:, :, :, :used]
     if batch_invariant:
         out = invariance.map_row_groups(lambda _, o, m: _combine(o, m, ordered=True), None,
                                         o_part, lse)
     else:
-        out = _combine(o_part, lse)
-    return out.reshape(batch, num_heads, head_dim).astype(q.dtype)
+        out = _combine(o_part, lse)  # [B, Hkv, T·G, D]
+    out = jnp.moveaxis(out.reshape(batch, num_kv_heads, queries, group, head_dim), 2, 1)
+    return out.reshape(q.shape).astype(q.dtype)
+
+
+def _check_queries(q, query_start) -> int:
+    """T, the queries per row: 1 for q [B, Hq, D] (``query_start`` None), T for q [B, T, Hq, D]
+    (``query_start`` [B] required). ValueError otherwise."""
+    if q.ndim == 3 and query_start is None:
+        return 1
+    if q.ndim == 4 and query_start is not None and query_start.shape == (q.shape[0],):
+        return q.shape[1]
+    raise ValueError(f"{q.shape=} with query_start "
+                     f"{None if query_start is None else query_start.shape}: expected q [B, Hq, "
+                     "D] without query_start, or q [B, T, Hq, D] with query_start [B]")
 
 
 def _combine(o_part, lse, *, ordered: bool = False):
@@ -472,25 +523,33 @@ def _combine(o_part, lse, *, ordered: bool = False):
     return out / jnp.where(total == 0, 1.0, total)[..., None]
 
 
-def decode_attention_reference(q, k_cache, v_cache, kv_len):
-    """Pure-JAX (XLA) decode attention, HF ``eager_attention_forward`` for one query.
+def decode_attention_reference(q, k_cache, v_cache, kv_len, query_start=None):
+    """Pure-JAX (XLA) decode attention, HF ``eager_attention_forward`` for one query per row
+    (or T: the module docstring).
 
-    q: [B, Hq, D] (after q_norm and RoPE); k_cache, v_cache: [B, Hkv, S, D]; kv_len: [B] int32
-    valid positions per row. Returns [B, Hq, D] in q.dtype, zeros where kv_len == 0; entries at
-    positions >= kv_len[b] (even NaN) never affect row b.
+    q: [B, Hq, D] (after q_norm and RoPE), or [B, T, Hq, D] with ``query_start`` [B] int32;
+    k_cache, v_cache: [B, Hkv, S, D]; kv_len: [B] int32 valid positions per row. Returns q's
+    shape in q.dtype, zeros for a query that sees no key; entries at positions >= kv_len[b]
+    (even NaN) never affect row b.
     """
-    batch, num_heads, head_dim = q.shape
+    queries = _check_queries(q, query_start)
+    batch, num_heads, head_dim = q.shape[0], *q.shape[-2:]
     _, num_kv_heads, max_len, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    qg = q.reshape(batch, num_kv_heads, group, head_dim).astype(jnp.float32)
-    valid = jnp.arange(max_len)[None, :] < kv_len[:, None]  # [B, S]
+    qg = q.reshape(batch, queries, num_kv_heads, group, head_dim).astype(jnp.float32)
+    key = jnp.arange(max_len)
+    valid = key[None, :] < kv_len[:, None]  # [B, S]
     k = jnp.where(valid[:, None, :, None], k_cache, 0).astype(jnp.float32)
     v = jnp.where(valid[:, None, :, None], v_cache, 0).astype(jnp.float32)
-    scores = jnp.einsum("bkgd,bksd->bkgs", qg, k) * (head_dim**-0.5)
-    scores = jnp.where(valid[:, None, None, :], scores, -jnp.inf)
+    seen = valid[:, None, :]  # [B, T, S]
+    if query_start is not None:
+        position = query_start[:, None] + jnp.arange(queries)[None, :]  # [B, T]
+        seen = seen & (key[None, None, :] <= position[..., None])
+    scores = jnp.einsum("btkgd,bksd->btkgs", qg, k) * (head_dim**-0.5)
+    scores = jnp.where(seen[:, :, None, None, :], scores, -jnp.inf)
     m = jnp.max(scores, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(scores - m)
     denom = jnp.sum(p, axis=-1, keepdims=True)
-    out = jnp.einsum("bkgs,bksd->bkgd", p, v) / jnp.where(denom == 0, 1.0, denom)
-    return out.reshape(batch, num_heads, head_dim).astype(q.dtype)
+    out = jnp.einsum("btkgs,bksd->btkgd", p, v) / jnp.where(denom == 0, 1.0, denom)
+    return out.reshape(q.shape).astype(q.dtype)
