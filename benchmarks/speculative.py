@@ -2,7 +2,7 @@
 number of drafts accepted, in one run.
 
     python benchmarks/speculative.py [--model qwen3.5-9b] [--batches 1,8] [--ks 1,2,3,4]
-        [--context 1024] [--tokens 256] [--oracle 0.8,0.9] [--draft-vocab N] [--smoke]
+        [--context 1024] [--tokens 256] [--oracle 0.8,0.9] [--draft-vocab N] [--profile] [--smoke]
 
 Per (batch, k), ms per call (median of 3 repeats of 30 calls, compile apart): a plain decode step
 (``step.jit_decode_step``, the library's step), a verify step of k + 1 tokens
@@ -21,6 +21,10 @@ comma-separated list runs one each): its measured drafts accepted per step besid
 (``generate``'s ``draft_vocab``: the LM head's rows of those ids only); 0, the default, the whole
 vocabulary.
 
+``--profile``: the first oracle run once more under CUPTI: its kernel time and kernel count per
+verify step beside its wall time per step, and its largest kernels (where a step's time goes
+beyond the verify step and the drafts).
+
 Weights: bf16 fixed-seed random values with the preset's shapes plus one MTP layer; the KV caches
 and states hold random values at ``--context`` tokens. ``--smoke``: the ``tiny`` preset on the CPU
 (checks the script; its times mean nothing).
@@ -29,9 +33,11 @@ and states hold random values at ``--context`` tokens. ``--smoke``: the ``tiny``
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import functools
 import os
+import re
 import statistics
 import sys
 import time
@@ -47,6 +53,7 @@ import numpy as np  # noqa: E402
 import jaxdecode as jd  # noqa: E402
 from jaxdecode import model, speculative, step  # noqa: E402
 from decode import kernels_for, randomize_state  # noqa: E402
+from step_profile import cupti_kernels  # noqa: E402
 
 
 def _per_call(f, args_fn, calls=30, repeats=3):
@@ -143,10 +150,11 @@ def oracle_draft(reference, k, p):
     return draft
 
 
-def end_to_end(params, tokens, k, ps, kernels, draft_vocab=None):
+def end_to_end(params, tokens, k, ps, kernels, draft_vocab=None, profile=False):
     """Seconds per token of plain generate and speculative (own drafts), and for each oracle
     probability in ``ps``: (p, seconds per token, mean drafts accepted per verify step, verify
-    steps, whether its tokens equal the own-draft run's)."""
+    steps, whether its tokens equal the own-draft run's, and with ``profile`` the first
+    oracle run's kernels under CUPTI: [(name, ms)], else None)."""
     c = params.config
     prompt = [list(np.random.default_rng(2).integers(0, 1000, 16))]
 
@@ -181,12 +189,38 @@ def end_to_end(params, tokens, k, ps, kernels, draft_vocab=None):
     for p in ps:
         draft = oracle_draft(reference, k, p)  # one function per p: the loop's jit key
         t_oracle, loop = timed(lambda: oracle_run(draft))
+        kernels_run = cupti_kernels(lambda: oracle_run(draft)) if profile and not oracles else None
         oracles.append((p, t_oracle / tokens,
                         float(loop.accepted) / max(int(loop.iterations), 1),
-                        int(loop.iterations), np.array_equal(np.asarray(loop.tokens), reference)))
+                        int(loop.iterations), np.array_equal(np.asarray(loop.tokens), reference),
+                        kernels_run))
     differ = np.flatnonzero(np.asarray(plain.tokens)[0] != reference[0])
     first_differing = int(differ[0]) if differ.size else None
     return t_plain / tokens, t_own / tokens, oracles, first_differing
+
+
+def print_profile(oracle, tokens):
+    """The oracle run's kernel time per verify step against its wall time per step (the whole
+    call: prefill and first token included), and its largest kernels by name."""
+    p, t_oracle, _, iterations, _, listing = oracle
+    if not listing:
+        print("\n(no CUPTI kernels: not on a GPU)")
+        return
+    total = sum(t for _, t in listing)
+    by_name = collections.Counter()
+    count = collections.Counter()
+    for name, t in listing:
+        key = re.sub(r"[._]\d+$", "", name)[:60]
+        by_name[key] += t
+        count[key] += 1
+    print(f"\n## The oracle run (p = {p}) under CUPTI: {iterations} verify steps\n")
+    print(f"wall {t_oracle * tokens * 1e3:.2f} ms, kernel sum {total:.2f} ms, {len(listing)} "
+          f"kernels; per step: wall {t_oracle * tokens * 1e3 / iterations:.3f} ms, kernels "
+          f"{total / iterations:.3f} ms, {len(listing) / iterations:.0f} kernels\n")
+    print("| kernel | ms in all | calls |")
+    print("|---|---:|---:|")
+    for name, t in by_name.most_common(15):
+        print(f"| `{name}` | {t:.3f} | {count[name]} |")
 
 
 def main():
@@ -200,6 +234,8 @@ def main():
                     help="comma-separated probabilities that the oracle draft is right")
     ap.add_argument("--draft-vocab", type=int, default=0,
                     help="drafts from this many fixed random ids (0: the whole vocabulary)")
+    ap.add_argument("--profile", action="store_true",
+                    help="the first oracle run once more under CUPTI: kernel time per step")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     try:
@@ -237,7 +273,8 @@ def main():
             print(f"batch {batch} k {k}: plain {t_plain * 1e3:.3f} ms, verify {t_verify * 1e3:.3f}"
                   f" ms, draft {t_draft * 1e3:.3f} ms", flush=True)
     k_e2e = 3 if 3 in ks else ks[-1]
-    e2e = end_to_end(params, tokens, k_e2e, ps, kernels_for(params, 1), draft_vocab)
+    e2e = end_to_end(params, tokens, k_e2e, ps, kernels_for(params, 1), draft_vocab,
+                     args.profile)
 
     print(f"\n## Verify step against the plain step ({name}, context {context})\n")
     print("| batch | k | plain ms | verify ms (k+1 tokens) | verify / plain | draft ms | "
@@ -256,11 +293,13 @@ def main():
     print(f"| plain `jd.generate` | {t_plain * 1e3:.3f} | {1 / t_plain:.0f} | 1.00x | - |")
     print(f"| speculative, MTP drafts (random weights) | {t_own * 1e3:.3f} | {1 / t_own:.0f} | "
           f"{t_plain / t_own:.2f}x | - |")
-    for p, t_oracle, accepted, iterations, _ in oracles:
+    for p, t_oracle, accepted, iterations, _, _ in oracles:
         print(f"| speculative, oracle right with p = {p} | {t_oracle * 1e3:.3f} | "
               f"{1 / t_oracle:.0f} | {t_plain / t_oracle:.2f}x | {accepted:.2f} "
               f"({iterations} steps) |")
     same = all(o[4] for o in oracles)
+    if args.profile:
+        print_profile(oracles[0], tokens)
     print(f"\noracle runs' tokens == the MTP-draft run's: {same}; first token where speculative "
           f"and plain greedy differ (bf16 rounding on near-tied random logits): "
           f"{first_differing}")
