@@ -67,6 +67,24 @@ def check_supported(q_shape, state_shape) -> str | None:
     return _heads_error(hk, hv)
 
 
+def _validate(name: str, arrays: dict, want: dict, where: str, reason, block_v: int,
+              dv: int) -> None:
+    """Both kernels' host checks, in order: every array float32, each of ``want``'s shapes
+    (expected ``where`` from), ``reason()`` (the kernel's own: called once the shapes hold),
+    then ``block_v`` a positive multiple of 8 dividing dv. Raises ValueError naming ``name``."""
+    bad = {n: x.dtype for n, x in arrays.items() if x.dtype != jnp.float32}
+    if bad:
+        raise ValueError(f"{name} takes float32 inputs; got {bad}")
+    wrong = {n: (tuple(arrays[n].shape), s) for n, s in want.items() if arrays[n].shape != s}
+    if wrong:
+        raise ValueError(f"{name}: shapes (got, expected from {where}): {wrong}")
+    why = reason()
+    if why is None and (block_v <= 0 or dv % block_v or block_v % 8):
+        why = f"dv={dv} is not a multiple of block_v={block_v}, or block_v not of 8"
+    if why is not None:
+        raise ValueError(f"{name}: {why}")
+
+
 def _kernel(q_gmem, k_gmem, v_gmem, g_gmem, beta_gmem, o_gmem, state_gmem, s_smem, o_smem, *,
             block_v, r, interpret):
     wait_for_inputs(interpret)
@@ -101,22 +119,12 @@ def gated_delta_decode_pallas(q, k, v, g, beta, state, *, block_v: int | None = 
     multiple of Hk, or dv not a multiple of ``block_v`` (itself a multiple of 8).
     """
     batch, heads, dk, dv = state.shape
-    arrays = dict(q=q, k=k, v=v, g=g, beta=beta, state=state)
-    bad = {n: x.dtype for n, x in arrays.items() if x.dtype != jnp.float32}
-    if bad:
-        raise ValueError(f"gated_delta_decode_pallas takes float32 inputs; got {bad}")
     key_heads = q.shape[1] if q.ndim == 3 else -1
-    want = dict(q=(batch, key_heads, dk), k=(batch, key_heads, dk), v=(batch, heads, dv),
-                g=(batch, heads), beta=(batch, heads))
-    wrong = {n: (tuple(arrays[n].shape), s) for n, s in want.items() if arrays[n].shape != s}
-    if wrong:
-        raise ValueError(f"shapes (got, expected from state {state.shape}): {wrong}")
-    why = check_supported(q.shape, state.shape)
     block_v = block_v or choose_block_v(batch, heads, dv)
-    if why is None and (block_v <= 0 or dv % block_v or block_v % 8):
-        why = f"dv={dv} is not a multiple of block_v={block_v}, or block_v not of 8"
-    if why is not None:
-        raise ValueError(f"gated_delta_decode_pallas: {why}")
+    _validate("gated_delta_decode_pallas", dict(q=q, k=k, v=v, g=g, beta=beta, state=state),
+              dict(q=(batch, key_heads, dk), k=(batch, key_heads, dk), v=(batch, heads, dv),
+                   g=(batch, heads), beta=(batch, heads)), f"state {state.shape}",
+              lambda: check_supported(q.shape, state.shape), block_v, dv)
     if batch * heads == 0:
         return jnp.zeros((batch, heads, dv), jnp.float32), state
     kernel = plgpu.kernel(
@@ -189,24 +197,13 @@ def gated_delta_states_pallas(q, k, v, g, beta, state, *, block_v: int | None = 
     :func:`check_states_supported` names.
     """
     batch, heads, dk, dv = state.shape
-    arrays = dict(q=q, k=k, v=v, g=g, beta=beta, state=state)
-    bad = {n: x.dtype for n, x in arrays.items() if x.dtype != jnp.float32}
-    if bad:
-        raise ValueError(f"gated_delta_states_pallas takes float32 inputs; got {bad}")
     length, key_heads = (q.shape[1], q.shape[2]) if q.ndim == 4 else (-1, -1)
-    want = dict(q=(batch, length, key_heads, dk), k=(batch, length, key_heads, dk),
-                v=(batch, length, heads, dv), g=(batch, length, heads),
-                beta=(batch, length, heads))
-    wrong = {n: (tuple(arrays[n].shape), s) for n, s in want.items() if arrays[n].shape != s}
-    if wrong:
-        raise ValueError(f"gated_delta_states_pallas: shapes (got, expected from q {q.shape} "
-                         f"and state {state.shape}): {wrong}")
     block_v = block_v or choose_block_v(batch, heads, dv)
-    why = check_states_supported(q.shape, state.shape, block_v)
-    if why is None and (block_v <= 0 or dv % block_v or block_v % 8):
-        why = f"dv={dv} is not a multiple of block_v={block_v}, or block_v not of 8"
-    if why is not None:
-        raise ValueError(f"gated_delta_states_pallas: {why}")
+    _validate("gated_delta_states_pallas", dict(q=q, k=k, v=v, g=g, beta=beta, state=state),
+              dict(q=(batch, length, key_heads, dk), k=(batch, length, key_heads, dk),
+                   v=(batch, length, heads, dv), g=(batch, length, heads),
+                   beta=(batch, length, heads)), f"q {q.shape} and state {state.shape}",
+              lambda: check_states_supported(q.shape, state.shape, block_v), block_v, dv)
     f32 = jnp.float32
     if batch * heads * length == 0:
         return (jnp.zeros((batch, length, heads, dv), f32),
