@@ -191,6 +191,16 @@ def test_kernel_queries_with_splits(mode):
     check_queries(out, q, k, v, lengths, starts, bf16)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_kernel_queries_far_positions(mode):
+    """query_start near 2**31 / G: the causal comparison must not wrap around in int32."""
+    rows = ((2**28, 128), (2**27 + 5, 100))
+    q, k, v, lengths, starts = query_inputs(24, (16, 1), 64, 2, bf16, rows, max_len=128)
+    out = jax.jit(lambda *a: da.decode_attention_pallas(*a, interpret=(mode == "interpret")))(
+        q, k, v, lengths, starts)
+    check_queries(out, q, k, v, lengths, starts, bf16)
+
+
 @pytest.mark.parametrize("heads, head_dim, queries, dtype", QUERY_CASES.values(),
                          ids=QUERY_CASES.keys())
 def test_reference_queries(heads, head_dim, queries, dtype):
@@ -207,6 +217,8 @@ def test_queries_rejected_beyond_the_tile():
         da.decode_attention_pallas(q, k, v, lengths, interpret=True)
     with pytest.raises(ValueError, match="query_start"):
         da.decode_attention_reference(q[:, 0], k, v, lengths, starts)
+    with pytest.raises(ValueError, match="T >= 1"):  # no query at all
+        da.decode_attention_pallas(q[:, :0], k, v, lengths, starts, interpret=True)
 
 
 def test_kernel_rejects_what_it_cannot_do():
@@ -328,6 +340,11 @@ def test_decode_attention_lowers(heads, kv_heads, head_dim, dtype):
     text = lower_for_cuda_text(da.decode_attention_pallas, ((2, heads, head_dim), dtype),
                                ((2, kv_heads, 1024, head_dim), dtype),
                                ((2, kv_heads, 1024, head_dim), dtype), ((2,), i32))
+    assert "custom_call @mosaic_gpu" in text
+    # and with a verify step's 4 queries per row (the causal mask's integer ops)
+    text = lower_for_cuda_text(da.decode_attention_pallas, ((2, 4, heads, head_dim), dtype),
+                               ((2, kv_heads, 1024, head_dim), dtype),
+                               ((2, kv_heads, 1024, head_dim), dtype), ((2,), i32), ((2,), i32))
     assert "custom_call @mosaic_gpu" in text
 
 

@@ -156,7 +156,8 @@ def _online_softmax_step(scores, start, length, m, l, *, scale, block_kv, query_
     visible = key < length
     if query_start is not None:  # key <= query_start + r // group  <=>  (key - query_start) * group <= r
         row = plgpu.broadcasted_iota(jnp.int32, (TILE_M, block_kv), 0, layout=plgpu.Layout.WGMMA)
-        visible &= (key - query_start) * group <= row
+        ahead = jnp.minimum(jnp.maximum(key - query_start, -1), TILE_M)  # no int32 overflow
+        visible &= ahead * group <= row
     scores = jnp.where(visible, scores * scale, -jnp.inf)  # where, not *: NaN past length
     m_new = jnp.maximum(m, scores.max(axis=1))  # one query: every loaded block has a valid key
     m_safe = m_new
@@ -495,11 +496,12 @@ def _check_queries(q, query_start) -> int:
     (``query_start`` [B] required). ValueError otherwise."""
     if q.ndim == 3 and query_start is None:
         return 1
-    if q.ndim == 4 and query_start is not None and query_start.shape == (q.shape[0],):
+    if (q.ndim == 4 and q.shape[1] >= 1 and query_start is not None
+            and query_start.shape == (q.shape[0],)):
         return q.shape[1]
     raise ValueError(f"{q.shape=} with query_start "
                      f"{None if query_start is None else query_start.shape}: expected q [B, Hq, "
-                     "D] without query_start, or q [B, T, Hq, D] with query_start [B]")
+                     "D] without query_start, or q [B, T >= 1, Hq, D] with query_start [B]")
 
 
 def _combine(o_part, lse, *, ordered: bool = False):
@@ -545,11 +547,20 @@ def decode_attention_reference(q, k_cache, v_cache, kv_len, query_start=None):
     if query_start is not None:
         position = query_start[:, None] + jnp.arange(queries)[None, :]  # [B, T]
         seen = seen & (key[None, None, :] <= position[..., None])
-    scores = jnp.einsum("btkgd,bksd->btkgs", qg, k) * (head_dim**-0.5)
-    scores = jnp.where(seen[:, :, None, None, :], scores, -jnp.inf)
+    one = query_start is None  # its einsums without the T axis: XLA's dot for those rounds
+    # differently on the CPU, and the one-query path keeps its results bit for bit
+    if one:
+        scores = jnp.einsum("bkgd,bksd->bkgs", qg[:, 0], k)[:, None]
+    else:
+        scores = jnp.einsum("btkgd,bksd->btkgs", qg, k)
+    scores = jnp.where(seen[:, :, None, None, :], scores * (head_dim**-0.5), -jnp.inf)
     m = jnp.max(scores, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(scores - m)
     denom = jnp.sum(p, axis=-1, keepdims=True)
-    out = jnp.einsum("btkgs,bksd->btkgd", p, v) / jnp.where(denom == 0, 1.0, denom)
+    if one:
+        out = jnp.einsum("bkgs,bksd->bkgd", p[:, 0], v)[:, None]
+    else:
+        out = jnp.einsum("btkgs,bksd->btkgd", p, v)
+    out = out / jnp.where(denom == 0, 1.0, denom)
     return out.reshape(q.shape).astype(q.dtype)
