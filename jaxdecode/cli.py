@@ -186,10 +186,10 @@ def _generate(args) -> int:
                          f"{config.vocab_size}): pass --prompt-ids / --stop-ids")
     t0 = time.perf_counter()
     speculative = args.num_speculative_tokens > 0
-    if speculative and (args.stream or args.num_samples > 1 or stops or args.stop
+    if speculative and (args.stream or args.num_samples > 1
                         or args.repetition_penalty != 1 or args.presence_penalty != 0):
         raise UsageError("--num-speculative-tokens does not yet work with --stream, "
-                         "--num-samples > 1, --stop/--stop-ids or penalties")
+                         "--num-samples > 1 or penalties")
     draft_vocab = None
     if args.draft_vocab is not None:
         if not speculative:
@@ -275,7 +275,7 @@ def _speculative(params, prompts, kwargs, args, tokenizer) -> int:
     import jax
     from jaxdecode.generation import generate
 
-    for name in ("num_samples", "stop_sequences", "chunk_size"):
+    for name in ("num_samples", "chunk_size"):
         kwargs.pop(name)
     k = args.num_speculative_tokens
     t = time.perf_counter()

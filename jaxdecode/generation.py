@@ -591,7 +591,7 @@ def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParam
     (``load_checkpoint(..., mtp=True)``; ``jaxdecode.speculative``): greedy rows give the same
     tokens as plain greedy decoding, sampled rows the same distribution (other draws);
     ``max_len`` then needs room for k more tokens. Not yet together with penalties,
-    ``stop_sequences``, ``state``/``return_state``, ``num_samples`` > 1, log-probabilities,
+    ``state``/``return_state``, ``num_samples`` > 1, log-probabilities,
     ``progress``/``executables`` or a mesh (ValueError). ``draft_vocab``: token ids [V'] the
     drafts are chosen from (``jaxdecode.speculative``: a cheaper draft, the same output;
     distinct ids in [0, vocab_size), else ValueError; only with ``num_speculative_tokens``).
@@ -634,7 +634,6 @@ def _generate_speculative(params: Params, prompts, max_new_tokens, sampling, key
         raise ValueError("num_speculative_tokens needs the MTP layer: load the checkpoint with "
                          "jd.load_checkpoint(path, mtp=True)")
     unsupported = [name for name, used in (
-        ("stop_sequences", stop_sequences is not None and len(stop_sequences) > 0),
         ("state", state is not None),
         ("return_state", return_state), ("num_samples > 1", num_samples != 1),
         ("return_logprobs", bool(return_logprobs) or bool(top_logprobs)),
@@ -648,7 +647,7 @@ def _generate_speculative(params: Params, prompts, max_new_tokens, sampling, key
     plan = _plan(params, prompts, max_new_tokens, sampling, key, eos_token_ids,
                  max_len=max_len, num_samples=1, chunk_size=chunk_size, pad_id=pad_id,
                  kernels=kernels, features=features, prefill_chunk_size=prefill_chunk_size,
-                 activation_budget=activation_budget,
+                 activation_budget=activation_budget, stop_sequences=stop_sequences,
                  reserve=(int(k), f"num_speculative_tokens={k} (the verify step's room)"))
     if plan.features.penalties:
         raise ValueError("num_speculative_tokens does not yet apply repetition, presence or "
@@ -660,7 +659,8 @@ def _generate_speculative(params: Params, prompts, max_new_tokens, sampling, key
         plan.sampling, plan.keys, features=plan.features,
         num_speculative_tokens=int(k), max_new_tokens=plan.max_new_tokens,
         kernels=plan.kernels, prefill_chunk_size=plan.prefill.prefill_chunk_size,
-        query_block=plan.prefill.query_block, draft_vocab=draft_vocab)
+        query_block=plan.prefill.query_block, draft_vocab=draft_vocab,
+        stop_sequences=jnp.asarray(plan.stop_sequences))
     return GenerateOutput(tokens=loop.tokens, num_generated=loop.num_generated,
                           stop_reason=loop.stop_reason)
 

@@ -42,7 +42,7 @@ from jaxdecode.state import DecodeState, KVCache
 
 Array = jax.Array
 
-STOP_EOS, STOP_LENGTH = 1, 2  # generation.STOP_EOS / STOP_LENGTH (same values)
+STOP_EOS, STOP_LENGTH, STOP_SEQUENCE = 1, 2, 3  # generation's STOP_* (same values)
 
 
 @struct.dataclass
@@ -58,6 +58,7 @@ class SpeculativeLoop:
     tokens: Array  # [R, N] int32 emitted tokens, pad_id after each row's last
     num_generated: Array  # [R] int32
     stop_reason: Array  # [R] int32, 0 while running
+    recent: Array  # [R, L - 1] int32 the last emitted tokens (-1 before the first): stop sequences
     accepted: Array  # [] int32 drafts accepted over the run (all rows)
     iterations: Array  # [] int32 verify steps run
 
@@ -144,25 +145,36 @@ def accept_drafts(target: Array, draft: Array, drafts: Array, key: Array):
     return emitted.astype(jnp.int32), num_accepted + 1
 
 
-def _emit(loop: SpeculativeLoop, new: Array, count: Array, eos_ids: Array,
-          budgets: Array) -> tuple[SpeculativeLoop, Array]:
+def _emit(loop: SpeculativeLoop, new: Array, count: Array, eos_ids: Array, budgets: Array,
+          stop_sequences: Array) -> tuple[SpeculativeLoop, Array]:
     """Appends each running row's first ``count`` of ``new`` [R, W] to its output, cut after an
-    EOS id or at its budget. Returns (loop with tokens/num_generated/stop_reason updated, the
-    number of tokens each row took)."""
+    EOS id, after the last token of a stop sequence ([S, L] right-aligned, -1 matching anything,
+    as ``generation._record``; matched against the emitted tokens only) or at its budget; the
+    reason in that order when several fall on one token. Returns (loop with tokens/
+    num_generated/stop_reason/recent updated, the number of tokens each row took)."""
     width = new.shape[1]
     j = jnp.arange(width, dtype=jnp.int32)[None, :]
     running = loop.stop_reason == 0
-    is_eos = jnp.any(new[:, :, None] == eos_ids[None, None, :], axis=-1) & (j < count[:, None])
+    offered = j < count[:, None]
+    is_eos = jnp.any(new[:, :, None] == eos_ids[None, None, :], axis=-1) & offered
     first_eos = jnp.min(jnp.where(is_eos, j, width), axis=1)
+    span = stop_sequences.shape[1]
+    emitted = jnp.concatenate([loop.recent, new], axis=1)  # [R, L - 1 + W]
+    windows = jnp.stack([emitted[:, i:i + span] for i in range(width)], axis=1)  # [R, W, L]
+    hit = jnp.all((stop_sequences < 0) | (windows[:, :, None] == stop_sequences), axis=-1)
+    is_stop = jnp.any(hit & jnp.any(stop_sequences >= 0, axis=-1), axis=-1) & offered
+    first_stop = jnp.min(jnp.where(is_stop, j, width), axis=1)
     room = budgets - loop.num_generated
-    took = jnp.minimum(jnp.minimum(count, first_eos + 1), room)
+    took = jnp.minimum(jnp.minimum(count, jnp.minimum(first_eos, first_stop) + 1), room)
     took = jnp.where(running, took, 0)
     slots = jnp.where(j < took[:, None], loop.num_generated[:, None] + j, loop.tokens.shape[1])
     tokens = jax.vmap(lambda row, s, v: row.at[s].set(v, mode="drop"))(loop.tokens, slots, new)
     num_generated = loop.num_generated + took
-    stop = jnp.where(running & (first_eos < took), STOP_EOS,
-                     jnp.where(running & (num_generated >= budgets), STOP_LENGTH, 0))
-    return loop.replace(tokens=tokens, num_generated=num_generated,
+    stop = jnp.select([first_eos < took, first_stop < took, num_generated >= budgets],
+                      [STOP_EOS, STOP_SEQUENCE, STOP_LENGTH], 0)
+    # the last L - 1 emitted tokens: emitted[took : took + L - 1] per row
+    recent = jax.vmap(lambda row, t: lax.dynamic_slice(row, (t,), (span - 1,)))(emitted, took)
+    return loop.replace(tokens=tokens, num_generated=num_generated, recent=recent,
                         stop_reason=jnp.where(running, stop, loop.stop_reason)), took
 
 
@@ -173,7 +185,8 @@ def speculative_generate_fn(params: Params, state: DecodeState, prompts: Array,
                             features: SamplingFeatures | None = None,
                             kernels: Kernels = choice.XLA, prefill_chunk_size: int | None = None,
                             query_block: int = 512, draft=None,
-                            draft_vocab: Array | None = None) -> SpeculativeLoop:
+                            draft_vocab: Array | None = None,
+                            stop_sequences: Array | None = None) -> SpeculativeLoop:
     """Speculative generation; pure, un-jitted, unvalidated (``generate`` checks).
 
     state: an empty state of R rows with room for prompt + budget + k tokens; prompts [R, T]
@@ -185,11 +198,14 @@ def speculative_generate_fn(params: Params, state: DecodeState, prompts: Array,
     -> drafts [R, k]`` replacing the MTP's drafts (e.g. an oracle that is right with a set
     probability; then drafts count as drawn from a one-hot q). ``draft_vocab``: [V'] int32
     distinct ids the drafts come from (:func:`check_draft_vocab`; None: the whole vocabulary).
+    ``stop_sequences``: [S, L] int32 right-aligned, -1 padded (``generate``'s; None: none).
     Returns the final loop.
     """
     k = num_speculative_tokens
     rows, length = prompts.shape
     one = jnp.ones((rows,), jnp.int32)
+    if stop_sequences is None:
+        stop_sequences = jnp.full((1, 1), -1, jnp.int32)
     greedy = sampling is None or features is None or not features.sampled
     if keys is None:
         keys = sampling_lib.row_keys(jax.random.key(0), rows)
@@ -221,8 +237,9 @@ def speculative_generate_fn(params: Params, state: DecodeState, prompts: Array,
         pair_start=prompt_lengths - 1,
         tokens=jnp.full((rows, max_new_tokens), pad_id, jnp.int32),
         num_generated=jnp.zeros((rows,), jnp.int32), stop_reason=jnp.zeros((rows,), jnp.int32),
+        recent=jnp.full((rows, stop_sequences.shape[1] - 1), -1, jnp.int32),
         accepted=jnp.zeros((), jnp.int32), iterations=jnp.zeros((), jnp.int32))
-    loop, _ = _emit(loop, first[:, None], one, eos_ids, budgets)
+    loop, _ = _emit(loop, first[:, None], one, eos_ids, budgets, stop_sequences)
 
     def body(loop: SpeculativeLoop) -> SpeculativeLoop:
         running = loop.stop_reason == 0
@@ -262,7 +279,7 @@ def speculative_generate_fn(params: Params, state: DecodeState, prompts: Array,
             emitted, count = accept_drafts(distribution(logits, sampling, features),
                                            jnp.stack(qs, axis=1), drafts, step_keys[:, k])
         loop = loop.replace(mtp_cache=cache)
-        loop, took = _emit(loop, emitted, count, eos_ids, budgets)
+        loop, took = _emit(loop, emitted, count, eos_ids, budgets, stop_sequences)
         # took tokens emitted = took - 1 accepted drafts and the token after them: ``last`` and
         # those drafts enter the state; the last emitted token is the next ``last``, and
         # (hidden at each verified position, the token emitted after it) the next pairs.

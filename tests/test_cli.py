@@ -229,6 +229,12 @@ def test_cli_speculative_decoding_gives_the_greedy_tokens(capsys):
     assert status == 0, out
     assert re.search(r"^ids: \[(.*)\]$", out, re.M).group(1) == plain
     assert "3 drafts per step from the MTP layer" in out
+    free = [int(i) for i in plain.split(", ")]  # a stop sequence ends it as in plain decoding
+    status, out, _ = _cli(capsys, "--max-new-tokens", "10", "--num-speculative-tokens", "3",
+                          "--stop-ids", ",".join(map(str, free[3:5])))
+    assert status == 0, out
+    got = [int(i) for i in re.search(r"^ids: \[(.*)\]$", out, re.M).group(1).split(", ")]
+    assert got == host_stop(free, 10, [free[3:5]])[0] and "stopped by stop" in out
     status, _, err = _cli(capsys, "--max-new-tokens", "4", "--num-speculative-tokens", "2",
                           "--stream")
     assert status == 2 and err.count("\n") == 1 and "--num-speculative-tokens" in err, err

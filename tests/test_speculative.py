@@ -205,6 +205,54 @@ def test_speculative_greedy_equals_plain_greedy(params):
     assert spec.stop_reasons() == plain.stop_reasons()
 
 
+def test_speculative_stop_sequences_equal_plain(params):
+    """Stop sequences (and EOS) end rows where plain decoding ends them, inside accepted runs
+    too: a 2-token sequence that completes in the middle of a step's drafts, a 1-token one, a
+    3-token one that never completes, with oracle drafts right 3 times in 4."""
+    c = CONFIG
+    rng = np.random.default_rng(7)
+    prompts = [list(rng.integers(0, c.vocab_size, n)) for n in (5, 9, 2)]
+    budgets = [18, 14, 16]
+    free = np.asarray(jd.generate(params, prompts, max_new_tokens=budgets,
+                                  eos_token_ids=[]).tokens)
+    stops = [[int(free[0, 7]), int(free[0, 8])], [int(free[1, 5])],
+             [int(free[2, 0]), int(free[2, 0]), int(free[2, 0])]]
+    plain = jd.generate(params, prompts, max_new_tokens=budgets, eos_token_ids=[],
+                        stop_sequences=stops)
+    assert "stop" in plain.stop_reasons()
+    ref = np.asarray(plain.tokens)
+    k = 3
+
+    def oracle(loop, drafts):
+        pos = loop.num_generated[:, None] + jnp.arange(k)[None, :]
+        right = jnp.take_along_axis(jnp.asarray(ref), jnp.minimum(pos, ref.shape[1] - 1), axis=1)
+        right = jnp.maximum(right, 0)
+        return jnp.where(pos % 4 == 3, (right + 1) % c.vocab_size, right).astype(jnp.int32)
+
+    padded = np.zeros((3, 16), np.int32)
+    for i, p in enumerate(prompts):
+        padded[i, :len(p)] = p
+    stop_padded = np.full((8, 4), -1, np.int32)
+    for i, stop in enumerate(stops):
+        stop_padded[i, 4 - len(stop):] = stop
+    loop = speculative.speculative_generate_jit(
+        params, jd.init_state(c, 3, 64), jnp.asarray(padded),
+        jnp.asarray([len(p) for p in prompts]), jnp.asarray(budgets),
+        jnp.full((8,), -1, jnp.int32), -1, num_speculative_tokens=k,
+        max_new_tokens=ref.shape[1], kernels=jd.Kernels(), draft=oracle,
+        stop_sequences=jnp.asarray(stop_padded))
+    np.testing.assert_array_equal(np.asarray(loop.tokens), ref)
+    np.testing.assert_array_equal(np.asarray(loop.num_generated),
+                                  np.asarray(plain.num_generated))
+    np.testing.assert_array_equal(np.asarray(loop.stop_reason), np.asarray(plain.stop_reason))
+    assert int(loop.accepted) > 0  # the stops fell inside runs of accepted drafts
+    # through generate (the MTP's own drafts)
+    spec = jd.generate(params, prompts, max_new_tokens=budgets, eos_token_ids=[],
+                       stop_sequences=stops, num_speculative_tokens=2)
+    np.testing.assert_array_equal(np.asarray(spec.tokens), ref)
+    assert spec.stop_reasons() == plain.stop_reasons()
+
+
 def test_speculative_errors(params):
     no_mtp = jd.init_params(tiny(), jax.random.key(0))
     with pytest.raises(ValueError, match="mtp=True"):
@@ -213,8 +261,10 @@ def test_speculative_errors(params):
         jd.generate(params, [[1, 2]], 4, jd.SamplingParams.create(temperature=0.7,
                                                                   repetition_penalty=1.2),
                     num_speculative_tokens=2)
-    with pytest.raises(ValueError, match="stop_sequences"):
-        jd.generate(params, [[1, 2]], 4, stop_sequences=[[3]], num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="return_state"):
+        jd.generate(params, [[1, 2]], 4, return_state=True, num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="stop_sequence 0 has token ids outside"):
+        jd.generate(params, [[1, 2]], 4, stop_sequences=[[10**9]], num_speculative_tokens=2)
     with pytest.raises(ValueError, match="num_speculative_tokens=3 .* exceeds max_len=8"):
         jd.generate(params, [[1, 2]], 4, max_len=8, num_speculative_tokens=3)
     for bad in (-1, 0.0, False, 2.5, None):
