@@ -90,6 +90,11 @@ def test_kernels_rejects_the_one_kernel_core_on_a_mesh():
     assert k.mesh is mesh
 
 
+def test_kernels_rejects_few_query_attention_kernel_when_batch_invariant():
+    with pytest.raises(ValueError, match=r"verify_attention='pallas'\) is not batch-invariant"):
+        choice.Kernels(attention="pallas", verify_attention="pallas", batch_invariant=True)
+
+
 def test_kernels_is_a_frozen_hashable_static():
     assert choice.XLA == choice.Kernels() == choice.Kernels("xla", "xla", "xla")
     assert hash(choice.Kernels(attention="pallas")) == hash(choice.Kernels(attention="pallas"))

@@ -82,6 +82,10 @@ class Kernels:
                              "(with delta_rule='pallas' for the per-device delta-rule kernel)")
         if self.mesh is not None and self.batch_invariant:
             raise ValueError("Kernels(batch_invariant=True) does not run on a mesh yet")
+        if self.verify_attention == "pallas" and self.batch_invariant:
+            raise ValueError("Kernels(verify_attention='pallas') is not batch-invariant (its "
+                             "split count follows the batch); leave it 'xla' with "
+                             "batch_invariant")
         if self.fp8_linear == "pallas" and (self.mesh is not None or self.batch_invariant):
             raise ValueError("Kernels(fp8_linear='pallas') runs on one device (FP8 weights are "
                              "not sharded yet) and not with batch_invariant (its row "
@@ -217,20 +221,17 @@ def prefill_attention(kernels: Kernels, q, k_cache, v_cache, start, num_new, *,
     (``kernels.verify_attention``, T·G <= 64): the decode-attention kernel with T queries
     (query t at ``start + t``, keys up to ``start + num_new``; a padding query's output is
     don't-care either way)."""
-    if (kernels.verify_attention == "pallas" and not kernels.batch_invariant
+    interpret = _interpret(kernels)
+    if (kernels.verify_attention == "pallas"
             and attention_kernel.check_supported(q.shape, k_cache.shape, k_cache.dtype) is None):
-        attend = functools.partial(_attention_pallas, interpret=_interpret(kernels))
-        args = (q, k_cache, v_cache, start + num_new, start)
-        if kernels.mesh is None:
-            return attend(*args)
-        heads, cache = P(DATA, None, MODEL, None), P(DATA, MODEL, None, None)
-        return jax.shard_map(attend, mesh=kernels.mesh,
-                             in_specs=(heads, cache, cache, P(DATA), P(DATA)), out_specs=heads,
-                             check_vma=False)(*args)
-    if kernels.prefill_attention == "xla":
+        def attend(q, k_cache, v_cache, start, num_new):
+            return _attention_pallas(q, k_cache, v_cache, start + num_new, start,
+                                     interpret=interpret)
+    elif kernels.prefill_attention == "xla":
         return prefill_kernel.prefill_attention_reference(q, k_cache, v_cache, start, num_new,
                                                           query_block=query_block)
-    attend = functools.partial(_prefill_attention_pallas, interpret=_interpret(kernels))
+    else:
+        attend = functools.partial(_prefill_attention_pallas, interpret=interpret)
     if kernels.mesh is None:
         return attend(q, k_cache, v_cache, start, num_new)
     heads, cache = P(DATA, None, MODEL, None), P(DATA, MODEL, None, None)

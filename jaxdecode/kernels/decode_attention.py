@@ -5,7 +5,8 @@ row b are valid, the current token already written). Query head h uses KV head h
 (HF ``repeat_kv``); scores scaled by D**-0.5, softmax and accumulation in float32, output in q's
 dtype. A few queries per row (a speculative verify step's k + 1 tokens, an MTP draft's): q [B,
 T, Hq, D] with ``query_start`` [B] int32: query t sits at position ``query_start[b] + t`` and
-attends to keys [0, min(query_start[b] + t + 1, kv_len[b])) (causal). :func:`decode_attention_pallas` is a Pallas Mosaic GPU kernel (Hopper) with split-K
+attends to keys [0, min(query_start[b] + t + 1, kv_len[b])) (causal).
+:func:`decode_attention_pallas` is a Pallas Mosaic GPU kernel (Hopper) with split-K
 "flash decoding": program (b, kv head, split) streams its share of row b's keys through a TMA
 pipeline of ``block_kv`` blocks with an online softmax and writes a float32 partial output and
 its log2-sum-exp, which :func:`_combine` merges. :func:`decode_attention_reference` is the same
@@ -148,20 +149,20 @@ def _online_softmax_step(scores, start, length, m, l, *, scale, block_kv, query_
     """Masks one [64, block_kv] score tile and updates the running max/sum (log2 domain).
 
     With a ``query_start`` (q [B, T, Hq, D]), tile row r is query r // ``group`` (position
-    ``query_start + r // group``) and sees keys up to its position too. Returns (p [64, block_kv] f32, alpha [64]
-    rescale of the old accumulator, m, l).
+    ``query_start + r // group``) and sees keys up to its position too. Returns (p [64,
+    block_kv] f32, alpha [64] rescale of the old accumulator, m, l).
     """
     key = start + plgpu.broadcasted_iota(jnp.int32, (TILE_M, block_kv), 1,
                                          layout=plgpu.Layout.WGMMA)
     visible = key < length
-    if query_start is not None:  # key <= query_start + r // group  <=>  (key - query_start) * group <= r
+    if query_start is not None:  # key <= query_start + r // group <=> (key - start) * group <= r
         row = plgpu.broadcasted_iota(jnp.int32, (TILE_M, block_kv), 0, layout=plgpu.Layout.WGMMA)
         ahead = jnp.minimum(jnp.maximum(key - query_start, -1), TILE_M)  # no int32 overflow
         visible &= ahead * group <= row
     scores = jnp.where(visible, scores * scale, -jnp.inf)  # where, not *: NaN past length
     m_new = jnp.maximum(m, scores.max(axis=1))  # one query: every loaded block has a valid key
     m_safe = m_new
-    if query_start is not None:  # an earlier query may see none of a block (or of a whole split): m = -inf
+    if query_start is not None:  # an earlier query may see none of a block or split: m = -inf
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp2(m - m_safe)
     p = jnp.exp2(scores - lax.broadcast_in_dim(m_safe, scores.shape, [0]))
