@@ -7,9 +7,10 @@ number of drafts accepted, in one run.
 Per (batch, k), ms per call (median of 3 repeats of 30 calls, compile apart): a plain decode step
 (``step.jit_decode_step``, the library's step), a verify step of k + 1 tokens
 (``model.verify_fn`` then ``model.commit_fn`` of all of them, jitted, state donated), and one MTP
-draft pass (``model.mtp_forward`` of one pair); the verify / plain ratio; and the tokens/s a
-speculative step would reach with ``a`` drafts accepted on average, ``(a + 1) / (t_verify + k ·
-t_draft)``, against ``1 / t_plain`` (a from 0 to k).
+draft pass (``model.mtp_forward`` of one pair), both compiled with the library's
+``COMPILER_OPTIONS``; the verify / plain ratio; and the tokens/s a speculative step would reach
+with ``a`` drafts accepted on average, ``(a + 1) / (t_verify + k · t_draft)``, against
+``1 / t_plain`` (a from 0 to k).
 
 End to end at batch 1 and k = 3 (``--tokens`` new tokens, greedy, EOS off): ``jd.generate`` plain;
 speculative with the MTP's own drafts (random weights accept almost none: the floor); and
@@ -23,7 +24,9 @@ vocabulary.
 
 ``--profile``: the first oracle run once more under CUPTI: its kernel time and kernel count per
 verify step beside its wall time per step, and its largest kernels (where a step's time goes
-beyond the verify step and the drafts).
+beyond the verify step and the drafts). CUPTI misses kernels inside a command buffer's while
+loop, so this run compiles the loop without ``generation.SPECULATIVE_COMPILER_OPTIONS``' loops
+in command buffers (its wall time per step is the loop's with a host round trip per step).
 
 Weights: bf16 fixed-seed random values with the preset's shapes plus one MTP layer; the KV caches
 and states hold random values at ``--context`` tokens. ``--smoke``: the ``tiny`` preset on the CPU
@@ -51,7 +54,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxdecode as jd  # noqa: E402
-from jaxdecode import model, speculative, step  # noqa: E402
+from jaxdecode import generation, model, step  # noqa: E402
 from decode import kernels_for, randomize_state  # noqa: E402
 from step_profile import cupti_kernels  # noqa: E402
 
@@ -73,7 +76,8 @@ def _per_call(f, args_fn, calls=30, repeats=3):
     return statistics.median(times)
 
 
-@functools.partial(jax.jit, static_argnames="kernels", donate_argnums=1)
+@functools.partial(jax.jit, static_argnames="kernels", donate_argnums=1,
+                   compiler_options=step.COMPILER_OPTIONS)
 def _verify(params, state, toks, *, kernels):
     """A verify step of all of ``toks`` [B, k+1], committed, lengths put back (stay at context)."""
     n = jnp.full((toks.shape[0],), toks.shape[1], jnp.int32)
@@ -82,12 +86,21 @@ def _verify(params, state, toks, *, kernels):
     return logits, state.replace(lengths=state.lengths - toks.shape[1])
 
 
-@functools.partial(jax.jit, static_argnames="kernels")
+@functools.partial(jax.jit, static_argnames="kernels", compiler_options=step.COMPILER_OPTIONS)
 def _draft(params, cache, hidden, toks, start, head, *, kernels):
     """One MTP draft pass of one pair per row, scored against ``head`` (None: the LM head)."""
     one = jnp.ones((toks.shape[0],), jnp.int32)
     return model.mtp_forward(params, cache, hidden[:, None], toks[:, None], start, one, kernels,
                              lm_head=head)
+
+
+# CUPTI does not report the kernels that run inside a command buffer's loop (CUDA graph
+# conditional nodes): the profile compiles the loop with the library's step options instead.
+_loop_without_graph_loops = jax.jit(
+    generation.speculative.speculative_generate_fn,
+    static_argnames=("num_speculative_tokens", "max_new_tokens", "features", "kernels",
+                     "prefill_chunk_size", "query_block", "draft"),
+    donate_argnames=("state",), compiler_options=step.COMPILER_OPTIONS)
 
 
 def time_steps(params, batch, k, context, max_len, kernels, draft_vocab=None):
@@ -154,17 +167,21 @@ def end_to_end(params, tokens, k, ps, kernels, draft_vocab=None, profile=False):
     """Seconds per token of plain generate and speculative (own drafts), and for each oracle
     probability in ``ps``: (p, seconds per token, mean drafts accepted per verify step, verify
     steps, whether its tokens equal the own-draft run's, and with ``profile`` the first
-    oracle run's kernels under CUPTI: [(name, ms)], else None)."""
+    oracle's loop without graph loops: (its seconds per token, its kernels under CUPTI
+    [(name, ms)]), else None)."""
     c = params.config
     prompt = [list(np.random.default_rng(2).integers(0, 1000, 16))]
 
-    def timed(fn):
+    def timed(fn, repeats=3):  # best of ``repeats`` after a first (compiling) call
         out = fn()
         jax.block_until_ready(out)
-        t0 = time.perf_counter()
-        out = fn()
-        jax.block_until_ready(out)
-        return time.perf_counter() - t0, out
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            out = fn()
+            jax.block_until_ready(out)
+            best = min(best, time.perf_counter() - t0)
+        return best, out
 
     t_plain, plain = timed(lambda: jd.generate(params, prompt, tokens, eos_token_ids=()))
     t_own, own = timed(lambda: jd.generate(params, prompt, tokens, eos_token_ids=(),
@@ -178,8 +195,8 @@ def end_to_end(params, tokens, k, ps, kernels, draft_vocab=None, profile=False):
     padded[0] = prompt[0]
     max_len = -(-(16 + n + k) // 64) * 64
 
-    def oracle_run(draft):
-        return speculative.speculative_generate_jit(
+    def oracle_run(draft, loop_fn=generation.speculative_generate_jit):
+        return loop_fn(
             params, jd.init_state(c, 1, max_len, params.dtype), jnp.asarray(padded),
             jnp.asarray([16]), jnp.asarray([tokens]), jnp.full((8,), -1, jnp.int32), -1,
             num_speculative_tokens=k, max_new_tokens=n, kernels=kernels, draft=draft,
@@ -189,7 +206,10 @@ def end_to_end(params, tokens, k, ps, kernels, draft_vocab=None, profile=False):
     for p in ps:
         draft = oracle_draft(reference, k, p)  # one function per p: the loop's jit key
         t_oracle, loop = timed(lambda: oracle_run(draft))
-        kernels_run = cupti_kernels(lambda: oracle_run(draft)) if profile and not oracles else None
+        kernels_run = None
+        if profile and not oracles:
+            host_loop = lambda: oracle_run(draft, _loop_without_graph_loops)  # noqa: E731
+            kernels_run = (timed(host_loop)[0] / tokens, cupti_kernels(host_loop))
         oracles.append((p, t_oracle / tokens,
                         float(loop.accepted) / max(int(loop.iterations), 1),
                         int(loop.iterations), np.array_equal(np.asarray(loop.tokens), reference),
@@ -200,9 +220,10 @@ def end_to_end(params, tokens, k, ps, kernels, draft_vocab=None, profile=False):
 
 
 def print_profile(oracle, tokens):
-    """The oracle run's kernel time per verify step against its wall time per step (the whole
-    call: prefill and first token included), and its largest kernels by name."""
-    p, t_oracle, _, iterations, _, listing = oracle
+    """The oracle's loop compiled without loops in command buffers: its kernel time per verify
+    step against its wall time per step (the whole call: prefill and first token included) and
+    the library loop's, and its largest kernels by name."""
+    p, t_oracle, _, iterations, _, (t_host_loop, listing) = oracle
     if not listing:
         print("\n(no CUPTI kernels: not on a GPU)")
         return
@@ -213,10 +234,12 @@ def print_profile(oracle, tokens):
         key = re.sub(r"[._]\d+$", "", name)[:60]
         by_name[key] += t
         count[key] += 1
-    print(f"\n## The oracle run (p = {p}) under CUPTI: {iterations} verify steps\n")
-    print(f"wall {t_oracle * tokens * 1e3:.2f} ms, kernel sum {total:.2f} ms, {len(listing)} "
-          f"kernels; per step: wall {t_oracle * tokens * 1e3 / iterations:.3f} ms, kernels "
-          f"{total / iterations:.3f} ms, {len(listing) / iterations:.0f} kernels\n")
+    print(f"\n## The oracle run (p = {p}) without loops in command buffers, under CUPTI: "
+          f"{iterations} verify steps\n")
+    per_step = lambda t: t * tokens * 1e3 / iterations  # noqa: E731  s/token -> ms/step
+    print(f"kernel sum {total:.2f} ms, {len(listing)} kernels; per step: kernels "
+          f"{total / iterations:.3f} ms ({len(listing) / iterations:.0f} kernels), wall "
+          f"{per_step(t_host_loop):.3f} ms (the library's loop: {per_step(t_oracle):.3f} ms)\n")
     print("| kernel | ms in all | calls |")
     print("|---|---:|---:|")
     for name, t in by_name.most_common(15):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import types
 from typing import Callable, Iterator, Sequence
 
 import jax
@@ -474,6 +475,20 @@ def _chunk_jit(params, loop, sampling, eos_token_ids, stop_sequences, pad_id, *,
 _feed_last_jit = jax.jit(feed_last_fn, static_argnames=("kernels",), donate_argnames=("state",),
                          compiler_options=COMPILER_OPTIONS)
 
+# The library's options, plus while loops and conditionals inside command buffers (CUDA graph
+# conditional nodes; the rest is XLA 0.11.2's default list): the speculative loop's condition
+# depends on each step's accepted counts, which the host would otherwise read back before
+# launching every iteration (benchmarks/RESULTS.md, session 25).
+SPECULATIVE_COMPILER_OPTIONS = types.MappingProxyType({
+    **COMPILER_OPTIONS,
+    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"})
+
+speculative_generate_jit = jax.jit(
+    speculative.speculative_generate_fn,
+    static_argnames=("num_speculative_tokens", "max_new_tokens", "features", "kernels",
+                     "prefill_chunk_size", "query_block", "draft"),
+    donate_argnames=("state",), compiler_options=SPECULATIVE_COMPILER_OPTIONS)
+
 
 def _start_args(params: Params, plan: _Plan, state: DecodeState | None = None):
     args = (params, state, plan.prompts, plan.prompt_lengths, plan.budgets, plan.sampling,
@@ -653,7 +668,7 @@ def _generate_speculative(params: Params, prompts, max_new_tokens, sampling, key
         raise ValueError("num_speculative_tokens does not yet apply repetition, presence or "
                          "frequency penalties; leave them at their defaults")
     state = init_state(params.config, len(plan.budgets), plan.max_len, params.dtype)
-    loop = speculative.speculative_generate_jit(
+    loop = speculative_generate_jit(
         params, state, jnp.asarray(plan.prompts), jnp.asarray(plan.prompt_lengths),
         jnp.asarray(plan.budgets), jnp.asarray(plan.eos_token_ids), plan.pad_id,
         plan.sampling, plan.keys, features=plan.features,

@@ -5,7 +5,8 @@ on its own output), verifies the last token and the k drafts in one target pass
 (:func:`model.verify_fn`), accepts per row a prefix of the drafts, emits it plus one token from the
 target, and continues from the state after the last emitted input without recomputing
 (:func:`model.commit_fn`). Rows accept different counts; the whole loop is one
-``lax.while_loop``. Greedy rows accept while the draft is the target's argmax: the output equals
+``lax.while_loop`` (``generation.speculative_generate_jit`` compiles it with the loop inside
+XLA's command buffers, so the GPU evaluates its condition without a host round trip). Greedy rows accept while the draft is the target's argmax: the output equals
 plain greedy decoding token for token (up to float ties). Sampled rows (temperature, top-k,
 top-p, min-p as ``jaxdecode.sampling``; no penalties) draw their drafts from the MTP's processed
 distribution q and use the speculative-sampling rule (:func:`accept_drafts`), so each token is
@@ -322,10 +323,4 @@ def _prefill(params: Params, state: DecodeState, cache: KVCache, prompts: Array,
                                  (split(prompts), split(nxt), jnp.arange(n)))
     return state, cache
 
-
-speculative_generate_jit = jax.jit(
-    speculative_generate_fn,
-    static_argnames=("num_speculative_tokens", "max_new_tokens", "features", "kernels",
-                     "prefill_chunk_size", "query_block", "draft"),
-    donate_argnames=("state",))
 

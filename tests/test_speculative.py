@@ -18,7 +18,7 @@ import pytest
 
 import jaxdecode as jd
 from conftest import tiny
-from jaxdecode import model, speculative
+from jaxdecode import generation, model, speculative
 from jaxdecode.params import params_to_hf
 from test_checkpoint import write_checkpoint
 
@@ -185,7 +185,7 @@ def test_speculative_greedy_equals_plain_greedy(params):
     for i, p in enumerate(prompts):
         padded[i, :len(p)] = p
     eos_ids = jnp.asarray([eos] + [-1] * 7, jnp.int32)
-    loop = speculative.speculative_generate_jit(
+    loop = generation.speculative_generate_jit(
         params, state, jnp.asarray(padded), jnp.asarray([len(p) for p in prompts]),
         jnp.asarray(budgets), eos_ids, -1, num_speculative_tokens=k, max_new_tokens=n,
         kernels=jd.Kernels(), draft=oracle)
@@ -235,7 +235,7 @@ def test_speculative_stop_sequences_equal_plain(params):
     stop_padded = np.full((8, 4), -1, np.int32)
     for i, stop in enumerate(stops):
         stop_padded[i, 4 - len(stop):] = stop
-    loop = speculative.speculative_generate_jit(
+    loop = generation.speculative_generate_jit(
         params, jd.init_state(c, 3, 64), jnp.asarray(padded),
         jnp.asarray([len(p) for p in prompts]), jnp.asarray(budgets),
         jnp.full((8,), -1, jnp.int32), -1, num_speculative_tokens=k,
@@ -450,7 +450,7 @@ def test_draft_vocab_keeps_greedy_tokens_and_drafts_from_the_set(params):
     padded = np.zeros((2, 9), np.int32)
     for i, p in enumerate(prompts):
         padded[i, :len(p)] = p
-    loop = speculative.speculative_generate_jit(
+    loop = generation.speculative_generate_jit(
         params, jd.init_state(c, 2, 32), jnp.asarray(padded), jnp.asarray([5, 9]),
         jnp.asarray([12, 12]), jnp.full((8,), -1, jnp.int32), -1, num_speculative_tokens=k,
         max_new_tokens=12, kernels=jd.Kernels(), draft=oracle_if_in_set,
