@@ -189,6 +189,15 @@ def _interpret(kernels: Kernels) -> bool:
     return kernels.interpret
 
 
+def _on_mesh(kernels: Kernels, fn, in_specs, out_specs):
+    """``fn`` as it is off a mesh; on ``kernels.mesh``, ``fn`` under ``jax.shard_map`` with these
+    specs (each device runs it on its shards: the partitioner cannot split a Pallas call)."""
+    if kernels.mesh is None:
+        return fn
+    return jax.shard_map(fn, mesh=kernels.mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)
+
+
 def decode_attention(kernels: Kernels, q, k_cache, v_cache, kv_len):
     """GQA decode attention as ``kernels.attention`` says: q [B, Hq, D], caches [B, Hkv, S, D],
     kv_len [B] int32 valid keys per row. Returns [B, Hq, D] in q's dtype. ``batch_invariant``:
@@ -206,11 +215,9 @@ def decode_attention(kernels: Kernels, q, k_cache, v_cache, kv_len):
     attend = functools.partial(_attention_pallas, config=config,
                                batch_invariant=kernels.batch_invariant,
                                interpret=_interpret(kernels))
-    if kernels.mesh is None:
-        return attend(q, k_cache, v_cache, kv_len)
     heads, cache = P(DATA, MODEL, None), P(DATA, MODEL, None, None)
-    return jax.shard_map(attend, mesh=kernels.mesh, in_specs=(heads, cache, cache, P(DATA)),
-                         out_specs=heads, check_vma=False)(q, k_cache, v_cache, kv_len)
+    return _on_mesh(kernels, attend, (heads, cache, cache, P(DATA)), heads)(
+        q, k_cache, v_cache, kv_len)
 
 
 def prefill_attention(kernels: Kernels, q, k_cache, v_cache, start, num_new, *,
@@ -232,12 +239,9 @@ def prefill_attention(kernels: Kernels, q, k_cache, v_cache, start, num_new, *,
                                                           query_block=query_block)
     else:
         attend = functools.partial(_prefill_attention_pallas, interpret=interpret)
-    if kernels.mesh is None:
-        return attend(q, k_cache, v_cache, start, num_new)
     heads, cache = P(DATA, None, MODEL, None), P(DATA, MODEL, None, None)
-    return jax.shard_map(attend, mesh=kernels.mesh,
-                         in_specs=(heads, cache, cache, P(DATA), P(DATA)), out_specs=heads,
-                         check_vma=False)(q, k_cache, v_cache, start, num_new)
+    return _on_mesh(kernels, attend, (heads, cache, cache, P(DATA), P(DATA)), heads)(
+        q, k_cache, v_cache, start, num_new)
 
 
 def fp8_linear(kernels: Kernels, x, w, *, out_dtype=None):
@@ -287,8 +291,7 @@ def top_k(kernels: Kernels, x, k: int):
     if kernels.mesh is None or x.shape[0] % kernels.mesh.shape[DATA]:
         return jax.lax.top_k(x, k)
     rows = P(DATA, None)
-    return jax.shard_map(lambda x: tuple(jax.lax.top_k(x, k)), mesh=kernels.mesh,
-                         in_specs=rows, out_specs=(rows, rows), check_vma=False)(x)
+    return _on_mesh(kernels, lambda x: tuple(jax.lax.top_k(x, k)), rows, (rows, rows))(x)
 
 
 def routed_experts(kernels: Kernels, x, weights, chosen, gate_up_proj, down_proj):
@@ -313,9 +316,8 @@ def routed_experts(kernels: Kernels, x, weights, chosen, gate_up_proj, down_proj
 
     rows = P(DATA, None) if x.shape[0] % kernels.mesh.shape[DATA] == 0 else P(None, None)
     stack = P(MODEL, None, None)
-    return jax.shard_map(local, mesh=kernels.mesh, in_specs=(rows, rows, rows, stack, stack),
-                         out_specs=rows, check_vma=False)(x, weights, chosen, gate_up_proj,
-                                                          down_proj)
+    return _on_mesh(kernels, local, (rows, rows, rows, stack, stack), rows)(
+        x, weights, chosen, gate_up_proj, down_proj)
 
 
 def chunk_gated_delta_rule(kernels: Kernels, q, k, v, g, beta, state):
@@ -325,13 +327,9 @@ def chunk_gated_delta_rule(kernels: Kernels, q, k, v, g, beta, state):
     if kernels.prefill_delta_rule == "xla":
         return chunk_rule_kernel.chunk_gated_delta_rule_reference(q, k, v, g, beta, state)
     rule = functools.partial(_prefill_delta_rule_pallas, interpret=_interpret(kernels))
-    if kernels.mesh is None:
-        return rule(q, k, v, g, beta, state)
     tokens, gates, heads = P(DATA, None, MODEL, None), P(DATA, None, MODEL), P(DATA, MODEL)
-    return jax.shard_map(rule, mesh=kernels.mesh,
-                         in_specs=(tokens, tokens, tokens, gates, gates, heads),
-                         out_specs=(tokens, heads), check_vma=False)(
-        q, k, v, g, beta, state)
+    return _on_mesh(kernels, rule, (tokens, tokens, tokens, gates, gates, heads),
+                    (tokens, heads))(q, k, v, g, beta, state)
 
 
 def gated_delta_states(kernels: Kernels, q, k, v, g, beta, state):
@@ -345,13 +343,9 @@ def gated_delta_states(kernels: Kernels, q, k, v, g, beta, state):
             or delta_rule_kernel.check_states_supported(q.shape, state.shape) is not None):
         return naive_gated_delta_rule(q, k, v, g, beta, state, all_states=True, unroll=True)
     rule = functools.partial(_delta_states_pallas, interpret=_interpret(kernels))
-    if kernels.mesh is None:
-        return rule(q, k, v, g, beta, state)
     tokens, gates = P(DATA, None, MODEL, None), P(DATA, None, MODEL)
-    return jax.shard_map(rule, mesh=kernels.mesh,
-                         in_specs=(tokens, tokens, tokens, gates, gates, P(DATA, MODEL)),
-                         out_specs=(tokens, P(DATA, None, MODEL)), check_vma=False)(
-        q, k, v, g, beta, state)
+    return _on_mesh(kernels, rule, (tokens, tokens, tokens, gates, gates, P(DATA, MODEL)),
+                    (tokens, P(DATA, None, MODEL)))(q, k, v, g, beta, state)
 
 
 def deltanet_decode(kernels: Kernels, mixed_qkv, a, b, active, positions, conv_state,
@@ -374,12 +368,9 @@ def deltanet_decode(kernels: Kernels, mixed_qkv, a, b, active, positions, conv_s
             block_v = delta_rule_kernel.choose_block_v(1, hv, dv)
         rule = functools.partial(_delta_rule_pallas, block_v=block_v,
                                  interpret=_interpret(kernels))
-        if kernels.mesh is not None:
-            heads, state = P(DATA, MODEL, None), P(DATA, MODEL, None, None)
-            rule = jax.shard_map(rule, mesh=kernels.mesh,
-                                 in_specs=(heads, heads, heads, P(DATA, MODEL), P(DATA, MODEL),
-                                           state),
-                                 out_specs=(heads, state), check_vma=False)
+        heads, state = P(DATA, MODEL, None), P(DATA, MODEL, None, None)
+        rule = _on_mesh(kernels, rule, (heads, heads, heads, P(DATA, MODEL), P(DATA, MODEL),
+                                        state), (heads, state))
     core = functools.partial(deltanet_kernel.deltanet_decode_xla, num_key_heads=num_key_heads,
                              delta_rule=rule)
     if kernels.batch_invariant:
