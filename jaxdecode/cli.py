@@ -186,10 +186,10 @@ def _generate(args) -> int:
                          f"{config.vocab_size}): pass --prompt-ids / --stop-ids")
     t0 = time.perf_counter()
     speculative = args.num_speculative_tokens > 0
-    if speculative and (args.stream or args.num_samples > 1
-                        or args.repetition_penalty != 1 or args.presence_penalty != 0):
-        raise UsageError("--num-speculative-tokens does not yet work with --stream, "
-                         "--num-samples > 1 or penalties")
+    if speculative and (args.stream or args.repetition_penalty != 1
+                        or args.presence_penalty != 0):
+        raise UsageError("--num-speculative-tokens does not yet work with --stream or "
+                         "penalties")
     draft_vocab = None
     if args.draft_vocab is not None:
         if not speculative:
@@ -273,10 +273,10 @@ def _generate(args) -> int:
 def _speculative(params, prompts, kwargs, args, tokenizer) -> int:
     """``generate(..., num_speculative_tokens=K)``: once to compile, once timed."""
     import jax
+    import numpy as np
     from jaxdecode.generation import generate
 
-    for name in ("num_samples", "chunk_size"):
-        kwargs.pop(name)
+    kwargs.pop("chunk_size")
     k = args.num_speculative_tokens
     t = time.perf_counter()
     jax.block_until_ready(generate(params, prompts, num_speculative_tokens=k, **kwargs))
@@ -284,14 +284,16 @@ def _speculative(params, prompts, kwargs, args, tokenizer) -> int:
     t = time.perf_counter()
     out = jax.block_until_ready(generate(params, prompts, num_speculative_tokens=k, **kwargs))
     run_s = time.perf_counter() - t
-    ids, reason = out.token_lists()[0], out.stop_reasons()[0]
-    _say(f"--- {len(ids)} tokens, stopped by {reason} ---\nids: {ids}")
-    if tokenizer is not None:
-        _say(f"text: {tokenizer.decode(ids)}")
+    for r, (ids, reason) in enumerate(zip(out.token_lists(), out.stop_reasons())):
+        _say(f"--- sample {r}: {len(ids)} tokens, stopped by {reason} ---\nids: {ids}")
+        if tokenizer is not None:
+            _say(f"text: {tokenizer.decode(ids)}")
+    total = int(np.sum(out.num_generated))
     _say("--- timing (wall clock, second run) ---\n"
          f"first run (compile + run): {compile_s:.2f} s\n"
-         f"generate: {len(ids)} tokens in {run_s * 1e3:.1f} ms = {len(ids) / run_s:.1f} "
-         f"tokens/s (speculative, {k} drafts per step from the MTP layer)")
+         f"generate: {total} tokens in {run_s * 1e3:.1f} ms = {total / run_s:.1f} "
+         f"tokens/s (speculative, {k} drafts per step from the MTP layer, {args.num_samples} "
+         f"row(s))")
     return 0
 
 

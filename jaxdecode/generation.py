@@ -486,7 +486,7 @@ SPECULATIVE_COMPILER_OPTIONS = types.MappingProxyType({
 speculative_generate_jit = jax.jit(
     speculative.speculative_generate_fn,
     static_argnames=("num_speculative_tokens", "max_new_tokens", "features", "kernels",
-                     "prefill_chunk_size", "query_block", "draft"),
+                     "prefill_chunk_size", "query_block", "draft", "logprobs"),
     donate_argnames=("state",), compiler_options=SPECULATIVE_COMPILER_OPTIONS)
 
 
@@ -605,9 +605,10 @@ def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParam
     ``num_speculative_tokens`` k > 0: speculative decoding with the params' MTP layer
     (``load_checkpoint(..., mtp=True)``; ``jaxdecode.speculative``): greedy rows give the same
     tokens as plain greedy decoding, sampled rows the same distribution (other draws);
-    ``max_len`` then needs room for k more tokens. Not yet together with penalties,
-    ``state``/``return_state``, ``num_samples`` > 1, log-probabilities,
-    ``progress``/``executables`` or a mesh (ValueError). ``draft_vocab``: token ids [V'] the
+    ``max_len`` then needs room for k more tokens; log-probabilities as plain decoding's (from
+    the verify step's logits); ``num_samples`` rows prefilled apart. Not yet together with
+    penalties, ``state``/``return_state``, ``progress``/``executables`` or a mesh
+    (ValueError). ``draft_vocab``: token ids [V'] the
     drafts are chosen from (``jaxdecode.speculative``: a cheaper draft, the same output;
     distinct ids in [0, vocab_size), else ValueError; only with ``num_speculative_tokens``).
     """
@@ -650,8 +651,7 @@ def _generate_speculative(params: Params, prompts, max_new_tokens, sampling, key
                          "jd.load_checkpoint(path, mtp=True)")
     unsupported = [name for name, used in (
         ("state", state is not None),
-        ("return_state", return_state), ("num_samples > 1", num_samples != 1),
-        ("return_logprobs", bool(return_logprobs) or bool(top_logprobs)),
+        ("return_state", return_state),
         ("progress", progress is not None),
         ("executables", executables is not None),
         ("a mesh", sharding.mesh_of(params) is not None)) if used]
@@ -660,24 +660,34 @@ def _generate_speculative(params: Params, prompts, max_new_tokens, sampling, key
     if draft_vocab is not None:
         draft_vocab = speculative.check_draft_vocab(draft_vocab, params.config.vocab_size)
     plan = _plan(params, prompts, max_new_tokens, sampling, key, eos_token_ids,
-                 max_len=max_len, num_samples=1, chunk_size=chunk_size, pad_id=pad_id,
+                 max_len=max_len, num_samples=num_samples, chunk_size=chunk_size, pad_id=pad_id,
                  kernels=kernels, features=features, prefill_chunk_size=prefill_chunk_size,
                  activation_budget=activation_budget, stop_sequences=stop_sequences,
+                 return_logprobs=return_logprobs, top_logprobs=top_logprobs,
                  reserve=(int(k), f"num_speculative_tokens={k} (the verify step's room)"))
     if plan.features.penalties:
         raise ValueError("num_speculative_tokens does not yet apply repetition, presence or "
                          "frequency penalties; leave them at their defaults")
+    # num_samples: each prompt's rows prefilled apart (row p * n + j is prompt p's j-th
+    # sample), so the prefill's chunks are planned for all rows
+    n = plan.num_samples
+    if n > 1:
+        plan = dataclasses.replace(plan, prefill=plan_prefill(
+            params, len(plan.budgets), plan.prompts.shape[1], plan.max_len,
+            prefill_chunk_size=prefill_chunk_size, activation_budget=activation_budget,
+            kernels=plan.kernels))
     state = init_state(params.config, len(plan.budgets), plan.max_len, params.dtype)
     loop = speculative_generate_jit(
-        params, state, jnp.asarray(plan.prompts), jnp.asarray(plan.prompt_lengths),
+        params, state, jnp.asarray(np.repeat(plan.prompts, n, axis=0)),
+        jnp.asarray(np.repeat(plan.prompt_lengths, n, axis=0)),
         jnp.asarray(plan.budgets), jnp.asarray(plan.eos_token_ids), plan.pad_id,
         plan.sampling, plan.keys, features=plan.features,
         num_speculative_tokens=int(k), max_new_tokens=plan.max_new_tokens,
         kernels=plan.kernels, prefill_chunk_size=plan.prefill.prefill_chunk_size,
         query_block=plan.prefill.query_block, draft_vocab=draft_vocab,
-        stop_sequences=jnp.asarray(plan.stop_sequences))
+        stop_sequences=jnp.asarray(plan.stop_sequences), logprobs=plan.logprobs)
     return GenerateOutput(tokens=loop.tokens, num_generated=loop.num_generated,
-                          stop_reason=loop.stop_reason)
+                          stop_reason=loop.stop_reason, logprobs=loop.logprobs)
 
 
 def generate_stream(params: Params, prompts, max_new_tokens=64,

@@ -38,7 +38,7 @@ from jaxdecode.kernels import choice
 from jaxdecode.kernels.choice import Kernels
 from jaxdecode.model import commit_fn, mtp_forward, prefill_hidden_fn, verify_fn
 from jaxdecode.params import Params
-from jaxdecode.sampling import SamplingFeatures, SamplingParams, processed_logits
+from jaxdecode.sampling import Logprobs, SamplingFeatures, SamplingParams, processed_logits
 from jaxdecode.state import DecodeState, KVCache
 
 Array = jax.Array
@@ -62,6 +62,7 @@ class SpeculativeLoop:
     recent: Array  # [R, L - 1] int32 the last emitted tokens (-1 before the first): stop sequences
     accepted: Array  # [] int32 drafts accepted over the run (all rows)
     iterations: Array  # [] int32 verify steps run
+    logprobs: Logprobs | None = None  # of ``tokens``, [R, N] leaves (top ones [R, N, n])
 
 
 def distribution(logits: Array, sampling: SamplingParams, features: SamplingFeatures) -> Array:
@@ -146,13 +147,33 @@ def accept_drafts(target: Array, draft: Array, drafts: Array, key: Array):
     return emitted.astype(jnp.int32), num_accepted + 1
 
 
+def emitted_logprobs(logits: Array, tokens: Array, sampling: SamplingParams | None,
+                     features: SamplingFeatures | None, top_logprobs: int) -> Logprobs:
+    """:class:`Logprobs` [R, W] (top ones [R, W, n]) of ``tokens`` [R, W] under the verify
+    step's logits [R, W, V] at their positions: the distributions plain decoding draws them from
+    (``sampling.token_logprobs``; no penalties here, so a greedy row's processed logits are its
+    raw ones)."""
+    rows, width, vocab = logits.shape
+    if sampling is None or features is None or not features.sampled:
+        processed = logits
+    else:
+        processed = jax.vmap(lambda x: processed_logits(x, sampling, features=features),
+                             in_axes=1, out_axes=1)(logits)
+    lp = sampling_lib.token_logprobs(logits.reshape(rows * width, vocab),
+                                     processed.reshape(rows * width, vocab),
+                                     tokens.reshape(-1), top_logprobs)
+    return jax.tree.map(lambda x: x.reshape(rows, width, *x.shape[1:]), lp)
+
+
 def _emit(loop: SpeculativeLoop, new: Array, count: Array, eos_ids: Array, budgets: Array,
-          stop_sequences: Array) -> tuple[SpeculativeLoop, Array]:
+          stop_sequences: Array, new_logprobs: Logprobs | None = None
+          ) -> tuple[SpeculativeLoop, Array]:
     """Appends each running row's first ``count`` of ``new`` [R, W] to its output, cut after an
     EOS id, after the last token of a stop sequence ([S, L] right-aligned, -1 matching anything,
     as ``generation._record``; matched against the emitted tokens only) or at its budget; the
-    reason in that order when several fall on one token. Returns (loop with tokens/
-    num_generated/stop_reason/recent updated, the number of tokens each row took)."""
+    reason in that order when several fall on one token; ``new_logprobs`` ([R, W] leaves) into
+    ``loop.logprobs`` at the same places. Returns (loop with tokens/num_generated/stop_reason/
+    recent/logprobs updated, the number of tokens each row took)."""
     width = new.shape[1]
     j = jnp.arange(width, dtype=jnp.int32)[None, :]
     running = loop.stop_reason == 0
@@ -169,7 +190,11 @@ def _emit(loop: SpeculativeLoop, new: Array, count: Array, eos_ids: Array, budge
     took = jnp.minimum(jnp.minimum(count, jnp.minimum(first_eos, first_stop) + 1), room)
     took = jnp.where(running, took, 0)
     slots = jnp.where(j < took[:, None], loop.num_generated[:, None] + j, loop.tokens.shape[1])
-    tokens = jax.vmap(lambda row, s, v: row.at[s].set(v, mode="drop"))(loop.tokens, slots, new)
+    put = jax.vmap(lambda row, s, v: row.at[s].set(v, mode="drop"))
+    tokens = put(loop.tokens, slots, new)
+    if new_logprobs is not None:
+        loop = loop.replace(logprobs=jax.tree.map(lambda old, v: put(old, slots, v),
+                                                  loop.logprobs, new_logprobs))
     num_generated = loop.num_generated + took
     stop = jnp.select([first_eos < took, first_stop < took, num_generated >= budgets],
                       [STOP_EOS, STOP_SEQUENCE, STOP_LENGTH], 0)
@@ -187,7 +212,8 @@ def speculative_generate_fn(params: Params, state: DecodeState, prompts: Array,
                             kernels: Kernels = choice.XLA, prefill_chunk_size: int | None = None,
                             query_block: int = 512, draft=None,
                             draft_vocab: Array | None = None,
-                            stop_sequences: Array | None = None) -> SpeculativeLoop:
+                            stop_sequences: Array | None = None,
+                            logprobs: int | None = None) -> SpeculativeLoop:
     """Speculative generation; pure, un-jitted, unvalidated (``generate`` checks).
 
     state: an empty state of R rows with room for prompt + budget + k tokens; prompts [R, T]
@@ -200,7 +226,8 @@ def speculative_generate_fn(params: Params, state: DecodeState, prompts: Array,
     probability; then drafts count as drawn from a one-hot q). ``draft_vocab``: [V'] int32
     distinct ids the drafts come from (:func:`check_draft_vocab`; None: the whole vocabulary).
     ``stop_sequences``: [S, L] int32 right-aligned, -1 padded (``generate``'s; None: none).
-    Returns the final loop.
+    ``logprobs`` (static): fill ``loop.logprobs`` with that many top ones (None: not computed;
+    0 and ids ``pad_id`` past a row's last token, as ``generate``'s). Returns the final loop.
     """
     k = num_speculative_tokens
     rows, length = prompts.shape
@@ -240,7 +267,19 @@ def speculative_generate_fn(params: Params, state: DecodeState, prompts: Array,
         num_generated=jnp.zeros((rows,), jnp.int32), stop_reason=jnp.zeros((rows,), jnp.int32),
         recent=jnp.full((rows, stop_sequences.shape[1] - 1), -1, jnp.int32),
         accepted=jnp.zeros((), jnp.int32), iterations=jnp.zeros((), jnp.int32))
-    loop, _ = _emit(loop, first[:, None], one, eos_ids, budgets, stop_sequences)
+
+    def logprobs_of(logits, tokens):  # [R, W, V], [R, W] -> Logprobs [R, W] or None
+        if logprobs is None:
+            return None
+        return emitted_logprobs(logits, tokens, sampling, features, logprobs)
+    if logprobs is not None:
+        zeros = jnp.zeros((rows, max_new_tokens), jnp.float32)
+        loop = loop.replace(logprobs=Logprobs(
+            processed=zeros, raw=zeros,
+            top_ids=jnp.full((rows, max_new_tokens, logprobs), pad_id, jnp.int32),
+            top_logprobs=jnp.zeros((rows, max_new_tokens, logprobs), jnp.float32)))
+    loop, _ = _emit(loop, first[:, None], one, eos_ids, budgets, stop_sequences,
+                    logprobs_of(logits[:, :1], first[:, None]))
 
     def body(loop: SpeculativeLoop) -> SpeculativeLoop:
         running = loop.stop_reason == 0
@@ -280,7 +319,8 @@ def speculative_generate_fn(params: Params, state: DecodeState, prompts: Array,
             emitted, count = accept_drafts(distribution(logits, sampling, features),
                                            jnp.stack(qs, axis=1), drafts, step_keys[:, k])
         loop = loop.replace(mtp_cache=cache)
-        loop, took = _emit(loop, emitted, count, eos_ids, budgets, stop_sequences)
+        loop, took = _emit(loop, emitted, count, eos_ids, budgets, stop_sequences,
+                           logprobs_of(logits, emitted))
         # took tokens emitted = took - 1 accepted drafts and the token after them: ``last`` and
         # those drafts enter the state; the last emitted token is the next ``last``, and
         # (hidden at each verified position, the token emitted after it) the next pairs.

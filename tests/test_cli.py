@@ -238,6 +238,9 @@ def test_cli_speculative_decoding_gives_the_greedy_tokens(capsys):
     status, _, err = _cli(capsys, "--max-new-tokens", "4", "--num-speculative-tokens", "2",
                           "--stream")
     assert status == 2 and err.count("\n") == 1 and "--num-speculative-tokens" in err, err
+    status, out, _ = _cli(capsys, "--max-new-tokens", "4", "--num-speculative-tokens", "2",
+                          "--num-samples", "2", "--temperature", "0.8", "--seed", "3")
+    assert status == 0 and out.count("--- sample ") == 2, out
 
 
 def test_cli_draft_vocab(capsys, tmp_path):

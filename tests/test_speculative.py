@@ -20,6 +20,7 @@ import jaxdecode as jd
 from conftest import tiny
 from jaxdecode import generation, model, speculative
 from jaxdecode.params import params_to_hf
+from jaxdecode.sampling import processed_logits
 from test_checkpoint import write_checkpoint
 
 CONFIG = tiny(mtp_num_hidden_layers=1)
@@ -270,7 +271,7 @@ def test_speculative_errors(params):
     for bad in (-1, 0.0, False, 2.5, None):
         with pytest.raises(ValueError, match="positive int"):
             jd.generate(params, [[1, 2]], 4, num_speculative_tokens=bad)
-    with pytest.raises(ValueError, match="return_logprobs"):
+    with pytest.raises(ValueError, match="top_logprobs=3 needs return_logprobs"):
         jd.generate(params, [[1, 2]], 4, top_logprobs=3, num_speculative_tokens=2)
     with pytest.raises(ValueError, match="chunk_size"):
         jd.generate(params, [[1, 2]], 4, chunk_size=0, num_speculative_tokens=2)
@@ -278,6 +279,84 @@ def test_speculative_errors(params):
         model.mtp_forward(no_mtp, None, None, jnp.zeros((1, 1), jnp.int32), None, None)
     with pytest.raises(ValueError, match="mtp_num_hidden_layers=2"):
         tiny(mtp_num_hidden_layers=2)
+
+
+def test_speculative_logprobs_equal_plain(params):
+    """Greedy, oracle drafts right 3 times in 4 (runs accepted, rejections mid-run), ragged
+    prompts and budgets, an EOS: each emitted token's processed/raw log-probability and the
+    top 3 equal plain generate's (float32), zero / pad_id past a row's end."""
+    c = CONFIG
+    rng = np.random.default_rng(12)
+    prompts = [list(rng.integers(0, c.vocab_size, n)) for n in (7, 3, 12)]
+    budgets = [15, 6, 13]
+    free = np.asarray(jd.generate(params, prompts, max_new_tokens=budgets,
+                                  eos_token_ids=[]).tokens)
+    eos = int(free[2, 8])
+    plain = jd.generate(params, prompts, max_new_tokens=budgets, eos_token_ids=[eos],
+                        return_logprobs=True, top_logprobs=3)
+    ref = np.asarray(plain.tokens)
+    k = 3
+
+    def oracle(loop, drafts):
+        pos = loop.num_generated[:, None] + jnp.arange(k)[None, :]
+        right = jnp.take_along_axis(jnp.asarray(ref), jnp.minimum(pos, ref.shape[1] - 1), axis=1)
+        right = jnp.maximum(right, 0)
+        return jnp.where(pos % 4 == 3, (right + 1) % c.vocab_size, right).astype(jnp.int32)
+
+    padded = np.zeros((3, 16), np.int32)
+    for i, p in enumerate(prompts):
+        padded[i, :len(p)] = p
+    loop = generation.speculative_generate_jit(
+        params, jd.init_state(c, 3, 64), jnp.asarray(padded),
+        jnp.asarray([len(p) for p in prompts]), jnp.asarray(budgets),
+        jnp.asarray([eos] + [-1] * 7, jnp.int32), -1, num_speculative_tokens=k,
+        max_new_tokens=ref.shape[1], kernels=jd.Kernels(), draft=oracle, logprobs=3)
+    np.testing.assert_array_equal(np.asarray(loop.tokens), ref)
+    assert int(loop.accepted) > 0
+    for name in ("processed", "raw", "top_logprobs"):
+        np.testing.assert_allclose(np.asarray(getattr(loop.logprobs, name)),
+                                   np.asarray(getattr(plain.logprobs, name)), rtol=0, atol=2e-5,
+                                   err_msg=name)
+    np.testing.assert_array_equal(np.asarray(loop.logprobs.top_ids),
+                                  np.asarray(plain.logprobs.top_ids))
+    assert np.asarray(plain.logprobs.top_ids)[1, 6:].tolist() == [[-1] * 3] * (ref.shape[1] - 6)
+    # through generate (the MTP's own drafts)
+    spec = jd.generate(params, prompts, max_new_tokens=budgets, eos_token_ids=[eos],
+                       return_logprobs=True, top_logprobs=3, num_speculative_tokens=2)
+    np.testing.assert_array_equal(np.asarray(spec.tokens), ref)
+    np.testing.assert_allclose(np.asarray(spec.logprobs.raw), np.asarray(plain.logprobs.raw),
+                               rtol=0, atol=2e-5)
+
+
+def test_speculative_sampled_logprobs_and_num_samples(params):
+    """Sampled rows (temperature 0.7, top-k 5) with num_samples = 3: row p * 3 + j is prompt p's
+    (the same tokens as prompting p alone with that row's key); each token's raw and processed
+    log-probability against a float32 prefill of prompt + output (the logits at its position,
+    their softmax and that of ``processed_logits``)."""
+    c = CONFIG
+    prompts = [[5, 17, 99, 3], [42, 8]]
+    sampling = jd.SamplingParams.create(temperature=0.7, top_k=5)
+    keys = jax.random.split(jax.random.key(9), 6)
+    out = jd.generate(params, prompts, 10, sampling, keys, eos_token_ids=[], num_samples=3,
+                      return_logprobs=True, num_speculative_tokens=3)
+    tokens = np.asarray(out.tokens)
+    assert tokens.shape[0] == 6 and (np.asarray(out.num_generated) == 10).all()
+    for row in range(6):
+        alone = jd.generate(params, [prompts[row // 3]], 10, sampling, keys[row:row + 1],
+                            eos_token_ids=[], num_speculative_tokens=3)
+        np.testing.assert_array_equal(np.asarray(alone.tokens)[0], tokens[row])
+        seq = prompts[row // 3] + tokens[row, :10].tolist()
+        logits, _ = model.prefill_fn(params, jd.init_state(c, 1, 64),
+                                     jnp.asarray([seq], jnp.int32), jnp.asarray([len(seq)]),
+                                     return_all_logits=True)
+        at = logits[0, len(prompts[row // 3]) - 1:len(seq) - 1]  # [10, V]: each token's
+        processed = processed_logits(at, sampling.broadcast(10))
+        for got, x in ((out.logprobs.raw, at), (out.logprobs.processed, processed)):
+            want = jnp.take_along_axis(jax.nn.log_softmax(x, axis=-1),
+                                       jnp.asarray(tokens[row, :10])[:, None], axis=1)[:, 0]
+            np.testing.assert_allclose(np.asarray(got)[row, :10], np.asarray(want), rtol=0,
+                                       atol=2e-5)
+    assert len({tuple(r) for r in tokens[:3]}) > 1  # the samples of one prompt differ
 
 
 def test_load_checkpoint_with_mtp(tmp_path, params):
