@@ -608,9 +608,9 @@ def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParam
     ``max_len`` then needs room for k more tokens; log-probabilities as plain decoding's (from
     the verify step's logits); ``num_samples`` rows prefilled apart. Not yet together with
     penalties, ``state``/``return_state``, ``progress``/``executables`` or a mesh
-    (ValueError). ``draft_vocab``: token ids [V'] the
-    drafts are chosen from (``jaxdecode.speculative``: a cheaper draft, the same output;
-    distinct ids in [0, vocab_size), else ValueError; only with ``num_speculative_tokens``).
+    (ValueError). ``draft_vocab``: token ids [V'] the drafts are chosen from
+    (``jaxdecode.speculative``: a cheaper draft, the same output; distinct ids in
+    [0, vocab_size), else ValueError; only with ``num_speculative_tokens``).
     """
     speculation_off = (isinstance(num_speculative_tokens, (int, np.integer))
                        and not isinstance(num_speculative_tokens, (bool, np.bool_))

@@ -6,11 +6,14 @@ on its own output), verifies the last token and the k drafts in one target pass
 target, and continues from the state after the last emitted input without recomputing
 (:func:`model.commit_fn`). Rows accept different counts; the whole loop is one
 ``lax.while_loop`` (``generation.speculative_generate_jit`` compiles it with the loop inside
-XLA's command buffers, so the GPU evaluates its condition without a host round trip). Greedy rows accept while the draft is the target's argmax: the output equals
-plain greedy decoding token for token (up to float ties). Sampled rows (temperature, top-k,
-top-p, min-p as ``jaxdecode.sampling``; no penalties) draw their drafts from the MTP's processed
-distribution q and use the speculative-sampling rule (:func:`accept_drafts`), so each token is
-distributed exactly as plain sampling's (not the same draws: the keys are used differently).
+XLA's command buffers, so the GPU evaluates its condition without a host round trip). Greedy
+rows accept while the draft is the target's argmax: the output equals plain greedy decoding
+token for token (up to float ties). Sampled rows (temperature, top-k, top-p, min-p as
+``jaxdecode.sampling``; no penalties) draw their drafts from the MTP's processed distribution q
+and use the speculative-sampling rule (:func:`accept_drafts`), so each token is distributed
+exactly as plain sampling's (not the same draws: the keys are used differently). Each emitted
+token's log-probabilities come from the verify step's logits at its position
+(:func:`emitted_logprobs`), the distribution plain decoding would draw it from.
 
 A draft vocabulary (``draft_vocab``: the ids the MTP may propose, e.g. a corpus's most frequent
 tokens; Zhao et al., "FR-Spec", 2025) scores each draft against those rows of the LM head only,
