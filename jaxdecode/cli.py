@@ -186,10 +186,11 @@ def _generate(args) -> int:
                          f"{config.vocab_size}): pass --prompt-ids / --stop-ids")
     t0 = time.perf_counter()
     speculative = args.num_speculative_tokens > 0
-    if speculative and (args.stream or args.repetition_penalty != 1
-                        or args.presence_penalty != 0):
-        raise UsageError("--num-speculative-tokens does not yet work with --stream or "
-                         "penalties")
+    if speculative and args.stream:
+        raise UsageError("--num-speculative-tokens does not yet work with --stream")
+    if speculative and (args.repetition_penalty != 1 or args.presence_penalty != 0):
+        raise UsageError("--num-speculative-tokens does not yet apply --repetition-penalty or "
+                         "--presence-penalty")
     draft_vocab = None
     if args.draft_vocab is not None:
         if not speculative:

@@ -324,8 +324,10 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
     if not prompt_list:
         raise ValueError("prompts is empty: pass at least one prompt")
     for name, value in (("num_samples", num_samples), ("chunk_size", chunk_size)):
-        if not isinstance(value, int) or value < 1:
+        if (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer))
+                or value < 1):
             raise ValueError(f"{name}={value!r} must be a positive int")
+    num_samples, chunk_size = int(num_samples), int(chunk_size)
     if not isinstance(pad_id, (int, np.integer)) or not -2**31 <= pad_id < 2**31:
         raise ValueError(f"{pad_id=} must be an int32")
     num_prompts = len(prompt_list)
@@ -415,7 +417,7 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
                          f"({rows}); got {key.dtype} {key.shape}")
     if key.ndim == (0 if typed else 1):
         key = sampling_lib.row_keys(key, rows)
-    elif key.shape[0] != rows:
+    elif key.ndim != (1 if typed else 2) or key.shape[0] != rows:
         raise ValueError(f"key must be one PRNG key or one per output row ({rows}); got "
                          f"{key.shape=}")
     mesh = sharding.mesh_of(params)
@@ -646,6 +648,10 @@ def _generate_speculative(params: Params, prompts, max_new_tokens, sampling, key
     ``speculative.speculative_generate_fn`` in one jitted call)."""
     if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)) or k < 1:
         raise ValueError(f"num_speculative_tokens={k!r} must be a positive int (0: off)")
+    if k > speculative.MAX_SPECULATIVE_TOKENS:
+        raise ValueError(f"num_speculative_tokens={k} is more than "
+                         f"{speculative.MAX_SPECULATIVE_TOKENS} (each draft is one more MTP pass "
+                         "compiled into the loop)")
     if params.mtp is None:
         raise ValueError("num_speculative_tokens needs the MTP layer: load the checkpoint with "
                          "jd.load_checkpoint(path, mtp=True)")
@@ -665,9 +671,11 @@ def _generate_speculative(params: Params, prompts, max_new_tokens, sampling, key
                  activation_budget=activation_budget, stop_sequences=stop_sequences,
                  return_logprobs=return_logprobs, top_logprobs=top_logprobs,
                  reserve=(int(k), f"num_speculative_tokens={k} (the verify step's room)"))
-    if plan.features.penalties:
+    if sampling_lib.features_of(plan.sampling).penalties:
         raise ValueError("num_speculative_tokens does not yet apply repetition, presence or "
                          "frequency penalties; leave them at their defaults")
+    # the loop has no penalty step: a ``features`` that enables it (ALL_FEATURES) changes nothing
+    plan = dataclasses.replace(plan, features=dataclasses.replace(plan.features, penalties=False))
     # num_samples: each prompt's rows prefilled apart (row p * n + j is prompt p's j-th
     # sample), so the prefill's chunks are planned for all rows
     n = plan.num_samples

@@ -45,6 +45,9 @@ from jaxdecode.sampling import Logprobs, SamplingFeatures, SamplingParams, proce
 from jaxdecode.state import DecodeState, KVCache
 
 Array = jax.Array
+# The most drafts per step: the loop unrolls one MTP pass per draft (compile time and memory
+# grow with it), and a draft's acceptance falls with its distance from the verified token.
+MAX_SPECULATIVE_TOKENS = 16
 
 STOP_EOS, STOP_LENGTH, STOP_SEQUENCE = 1, 2, 3  # generation's STOP_* (same values)
 

@@ -271,6 +271,15 @@ def test_speculative_errors(params):
     for bad in (-1, 0.0, False, 2.5, None):
         with pytest.raises(ValueError, match="positive int"):
             jd.generate(params, [[1, 2]], 4, num_speculative_tokens=bad)
+    with pytest.raises(ValueError, match="num_speculative_tokens=17 is more than 16"):
+        jd.generate(params, [[1, 2]], 4, num_speculative_tokens=17)
+    keys = jax.random.split(jax.random.key(0), 2)[:, None]  # [R, 1]: not one key per row
+    with pytest.raises(ValueError, match="one per output row"):
+        jd.generate(params, [[1, 2], [3]], 4, key=keys, num_speculative_tokens=2)
+    # a features value that enables penalties no row uses, numpy ints: accepted
+    out = jd.generate(params, [[1, 2]], 3, num_speculative_tokens=2, num_samples=np.int64(2),
+                      features=jd.sampling.ALL_FEATURES)
+    assert out.tokens.shape[0] == 2
     with pytest.raises(ValueError, match="top_logprobs=3 needs return_logprobs"):
         jd.generate(params, [[1, 2]], 4, top_logprobs=3, num_speculative_tokens=2)
     with pytest.raises(ValueError, match="chunk_size"):
