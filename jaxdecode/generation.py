@@ -604,7 +604,7 @@ def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParam
 
     Returns a :class:`GenerateOutput` of device arrays. ``progress``, if given, is called on the
     host after every chunk with ``num_generated [R]`` (a new function object compiles anew).
-    ``num_speculative_tokens`` k > 0: speculative decoding with the params' MTP layer
+    ``num_speculative_tokens`` k in [1, 16]: speculative decoding with the params' MTP layer
     (``load_checkpoint(..., mtp=True)``; ``jaxdecode.speculative``): greedy rows give the same
     tokens as plain greedy decoding, sampled rows the same distribution (other draws);
     ``max_len`` then needs room for k more tokens; log-probabilities as plain decoding's (from
