@@ -480,7 +480,7 @@ _feed_last_jit = jax.jit(feed_last_fn, static_argnames=("kernels",), donate_argn
 # The library's options, plus while loops and conditionals inside command buffers (CUDA graph
 # conditional nodes; the rest is XLA 0.11.2's default list): the speculative loop's condition
 # depends on each step's accepted counts, which the host would otherwise read back before
-# launching every iteration (benchmarks/RESULTS.md, session 25).
+# launching every iteration (measured in benchmarks/RESULTS.md).
 SPECULATIVE_COMPILER_OPTIONS = types.MappingProxyType({
     **COMPILER_OPTIONS,
     "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"})
