@@ -24,13 +24,9 @@ first variant relative to max |out|. Variants:
                     into the reduction; N <= 64)
   slices            one GEMV pair per (token, slot) on a ``dynamic_slice`` of the stack (N = 1)
   slices+fusion     the same with ``xla_gpu_enable_dynamic_slice_fusion``
-  kernels           ``model.moe`` with ``Kernels(moe_experts="pallas")``: the routed and shared
-                    experts' projections as two grouped-linear kernels (N·k <= E)
 
-Part 2, ``--decode``: the library's decode step (``step.jit_decode_step``, one step per call)
-for the whole model at the given batch sizes and context, ms per token, with each
-``--moe-experts`` form (pallas: the grouped-linear kernels where ``choose_kernels`` picks them;
-xla: XLA's form) in the same process. Random weights route near-uniformly, the worst case for distinct experts at batch > 1.
+Part 2, ``--decode``: the library's decode step (``step.jit_decode_step``) for the whole model
+at the given batch sizes and context, ms per token (the library's MoE). Random weights route near-uniformly, the worst case for distinct experts at batch > 1.
 """
 
 from __future__ import annotations
@@ -52,7 +48,6 @@ import numpy as np  # noqa: E402
 
 import jaxdecode as jd  # noqa: E402
 from jaxdecode import experts, model, step  # noqa: E402
-from jaxdecode.kernels import choice  # noqa: E402
 from jaxdecode.activations import sigmoid, silu  # noqa: E402
 from jaxdecode.params import MLPParams, MoEParams  # noqa: E402
 
@@ -132,8 +127,6 @@ VARIANTS = {
     "slices": (lambda p, x, c: _moe(p, x, c, _slices_experts), None, 1),
     "slices+fusion": (lambda p, x, c: _moe(p, x, c, _slices_experts),
                       {"xla_gpu_enable_dynamic_slice_fusion": True}, 1),
-    "kernels": (lambda p, x, c: model.moe(p, x, c, choice.Kernels(moe_experts="pallas")), None,
-                32),
 }
 
 
@@ -247,23 +240,20 @@ def decode_bytes(config, params, batch, context):
     return sum(parts.values()) - all_experts + all_experts * distinct / c.num_experts
 
 
-def part_decode(config, batches, context, bw, prefill, forms=("pallas",)):
+def part_decode(config, batches, context, bw, prefill):
     params = jd.init_params(config, jax.random.key(0), "bfloat16")
-    from decode import kernels_for, randomize_state, time_decode  # noqa: PLC0415
+    from decode import randomize_state, time_decode  # noqa: PLC0415
     rows = []
-    for batch, form in [(b, f) for b in batches for f in forms]:
+    for batch in batches:
         state = randomize_state(jd.init_state(config, batch, context + 256, "bfloat16"),
                                 context)
-        kernels = kernels_for(params, batch)
-        if form == "xla":
-            kernels = dataclasses.replace(kernels, moe_experts="xla")
         try:
-            s, compile_s, _ = time_decode(params, state, batch, kernels=kernels)
+            s, compile_s, _ = time_decode(params, state, batch)
             nbytes = decode_bytes(config, params, batch, context)
-            rows.append((batch, kernels.moe_experts, s * 1e3, batch / s, nbytes / 2**30,
-                         100 * nbytes / s / 1e9 / bw, compile_s))
+            rows.append((batch, s * 1e3, batch / s, nbytes / 2**30, 100 * nbytes / s / 1e9 / bw,
+                         compile_s))
         except Exception as e:  # noqa: BLE001
-            rows.append((batch, form, f"{type(e).__name__}: {str(e)[:100]}"))
+            rows.append((batch, f"{type(e).__name__}: {str(e)[:100]}"))
         print(rows[-1], flush=True)
         del state
     pre = []
@@ -290,9 +280,6 @@ def main():
     ap.add_argument("--variants", default="library,pairs,rounds,ragged_dot")
     ap.add_argument("--decode", default="", help="batch sizes for part 2, e.g. 1,8,64")
     ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--moe-experts", default="pallas",
-                    help="part 2's MoE expert forms, each timed: pallas (choose_kernels' "
-                         "choice), xla")
     ap.add_argument("--prefill", default="", help="rows:tokens cells of jd.prefill, e.g. 1:8192")
     ap.add_argument("--layers", type=int, default=None, help="fewer layers (CPU smoke runs)")
     ap.add_argument("--experts", type=int, default=None, help="fewer experts (CPU smoke runs)")
@@ -311,11 +298,8 @@ def main():
           f"top {config.num_experts_per_tok}")
     blocks = part_blocks(config, [int(t) for t in args.tokens.split(",") if t],
                          args.variants.split(","), bw) if args.tokens else []
-    forms = args.moe_experts.split(",")
-    if set(forms) - {"pallas", "xla"}:
-        ap.error(f"--moe-experts takes pallas and/or xla; got {args.moe_experts!r}")
     decode, pre = part_decode(config, [int(b) for b in args.decode.split(",") if b],
-                              args.context, bw, args.prefill, forms) \
+                              args.context, bw, args.prefill) \
         if args.decode or args.prefill else ([], [])
     print("\n| tokens | variant | ms (all layers) | MiB touched | distinct experts/layer "
           "| GB/s | % copy bw | max diff | compiled as |")
@@ -327,15 +311,15 @@ def main():
             print(f"| {r[0]} | {r[1]} | {r[2]:.3f} | {r[3]:.0f} | {r[4]:.1f} | {r[5]:.0f} "
                   f"| {r[6]:.1f} | {r[7]:.1e} | {r[8]} |")
     if decode:
-        print(f"\n| batch | MoE experts | ms/token (context {args.context}) | tok/s | GiB read "
-              "per step (uniform routing) | % copy bw | compile s |")
-        print("|---:|---|---:|---:|---:|---:|---:|")
+        print(f"\n| batch | ms/token (context {args.context}) | tok/s | GiB read per step "
+              "(uniform routing) | % copy bw | compile s |")
+        print("|---:|---:|---:|---:|---:|---:|")
         for r in decode:
-            if len(r) == 3:
-                print(f"| {r[0]} | {r[1]} | {r[2]} |")
+            if len(r) == 2:
+                print(f"| {r[0]} | {r[1]} |")
             else:
-                print(f"| {r[0]} | {r[1]} | {r[2]:.3f} | {r[3]:.0f} | {r[4]:.2f} | {r[5]:.1f} "
-                      f"| {r[6]:.1f} |")
+                print(f"| {r[0]} | {r[1]:.3f} | {r[2]:.0f} | {r[3]:.2f} | {r[4]:.1f} "
+                      f"| {r[5]:.1f} |")
     if pre:
         print("\n| prefill rows:tokens | first call s | s | tok/s |")
         print("|---|---:|---:|---:|")

@@ -126,21 +126,14 @@ def moe(p: MoEParams, x: Array, config: Config, kernels: Kernels = choice.XLA) -
     dense compute over all E per pair, no token dropping), each output times its weight in the
     model dtype, a token's k outputs summed in float32 (HF's ``index_add_`` adds them in expert
     order in the model dtype: equal in float32). Plus the shared expert times
-    ``sigmoid(x · shared_expert_gate)``. At decode (``kernels.moe_experts``), the routed and
-    shared experts' projections as two grouped kernels (:func:`choice.moe_experts`), the same
-    math.
+    ``sigmoid(x · shared_expert_gate)``.
     """
     lead, h = x.shape[:-1], x.shape[-1]
     x = x.reshape(-1, h)
     weights, chosen = route(p, x, config, kernels)
-    s = p.shared_expert
-    both = choice.moe_experts(kernels, x, weights, chosen, p.experts_gate_up_proj,
-                              p.experts_down_proj, s.gate_proj, s.up_proj, s.down_proj)
-    if both is None:
-        both = (choice.routed_experts(kernels, x, weights, chosen, p.experts_gate_up_proj,
-                                      p.experts_down_proj), mlp(s, x, kernels))
-    routed, shared = both
-    shared = shared * sigmoid(linear(x, p.shared_expert_gate))
+    routed = choice.routed_experts(kernels, x, weights, chosen, p.experts_gate_up_proj,
+                                   p.experts_down_proj)
+    shared = mlp(p.shared_expert, x, kernels) * sigmoid(linear(x, p.shared_expert_gate))
     return (routed + shared).reshape(*lead, h)
 
 

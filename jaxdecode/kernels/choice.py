@@ -22,7 +22,6 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxdecode import experts, invariance, quantization
-from jaxdecode.activations import silu
 from jaxdecode.config import Config
 from jaxdecode.gated_delta import naive_gated_delta_rule
 from jaxdecode.kernels import chunk_gated_delta as chunk_rule_kernel
@@ -30,7 +29,6 @@ from jaxdecode.kernels import decode_attention as attention_kernel
 from jaxdecode.kernels import deltanet_decode as deltanet_kernel
 from jaxdecode.kernels import fp8_linear as fp8_kernel
 from jaxdecode.kernels import gated_delta_decode as delta_rule_kernel
-from jaxdecode.kernels import grouped_linear as grouped_kernel
 from jaxdecode.kernels import prefill_attention as prefill_kernel
 
 DATA, MODEL = "data", "model"  # the mesh axes: rows, and heads/features (jaxdecode.sharding)
@@ -62,9 +60,6 @@ class Kernels:
     # draft's one): the decode-attention kernel with T queries (the cache read once, no
     # 128-query tile), or the prefill attention as ``prefill_attention`` says
     verify_attention: str = "xla"
-    # the MoE block's routed and shared experts at decode (up to E pairs of up to 64 tokens):
-    # two grouped-linear kernels over all of them (gate/up, down), or XLA's per-projection form
-    moe_experts: str = "xla"
     interpret: bool | None = None  # Mosaic GPU interpreter (CPU); None: when not on a GPU
     # (read when a step is traced, not at construction: importing jaxdecode must not start
     # the backend, or jax.distributed.initialize could no longer run)
@@ -78,7 +73,7 @@ class Kernels:
     def __post_init__(self):
         for name in ("attention", "deltanet", "delta_rule", "prefill_attention",
                      "prefill_delta_rule", "fp8_linear", "verify_delta_rule",
-                     "verify_attention", "moe_experts"):
+                     "verify_attention"):
             if getattr(self, name) not in CHOICES:
                 raise ValueError(f"Kernels.{name}={getattr(self, name)!r} must be one of "
                                  f"{CHOICES}")
@@ -95,10 +90,6 @@ class Kernels:
             raise ValueError("Kernels(fp8_linear='pallas') runs on one device (FP8 weights are "
                              "not sharded yet) and not with batch_invariant (its row "
                              "independence is untested)")
-        if self.moe_experts == "pallas" and (self.mesh is not None or self.batch_invariant):
-            raise ValueError("Kernels(moe_experts='pallas') runs on one device (the experts' "
-                             "expert-parallel form is XLA's) and not with batch_invariant (its "
-                             "split count follows the batch)")
 
 
 XLA = Kernels()  # every op in XLA: the reference path, any backend
@@ -119,8 +110,6 @@ _prefill_delta_rule_pallas = jax.jit(chunk_rule_kernel.chunk_gated_delta_rule_pa
                                      static_argnames=("interpret",))
 _fp8_linear_pallas = jax.jit(fp8_kernel.fp8_linear_pallas,
                              static_argnames=("block_size", "config", "interpret"))
-_grouped_linear_pallas = jax.jit(grouped_kernel.grouped_linear_pallas,
-                                 static_argnames=("num_routed", "config", "interpret"))
 
 
 def _compute_capability(device) -> tuple[int, int] | None:
@@ -186,17 +175,11 @@ def choose_kernels(config: Config, batch_size: int, *, dtype="bfloat16",
         (rows, 1, hv, dk), (rows, 1, hv, dv), dtype))
     fp8 = (mesh is None and not batch_invariant
            and dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
-    moe = (c.is_moe and mesh is None and not batch_invariant
-           and rows * c.num_experts_per_tok <= c.num_experts
-           and supported("the MoE experts", moe_experts_check(
-               rows, c.num_experts_per_tok, c.num_experts, c.moe_intermediate_size,
-               c.hidden_size, c.shared_expert_intermediate_size, dtype)))
     pick = lambda use: "pallas" if use else "xla"  # noqa: E731
     return Kernels(attention=pick(attention), deltanet=pick(core), delta_rule=pick(rule),
                    prefill_attention=pick(prefill), prefill_delta_rule=pick(chunk_rule),
                    fp8_linear=pick(fp8), verify_delta_rule=pick(verify_rule),
-                   verify_attention=pick(verify_attention), moe_experts=pick(moe),
-                   interpret=False, mesh=mesh,
+                   verify_attention=pick(verify_attention), interpret=False, mesh=mesh,
                    batch_invariant=batch_invariant)
 
 
@@ -309,59 +292,6 @@ def top_k(kernels: Kernels, x, k: int):
         return jax.lax.top_k(x, k)
     rows = P(DATA, None)
     return _on_mesh(kernels, lambda x: tuple(jax.lax.top_k(x, k)), rows, (rows, rows))(x)
-
-
-def moe_experts(kernels: Kernels, x, weights, chosen, gate_up_proj, down_proj,
-                shared_gate_proj, shared_up_proj, shared_down_proj):
-    """The MoE block's routed experts and its shared expert (before its sigmoid gate) through
-    two grouped-linear kernels, or None when ``kernels.moe_experts`` is "xla" or the call does
-    not fit them (then the caller runs :func:`routed_experts` and the shared MLP).
-
-    x [N, H], weights/chosen [N, k] (``model.route``), gate_up_proj [E, 2·I, H], down_proj [E,
-    H, I], the shared expert's [I, H], [I, H], [H, I] (16-bit arrays, x's dtype). Returns
-    (routed [N, H], shared [N, H]) in x's dtype with HF's roundings (``Qwen3_5MoeExperts``: each
-    projection, silu·up and weight·output rounded to the dtype; a token's k outputs summed in
-    float32; ``Qwen3_5MoeMLP`` for the shared expert). Groups: the N·k (token, slot) pairs, each
-    its token's row times its expert, then one group of all N tokens times the shared expert.
-    Not differentiable (decode only)."""
-    n, k = chosen.shape
-    e, two_i, h = gate_up_proj.shape
-    ie, dtype = two_i // 2, x.dtype
-    pieces = (shared_gate_proj, shared_up_proj, shared_down_proj)
-    if (kernels.moe_experts != "pallas" or n * k > e
-            or any(not isinstance(a, jax.Array) or a.dtype != dtype
-                   for a in (gate_up_proj, down_proj, *pieces))
-            or moe_experts_check(n, k, e, ie, h, shared_gate_proj.shape[0], jnp.dtype(dtype))):
-        return None
-    pairs, interpret = n * k, _interpret(kernels)
-    groups = jnp.concatenate([chosen.reshape(-1), jnp.zeros((1,), chosen.dtype)])
-    gu = _grouped_linear_pallas(x[None], groups, gate_up_proj, (shared_gate_proj, shared_up_proj),
-                                num_routed=pairs, interpret=interpret)  # [P + 1, N, 2I] f32
-    token = jnp.arange(pairs) // k
-    gu = jnp.concatenate([gu[jnp.arange(pairs), token], gu[pairs]]).astype(dtype)  # [P + N, 2I]
-    act = silu(gu[:, :ie]) * gu[:, ie:]
-    x2 = jnp.zeros((pairs + 1, n, ie), dtype).at[jnp.arange(pairs), 0].set(act[:pairs])
-    x2 = x2.at[pairs].set(act[pairs:])
-    out = _grouped_linear_pallas(x2, groups, down_proj, (shared_down_proj,), num_routed=pairs,
-                                 interpret=interpret)  # [P + 1, N, H] f32
-    routed = out[:pairs, 0].astype(dtype) * weights.reshape(-1)[:, None]
-    routed = jnp.sum(routed.astype(jnp.float32).reshape(n, k, h), axis=1).astype(dtype)
-    return routed, out[pairs].astype(dtype)
-
-
-@functools.cache
-def moe_experts_check(tokens: int, k: int, e: int, ie: int, h: int, shared_ie: int,
-                      dtype) -> str | None:
-    """Why :func:`moe_experts`'s kernels cannot take ``tokens`` tokens routed to ``k`` of ``e``
-    experts of ``ie`` rows (the shared expert ``shared_ie``), hidden size ``h``, in ``dtype``;
-    None if they can (cached: every layer asks)."""
-    if shared_ie != ie:
-        return f"a shared expert of {shared_ie} rows beside routed experts of {ie}"
-    groups = tokens * k + 1
-    return (grouped_kernel.check_supported((1, tokens, h), groups, (e, 2 * ie, h),
-                                           [(ie, h), (ie, h)], dtype)
-            or grouped_kernel.check_supported((groups, tokens, ie), groups, (e, h, ie),
-                                              [(h, ie)], dtype))
 
 
 def routed_experts(kernels: Kernels, x, weights, chosen, gate_up_proj, down_proj):
