@@ -209,6 +209,20 @@ def test_reference_queries(heads, head_dim, queries, dtype):
     check_queries(out, q, k, v, lengths, starts, dtype)
 
 
+def test_lengths_as_python_lists():
+    """kv_len and query_start as Python lists (unjitted calls): the same as arrays, for the
+    reference and the kernel's checks (its shape checks read ``.shape``)."""
+    q, k, v, lengths, starts = query_inputs(23, (8, 2), 64, 3, bf16)
+    want = da.decode_attention_reference(q, k, v, lengths, starts)
+    got = da.decode_attention_reference(q, k, v, np.asarray(lengths).tolist(),
+                                        np.asarray(starts).tolist())
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    one = da.decode_attention_reference(q[:, 0], k, v, np.asarray(lengths).tolist())
+    check(one, q[:, 0], k, v, lengths)
+    with pytest.raises(ValueError, match=r"kv_len.shape=\(1,\) must be"):
+        da.decode_attention_pallas(q, k, v, [5], np.asarray(starts).tolist(), interpret=True)
+
+
 def test_queries_rejected_beyond_the_tile():
     q, k, v, lengths, starts = query_inputs(23, (16, 1), 64, 5, bf16)  # 5 x 16 rows > 64
     with pytest.raises(ValueError, match="5 queries x 16 query heads"):

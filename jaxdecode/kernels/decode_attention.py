@@ -404,6 +404,7 @@ def decode_attention_pallas(q, k_cache, v_cache, kv_len, query_start=None, *,
     rows (``jaxdecode.invariance.map_row_groups``), so a row's result does not depend on the
     batch (with a fixed ``config``); ``interpret``: run in the Mosaic GPU interpreter (CPU).
     """
+    kv_len, query_start = _as_arrays(kv_len, query_start)
     queries = _check_queries(q, query_start)
     batch, num_heads, head_dim = q.shape[0], *q.shape[-2:]
     _, num_kv_heads, max_len, _ = k_cache.shape
@@ -492,6 +493,11 @@ def decode_attention_pallas(q, k_cache, v_cache, kv_len, query_start=None, *,
     return out.reshape(q.shape).astype(q.dtype)
 
 
+def _as_arrays(kv_len, query_start):
+    """kv_len and query_start (None stays None) as arrays: lists and numpy arrays are taken."""
+    return jnp.asarray(kv_len), None if query_start is None else jnp.asarray(query_start)
+
+
 def _check_queries(q, query_start) -> int:
     """T, the queries per row: 1 for q [B, Hq, D] (``query_start`` None), T for q [B, T, Hq, D]
     (``query_start`` [B] required). ValueError otherwise."""
@@ -535,6 +541,7 @@ def decode_attention_reference(q, k_cache, v_cache, kv_len, query_start=None):
     shape in q.dtype, zeros for a query that sees no key; entries at positions >= kv_len[b]
     (even NaN) never affect row b.
     """
+    kv_len, query_start = _as_arrays(kv_len, query_start)
     queries = _check_queries(q, query_start)
     batch, num_heads, head_dim = q.shape[0], *q.shape[-2:]
     _, num_kv_heads, max_len, _ = k_cache.shape
