@@ -161,6 +161,29 @@ def test_verify_step_and_draft_through_the_few_query_attention_kernel(mode):
                                    atol=1e-5 * float(jnp.abs(b).max()))
 
 
+def oracle_draft(ref, k):
+    """A draft hook right except at every 4th output position: draft j of a row is ``ref``'s
+    token at the row's output index ``num_generated + j`` (any id past the row's end, where
+    ``ref`` holds the pad -1), plus 1 where that index is 3 mod 4."""
+    ref = jnp.asarray(ref)
+
+    def oracle(loop, drafts):
+        pos = loop.num_generated[:, None] + jnp.arange(k)[None, :]  # output index of draft j
+        right = jnp.take_along_axis(ref, jnp.minimum(pos, ref.shape[1] - 1), axis=1)
+        right = jnp.maximum(right, 0)
+        return jnp.where(pos % 4 == 3, (right + 1) % CONFIG.vocab_size, right).astype(jnp.int32)
+
+    return oracle
+
+
+def padded_prompts(prompts, width=16):
+    """[len(prompts), width] int32: each prompt left-aligned, zeros after."""
+    padded = np.zeros((len(prompts), width), np.int32)
+    for i, p in enumerate(prompts):
+        padded[i, :len(p)] = p
+    return padded
+
+
 def test_speculative_greedy_equals_plain_greedy(params):
     """Oracle drafts, right except at every 4th output position: accepted runs of up to k,
     rejections mid-run, an EOS inside an accepted run (row 0), ragged budgets and prompts."""
@@ -174,17 +197,10 @@ def test_speculative_greedy_equals_plain_greedy(params):
     plain = jd.generate(params, prompts, max_new_tokens=budgets, eos_token_ids=[eos])
     k = 3
 
-    def oracle(loop, drafts):
-        pos = loop.num_generated[:, None] + jnp.arange(k)[None, :]  # output index of draft j
-        right = jnp.take_along_axis(jnp.asarray(ref), jnp.minimum(pos, ref.shape[1] - 1), axis=1)
-        right = jnp.maximum(right, 0)  # past a row's end (pad -1): any id in the vocabulary
-        return jnp.where(pos % 4 == 3, (right + 1) % c.vocab_size, right).astype(jnp.int32)
-
+    oracle = oracle_draft(ref, k)
     n = plain.tokens.shape[1]
     state = jd.init_state(c, 3, 64)
-    padded = np.zeros((3, 16), np.int32)
-    for i, p in enumerate(prompts):
-        padded[i, :len(p)] = p
+    padded = padded_prompts(prompts)
     eos_ids = jnp.asarray([eos] + [-1] * 7, jnp.int32)
     loop = generation.speculative_generate_jit(
         params, state, jnp.asarray(padded), jnp.asarray([len(p) for p in prompts]),
@@ -224,15 +240,8 @@ def test_speculative_stop_sequences_equal_plain(params):
     ref = np.asarray(plain.tokens)
     k = 3
 
-    def oracle(loop, drafts):
-        pos = loop.num_generated[:, None] + jnp.arange(k)[None, :]
-        right = jnp.take_along_axis(jnp.asarray(ref), jnp.minimum(pos, ref.shape[1] - 1), axis=1)
-        right = jnp.maximum(right, 0)
-        return jnp.where(pos % 4 == 3, (right + 1) % c.vocab_size, right).astype(jnp.int32)
-
-    padded = np.zeros((3, 16), np.int32)
-    for i, p in enumerate(prompts):
-        padded[i, :len(p)] = p
+    oracle = oracle_draft(ref, k)
+    padded = padded_prompts(prompts)
     stop_padded = np.full((8, 4), -1, np.int32)
     for i, stop in enumerate(stops):
         stop_padded[i, 4 - len(stop):] = stop
@@ -306,15 +315,8 @@ def test_speculative_logprobs_equal_plain(params):
     ref = np.asarray(plain.tokens)
     k = 3
 
-    def oracle(loop, drafts):
-        pos = loop.num_generated[:, None] + jnp.arange(k)[None, :]
-        right = jnp.take_along_axis(jnp.asarray(ref), jnp.minimum(pos, ref.shape[1] - 1), axis=1)
-        right = jnp.maximum(right, 0)
-        return jnp.where(pos % 4 == 3, (right + 1) % c.vocab_size, right).astype(jnp.int32)
-
-    padded = np.zeros((3, 16), np.int32)
-    for i, p in enumerate(prompts):
-        padded[i, :len(p)] = p
+    oracle = oracle_draft(ref, k)
+    padded = padded_prompts(prompts)
     loop = generation.speculative_generate_jit(
         params, jd.init_state(c, 3, 64), jnp.asarray(padded),
         jnp.asarray([len(p) for p in prompts]), jnp.asarray(budgets),
