@@ -114,6 +114,7 @@ def main():
                 # out_shardings took 188 s to compile for the 9B shapes on the H200.)
                 params = jd.init_params(config, jax.random.key(0), "bfloat16")
             params = sharding.shard_params(params, mesh)  # reshard on device; old one freed
+            config = params.config  # KV heads repeated where the mesh needs it
             jax.block_until_ready(params)
             place_s = time.perf_counter() - t0
             print(f"  {name} {setup} batch {batch}: params placed in {place_s:.1f} s", flush=True)

@@ -115,9 +115,10 @@ def main(argv=None) -> int:
         config = params.config
     else:
         config = demo_config()
-        sharding.check_mesh(config, mesh)
+        sharding.check_mesh(sharding.config_on(config, mesh), mesh)  # before any device work
         params = sharding.shard_params(
             jd.init_params(config, jax.random.key(args.seed), args.dtype), mesh)
+        config = params.config  # KV heads repeated where the mesh needs it
     say(f"mesh data={args.data} x model={args.model} over {jax.device_count()} "
         f"{jax.devices()[0].platform} devices in {jax.process_count()} process(es); "
         f"batch {args.batch}, {args.dtype}")

@@ -251,7 +251,9 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
         ``param_specs`` name: Qwen3-Next's fused tensors already split; cast, in jaxdecode's
         layout: ``params.conv_channel_order``) on device; default ``jnp.asarray``.
       mesh: a ``("data", "model")`` mesh: each tensor goes straight into its sharding as it is
-        read (``sharding.checkpoint_placer``). Not together with ``place``.
+        read (``sharding.checkpoint_placer``); with fewer KV heads than "model" devices each is
+        repeated, and ``params.config`` says so (``sharding.config_on``). Not together with
+        ``place``.
       check_finite: raise if a tensor holds NaN or inf (one host pass over each tensor as read;
         damaged data otherwise loads silently and decodes garbage).
       quantize: None, or "fp8": the Linears of ``quantization.QUANTIZED_LEAVES`` quantised at
@@ -352,6 +354,8 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
                 flat[leaf] = Fp8Linear(place(leaf, w8), place(leaf + SCALE_SUFFIX, scale), block)
             else:
                 flat[leaf] = place(leaf, part)
+    if mesh is not None:  # the placer repeated the KV heads where the mesh needs it
+        config = sharding.config_on(config, mesh)
     return params_from_flat(config, flat)
 
 

@@ -20,7 +20,9 @@ expert (expert parallelism), the shared expert as a dense MLP.
 ``shard_map`` (the partitioner cannot split a custom call); the per-row cache write moves no K/V
 row across ``"data"``. :func:`check_mesh`: head counts, ``intermediate_size`` and ``vocab_size``
 divisible by the ``"model"`` size (published models: up to 4-way, 0.8B/2B 2-way), the batch by
-the ``"data"`` size.
+the ``"data"`` size. Fewer KV heads than ``"model"`` devices (Qwen3.5's 2 on 4 or 8):
+:func:`shard_params` and ``load_checkpoint(..., mesh=mesh)`` repeat each KV head so every device
+holds the one its query heads read (:func:`config_on`; vLLM's replicated KV heads).
 
 Several hosts: every process runs the same script, calls ``jax.distributed.initialize`` first,
 builds the mesh from the global device list (:func:`make_mesh` keeps ``"model"`` in a host) and
@@ -32,6 +34,7 @@ Source: Megatron-LM tensor parallelism (Shoeybi et al., 2019) as in gpt-fast's `
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from collections.abc import Callable, Sequence
@@ -46,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 from jaxdecode import memory
 from jaxdecode.config import Config
 from jaxdecode.kernels.choice import DATA, MODEL
-from jaxdecode.params import Params, param_specs, params_from_flat
+from jaxdecode.params import Params, param_specs, params_from_flat, params_to_flat
 from jaxdecode.state import DecodeState, KVCache, init_state
 from jaxdecode.quantization import Fp8Linear
 
@@ -115,6 +118,34 @@ def make_mesh(data: int, model: int, *, devices: Sequence[jax.Device] | None = N
                 axis_types=(AxisType.Auto, AxisType.Auto))
 
 
+KV_LEAVES = ("self_attn.k_proj.weight", "self_attn.v_proj.weight")  # [Hkv·D, H] each
+
+
+def config_on(config: Config, mesh: Mesh) -> Config:
+    """``config`` as it runs on ``mesh``: itself, or with ``num_key_value_heads`` = the "model"
+    size m when m is a multiple of it that divides ``num_attention_heads`` (each KV head repeated
+    m / Hkv times, so device j holds the head its query heads j·Hq/m .. read: query head h reads
+    repeated head h // (Hq / m), original head h // (Hq / Hkv), as before). The same model: only
+    the K/V weights and the cache hold repeated heads (m / Hkv times their bytes, 1 head each
+    per device)."""
+    m, hkv, hq = mesh.shape[MODEL], config.num_key_value_heads, config.num_attention_heads
+    if hkv % m == 0 or m % hkv or hq % m:
+        return config
+    return dataclasses.replace(config, num_key_value_heads=m)
+
+
+def repeat_kv_heads(name: str, x, config: Config, to: Config):
+    """Leaf ``name`` of ``config``'s params in ``to``'s layout: a K/V projection [Hkv·D, H] with
+    each head's D rows repeated ``to.num_key_value_heads / config.num_key_value_heads`` times
+    (numpy or jax in, the same kind out); any other leaf as it is."""
+    r = to.num_key_value_heads // config.num_key_value_heads
+    if r == 1 or not name.endswith(KV_LEAVES):
+        return x
+    xp = np if isinstance(x, np.ndarray) else jnp
+    heads = x.reshape(config.num_key_value_heads, config.head_dim, x.shape[-1])
+    return xp.repeat(heads, r, axis=0).reshape(-1, x.shape[-1])
+
+
 def check_mesh(config: Config, mesh: Mesh, batch_size: int | None = None) -> None:
     """Checks that ``config`` (and a batch of ``batch_size`` rows) can be split over ``mesh``.
 
@@ -138,6 +169,9 @@ def check_mesh(config: Config, mesh: Mesh, batch_size: int | None = None) -> Non
                              "linear_num_value_heads", "intermediate_size", "vocab_size",
                              "num_experts", "shared_expert_intermediate_size")
                 if getattr(config, name) % m]
+    if config_on(config, mesh) is not config:
+        problems.append("(shard_params and load_checkpoint(..., mesh=mesh) repeat the KV heads "
+                        f"to {m}: build the state from their params.config)")
     if batch_size is not None and batch_size % d:
         problems.append(f"{batch_size=} must be divisible by the 'data' mesh axis size {d}")
     if problems:
@@ -200,13 +234,19 @@ def _put(x, sharding: NamedSharding) -> jax.Array:
 
 
 def shard_params(params: Params, mesh: Mesh) -> Params:
-    """``params`` placed with :func:`param_shardings` (host or device arrays in, global out).
+    """``params`` placed with :func:`param_shardings` (host or device arrays in, global out), with
+    ``config_on(params.config, mesh)``'s config (KV heads repeated where the mesh needs it).
     Raises ValueError: see :func:`check_mesh`; FP8 weights (not shardable yet)."""
     if any(isinstance(x, Fp8Linear) for x in jax.tree.leaves(
             params, is_leaf=lambda x: isinstance(x, Fp8Linear))):
         raise ValueError("FP8 weights (jd.Fp8Linear) cannot be sharded yet; decode them on one "
                          "device")
-    return jax.tree.map(_put, params, param_shardings(params.config, mesh))
+    config = config_on(params.config, mesh)
+    if config is not params.config:
+        flat = {name: repeat_kv_heads(name, x, params.config, config)
+                for name, x in params_to_flat(params).items()}
+        params = params_from_flat(config, flat)
+    return jax.tree.map(_put, params, param_shardings(config, mesh))
 
 
 def shard_state(state: DecodeState, mesh: Mesh) -> DecodeState:
@@ -270,12 +310,15 @@ def shard_batch(x, mesh: Mesh, dtype=None) -> jax.Array:
 
 def checkpoint_placer(config: Config, mesh: Mesh) -> Callable[[str, np.ndarray], jax.Array]:
     """The ``place(name, host_array)`` callback of ``load_checkpoint(..., mesh=mesh)``: each
-    device receives only its slice of each tensor as it is read. ValueError: :func:`check_mesh`."""
-    check_mesh(config, mesh)
+    device receives only its slice of each tensor as it is read, the K/V projections in
+    ``config_on(config, mesh)``'s layout. ValueError: :func:`check_mesh`."""
+    on = config_on(config, mesh)
+    check_mesh(on, mesh)
     shardings = {name: NamedSharding(mesh, param_partition_spec(name))
                  for name in param_specs(config)}
 
     def place(name: str, host: np.ndarray) -> jax.Array:
+        host = repeat_kv_heads(name, host, config, on)
         return jax.make_array_from_callback(host.shape, shardings[name],
                                             lambda index: host[index])
 

@@ -44,6 +44,18 @@ MOE_CONFIG = dataclasses.replace(CONFIG, intermediate_size=0, num_experts=16,
                                  num_experts_per_tok=3, moe_intermediate_size=24,
                                  shared_expert_intermediate_size=40)
 
+# Qwen3.5-397B-A17B's shape shrunk (issue 21's CPU check): 2 KV heads for 8 query heads (the
+# published 2 for 32), 4 value heads per key head, every FFN an MoE block with top-10 of 32
+# experts and I_e == I_s, one attention layer in four, untied LM head; on a "model" axis of 8
+# the KV heads are repeated (sharding.config_on).
+SHRUNK_397B = tiny(vocab_size=1024, num_attention_heads=8, num_key_value_heads=2,
+                   linear_num_key_heads=8, linear_num_value_heads=32, linear_key_head_dim=16,
+                   linear_value_head_dim=16, intermediate_size=0, num_experts=32,
+                   num_experts_per_tok=10, moe_intermediate_size=16,
+                   shared_expert_intermediate_size=16, tie_word_embeddings=False,
+                   mtp_num_hidden_layers=1)
+KV_MESHES = ((1, 8), (2, 4))
+
 
 def inputs():
     params = jd.init_params(CONFIG, jax.random.key(0))
@@ -162,7 +174,71 @@ def run_meshes() -> dict:
     out["chunked_prefill"] = check_chunked_prefill(params)
     out["new_weights"] = check_new_weights(params, tokens)
     out["moe"] = check_moe()
+    out["repeated_kv_heads"] = check_repeated_kv_heads()
     return out
+
+
+def check_repeated_kv_heads() -> dict:
+    """SHRUNK_397B on meshes whose "model" axis exceeds its 2 KV heads, against one device:
+    greedy prefill + decode logits, the KV heads each device holds, the step's collectives;
+    load_checkpoint(mesh=) of the published-layout checkpoint equal to shard_params."""
+    c = SHRUNK_397B
+    params = jd.init_params(c, jax.random.key(3))
+    tokens = np.random.default_rng(4).integers(0, c.vocab_size, (BATCH, 12))
+    ref_logits, ref_tokens, _ = greedy(params, jd.init_state(c, BATCH, MAX_LEN), tokens,
+                                       jd.prefill, jd.decode_step)
+    scale = max(float(np.abs(np.asarray(x)).max()) for x in ref_logits)
+    out = {}
+    for shape in KV_MESHES:
+        mesh = sharding.make_mesh(*shape)
+        sp = sharding.shard_params(params, mesh)
+        state = sharding.init_state_sharded(sp.config, mesh, BATCH, MAX_LEN)
+        logits, state = jd.prefill(sp, state, tokens, PROMPT_LENGTHS)
+        errors = [float(np.abs(np.asarray(logits) - np.asarray(ref_logits[0])).max()) / scale]
+        for i in range(DECODE_STEPS):
+            logits, state = jd.decode_step(sp, state, np.asarray(ref_tokens[i]))
+            errors.append(float(np.abs(np.asarray(logits) - np.asarray(ref_logits[i + 1])).max())
+                          / scale)
+        kernels = jd.choose_kernels(sp.config, BATCH, dtype="float32", mesh=mesh)
+        tok = sharding.shard_batch(np.zeros(BATCH, np.int32), mesh)
+        hlo = step.jit_decode_step(sp.config, kernels).lower(sp, state, tok, None).compile(
+            ).as_text()
+        cache = state.kv_cache[0].k
+        out[f"{shape[0]},{shape[1]}"] = {
+            "rel_errors": errors,
+            "num_key_value_heads": sp.config.num_key_value_heads,
+            "kv_heads_per_device": cache.addressable_shards[0].data.shape[1],
+            "param_mismatches": spec_mismatches(sp, sharding.param_partition_specs(sp.config),
+                                                mesh),
+            "collectives": collectives(hlo)}
+    out["checkpoint"] = check_repeated_kv_checkpoint(params)
+    return out
+
+
+def check_repeated_kv_checkpoint(params) -> dict:
+    """load_checkpoint(mesh=(1, 8)) of ``params`` saved as published (2 KV heads): the same
+    arrays and config as shard_params."""
+    import tempfile
+
+    from safetensors.numpy import save_file
+
+    from jaxdecode.params import params_to_hf
+    mesh = sharding.make_mesh(1, 8)
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(params.config.to_hf_config(), f)
+        hf = {k: np.asarray(v) for k, v in params_to_hf(params).items()}
+        save_file(hf, os.path.join(tmp, "model.safetensors"))
+        loaded = jd.load_checkpoint(tmp, "float32", mesh=mesh, mtp=True)
+    want = sharding.shard_params(params, mesh)
+    same = all(np.array_equal(np.asarray(a), np.asarray(b))
+               for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(want), strict=True))
+    return {"config_equal": loaded.config == want.config,
+            "stored_k_rows": int(hf["model.layers.3.self_attn.k_proj.weight"].shape[0]),
+            "loaded_k_rows": int(loaded.layers[3].self_attn.k_proj.shape[0]),
+            "values_equal": same,
+            "mismatches": spec_mismatches(loaded, sharding.param_partition_specs(loaded.config),
+                                          mesh)}
 
 
 def check_chunked_prefill(params) -> dict:
@@ -191,7 +267,7 @@ def check_errors(params) -> dict:
         "heads": lambda: sharding.init_state_sharded(small, sharding.make_mesh(1, 8), 8, 16),
         "batch": lambda: sharding.init_state_sharded(CONFIG, sharding.make_mesh(4, 2), 6, 16),
         "shard_params": lambda: sharding.shard_params(jd.init_params(small, jax.random.key(0)),
-                                                      sharding.make_mesh(2, 4)),
+                                                      sharding.make_mesh(1, 8)),
         "devices": lambda: sharding.make_mesh(3, 4),
         "experts": lambda: sharding.check_mesh(
             dataclasses.replace(MOE_CONFIG, num_experts=12), sharding.make_mesh(1, 8)),

@@ -18,7 +18,9 @@ import sys
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
+from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxdecode as jd
@@ -225,6 +227,29 @@ def test_moe_checkpoint_loads_into_the_expert_shardings(meshes):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["1,8", "2,4"])
+def test_fewer_kv_heads_than_devices_repeats_them(meshes, mesh):
+    """Qwen3.5-397B-A17B's shape shrunk (2 KV heads, top-10 MoE, MTP layer) on a "model" axis
+    of 8 and 4: each device holds one repeated KV head, the logits equal one device's, and the
+    step moves nothing but the dense model's all-reduces."""
+    res = meshes["repeated_kv_heads"][mesh]
+    model_size = int(mesh.split(",")[1])
+    assert max(res["rel_errors"]) <= REL_TOL, res["rel_errors"]
+    assert res["num_key_value_heads"] == model_size and res["kv_heads_per_device"] == 1
+    assert res["param_mismatches"] == []
+    assert res["collectives"] == {"all-reduce": 2 * 4 + 1}, res
+
+
+@pytest.mark.slow
+def test_checkpoint_with_fewer_kv_heads_than_devices_loads_repeated(meshes):
+    """The published-layout checkpoint (2 KV heads) loaded onto 8 "model" devices: K/V rows
+    repeated as it is read, the same arrays, config and layout as shard_params."""
+    res = meshes["repeated_kv_heads"]["checkpoint"]
+    assert res["stored_k_rows"] * 4 == res["loaded_k_rows"]
+    assert res == {**res, "config_equal": True, "values_equal": True, "mismatches": []}
+
+
+@pytest.mark.slow
 def test_unpinned_jit_of_the_model_step_keeps_the_layout_too(meshes):
     """A user's own jax.jit of model.decode_step_fn (no out_shardings) also keeps the layout."""
     assert meshes["unpinned_decode_mismatches"] == []
@@ -269,8 +294,11 @@ def test_errors_name_the_sizes(meshes):
     assert "linear_num_key_heads=4" in errors["heads"]
     assert "num_attention_heads" not in errors["heads"]  # 16 divides 8: only real problems
     assert "batch_size=6 must be divisible by the 'data' mesh axis size 4" in errors["batch"]
-    assert "num_key_value_heads=2" in errors["shard_params"] and "size 4" in (
-        errors["shard_params"])
+    assert "repeat the KV heads to 8: build the state from their params.config" in (
+        errors["heads"])  # a config the params' KV heads were repeated from
+    # shard_params repeats the 2 KV heads to 8 itself: only the linear heads are left to name
+    assert "linear_num_key_heads=4 must be divisible by the 'model' mesh axis size 8" in (
+        errors["shard_params"]) and "num_key_value_heads" not in errors["shard_params"]
     assert "data=3 x model=4 = 12 devices, but 8 are available" in errors["devices"]
     assert "AxisType.Auto" in errors["explicit_mesh"]
     assert "num_experts=12 must be divisible by the 'model' mesh axis size 8" in (
@@ -323,3 +351,39 @@ def test_example_reports_bad_mesh_in_one_line():
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.strip().count("\n") == 0, proc.stderr
     assert "num_key_value_heads=8 must be divisible by the 'model' mesh axis size 3" in proc.stderr
+
+
+def _fake_mesh(data: int, model: int) -> Mesh:
+    """A mesh of the one CPU device repeated: enough for config_on, which reads its shape."""
+    devices = np.array([jax.devices()[0]] * (data * model), dtype=object).reshape(data, model)
+    return Mesh(devices, sharding.AXIS_NAMES, axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def test_repeated_kv_heads_are_the_same_model():
+    """config_on repeats the KV heads only where the "model" size is a multiple of them that
+    divides the query heads; the repeated weights give the original model's logits (one device,
+    float32: the same products, so equal to rounding)."""
+    from jaxdecode.params import params_from_flat, params_to_flat
+    c = dataclasses.replace(TINY, num_attention_heads=8, num_key_value_heads=2)
+    on = sharding.config_on(c, _fake_mesh(1, 8))
+    assert on == dataclasses.replace(c, num_key_value_heads=8)
+    assert sharding.config_on(c, _fake_mesh(4, 2)) is c  # 2 heads split 2 ways: no repeat
+    assert sharding.config_on(c, _fake_mesh(1, 3)) is c  # not a multiple: check_mesh refuses
+    four = dataclasses.replace(c, num_attention_heads=4)  # 4 query heads cannot split 8 ways
+    assert sharding.config_on(four, _fake_mesh(1, 8)) is four
+    params = jd.init_params(c, jax.random.key(5))
+    flat = params_to_flat(params)
+    repeated = {n: sharding.repeat_kv_heads(n, x, c, on) for n, x in flat.items()}
+    k = "model.layers.3.self_attn.k_proj.weight"
+    assert repeated[k].shape == (8 * c.head_dim, c.hidden_size)
+    np.testing.assert_array_equal(np.asarray(repeated[k][c.head_dim:2 * c.head_dim]),
+                                  np.asarray(flat[k][:c.head_dim]))  # head 1 = head 0's copy
+    tokens = np.random.default_rng(5).integers(0, c.vocab_size, (2, 7)).astype(np.int32)
+    lengths = np.array([7, 4], np.int32)
+    want, _ = jd.prefill(params, jd.init_state(c, 2, 16), tokens, lengths)
+    got, _ = jd.prefill(params_from_flat(on, repeated), jd.init_state(on, 2, 16), tokens,
+                        lengths)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
+                               atol=1e-5 * float(np.abs(np.asarray(want)).max()))
+    with pytest.raises(ValueError, match="repeat the KV heads to 8"):
+        sharding.check_mesh(c, _fake_mesh(1, 8))
