@@ -47,7 +47,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxdecode as jd  # noqa: E402
-from jaxdecode import experts, model, step  # noqa: E402
+from jaxdecode import experts, model  # noqa: E402
 from jaxdecode.activations import sigmoid, silu  # noqa: E402
 from jaxdecode.params import MLPParams, MoEParams  # noqa: E402
 

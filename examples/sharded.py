@@ -97,7 +97,6 @@ def main(argv=None) -> int:
                                    + f" --xla_force_host_platform_device_count={local}")
 
     import jax
-    import jax.numpy as jnp
     import numpy as np
     from jax.experimental import multihost_utils
 

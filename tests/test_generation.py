@@ -3,7 +3,6 @@ finished rows, fork, compile reuse, streaming == on-device, validation."""
 
 import dataclasses
 import json
-import re
 import subprocess
 import warnings
 from pathlib import Path
@@ -679,14 +678,6 @@ def test_a_state_that_does_not_fit_raises_before_any_device_work(params, make, k
 
 
 # ----- stop sequences ---------------------------------------------------------------------------
-
-def host_stop(tokens, budget, stops):
-    """Where each row stops, scanning its stop-free tokens on the host: (tokens, reason)."""
-    for end in range(1, budget + 1):
-        if any(end >= len(s) and tokens[end - len(s):end] == list(s) for s in stops):
-            return tokens[:end], "stop"
-    return tokens[:budget], "length"
-
 
 PROMPTS4 = [[5, 17, 33, 2, 9], [100, 7], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [250]]
 

@@ -4,7 +4,6 @@ for requests that cannot fit (before any device work), on a device faked to have
 from __future__ import annotations
 
 import jax
-import numpy as np
 import pytest
 
 import jaxdecode as jd

@@ -37,7 +37,7 @@ def test_conv_channel_order_groups_each_key_head(r):
     from jaxdecode.params import conv_channel_order, hf_to_internal, internal_to_hf
     c = tiny(linear_num_value_heads=2 * r)
     order = conv_channel_order(c)
-    hk, dk, dv, ck = 2, c.linear_key_head_dim, c.linear_value_head_dim, c.linear_key_dim
+    dk, dv, ck = c.linear_key_head_dim, c.linear_value_head_dim, c.linear_key_dim
     assert sorted(order.tolist()) == list(range(c.linear_conv_dim))
     group = 2 * dk + r * dv
     # key head 1's group: its q rows, its k rows, then the v rows of value heads r .. 2r-1
