@@ -19,8 +19,8 @@ expert (expert parallelism), the shared expert as a dense MLP.
 (``params.conv_channel_order``) make contiguous blocks whole heads. The Pallas kernels run under
 ``shard_map`` (the partitioner cannot split a custom call); the per-row cache write moves no K/V
 row across ``"data"``. :func:`check_mesh`: head counts, ``intermediate_size`` and ``vocab_size``
-divisible by the ``"model"`` size (published models: up to 4-way, 0.8B/2B 2-way), the batch by
-the ``"data"`` size. Fewer KV heads than ``"model"`` devices (Qwen3.5's 2 on 4 or 8):
+divisible by the ``"model"`` size (published models: up to 8-way), the batch by the ``"data"``
+size. Fewer KV heads than ``"model"`` devices (Qwen3.5's 2 or 4 on 8):
 :func:`shard_params` and ``load_checkpoint(..., mesh=mesh)`` repeat each KV head so every device
 holds the one its query heads read (:func:`config_on`; vLLM's replicated KV heads).
 
