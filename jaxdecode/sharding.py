@@ -169,9 +169,10 @@ def check_mesh(config: Config, mesh: Mesh, batch_size: int | None = None) -> Non
                              "linear_num_value_heads", "intermediate_size", "vocab_size",
                              "num_experts", "shared_expert_intermediate_size")
                 if getattr(config, name) % m]
-    if config_on(config, mesh) is not config:
-        problems.append("(shard_params and load_checkpoint(..., mesh=mesh) repeat the KV heads "
-                        f"to {m}: build the state from their params.config)")
+    if config_on(config, mesh) is not config:  # one problem: the KV heads, with the way out
+        kv = [i for i, p in enumerate(problems) if p.startswith("num_key_value_heads=")][0]
+        problems[kv] += (" as given (shard_params and load_checkpoint(..., mesh=mesh) repeat the "
+                         f"KV heads to {m}: build the state from their params.config)")
     if batch_size is not None and batch_size % d:
         problems.append(f"{batch_size=} must be divisible by the 'data' mesh axis size {d}")
     if problems:
@@ -235,8 +236,10 @@ def _put(x, sharding: NamedSharding) -> jax.Array:
 
 def shard_params(params: Params, mesh: Mesh) -> Params:
     """``params`` placed with :func:`param_shardings` (host or device arrays in, global out), with
-    ``config_on(params.config, mesh)``'s config (KV heads repeated where the mesh needs it).
-    Raises ValueError: see :func:`check_mesh`; FP8 weights (not shardable yet)."""
+    ``config_on(params.config, mesh)``'s config (KV heads repeated where the mesh needs it; they
+    stay repeated when resharded to a smaller mesh or saved by ``params_to_hf``: the same model
+    with more KV heads). Raises ValueError: see :func:`check_mesh`; FP8 weights (not shardable
+    yet)."""
     if any(isinstance(x, Fp8Linear) for x in jax.tree.leaves(
             params, is_leaf=lambda x: isinstance(x, Fp8Linear))):
         raise ValueError("FP8 weights (jd.Fp8Linear) cannot be sharded yet; decode them on one "
@@ -251,9 +254,26 @@ def shard_params(params: Params, mesh: Mesh) -> Params:
 
 def shard_state(state: DecodeState, mesh: Mesh) -> DecodeState:
     """``state`` placed with the state shardings (e.g. a state from ``jd.init_state``).
-    Raises ValueError if the batch does not divide the ``"data"`` axis."""
+    Raises ValueError if the batch does not divide the ``"data"`` axis, or a leaf's heads or
+    channels the ``"model"`` axis (naming the leaf; a state built from a config whose KV heads
+    :func:`shard_params` repeated gets that hint)."""
     _check_state_mesh(state, mesh)
     specs = _state_specs(len(state.conv_state), len(state.kv_cache))
+    problems = []
+    for (path, leaf), spec in zip(jax.tree_util.tree_leaves_with_path(state),
+                                  jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)),
+                                  strict=True):
+        for dim, axis in enumerate(spec):
+            if axis == MODEL and leaf.shape[dim] % mesh.shape[MODEL]:
+                problems.append(f"state{jax.tree_util.keystr(path)} has shape {leaf.shape}: its "
+                                f"axis {dim} ({leaf.shape[dim]}) must be divisible by the "
+                                f"'model' mesh axis size {mesh.shape[MODEL]}")
+    if problems:
+        hint = ("; params sharded on this mesh repeat the KV heads to the 'model' size: build the "
+                "state from their params.config" if any("kv_cache" in p for p in problems) else "")
+        raise ValueError(f"cannot shard the state over the mesh: {problems[0]}"
+                         + (f" (and {len(problems) - 1} more leaves)" if len(problems) > 1 else "")
+                         + hint)
     return jax.tree.map(_put, state, _named(mesh, specs))
 
 

@@ -387,3 +387,16 @@ def test_repeated_kv_heads_are_the_same_model():
                                atol=1e-5 * float(np.abs(np.asarray(want)).max()))
     with pytest.raises(ValueError, match="repeat the KV heads to 8"):
         sharding.check_mesh(c, _fake_mesh(1, 8))
+
+
+def test_shard_state_names_the_leaf_that_does_not_split():
+    """A state built from the original config (2 KV heads) for a "model" axis of 4, where
+    shard_params repeated the KV heads: a ValueError naming the cache leaf and the hint, before
+    any placement (a raw IndivisibleError from JAX before)."""
+    c = dataclasses.replace(TINY, num_attention_heads=8, num_key_value_heads=2)
+    state = jd.init_state(c, 4, 16)
+    with pytest.raises(ValueError, match=r"state\.kv_cache\[0\]\.k has shape \(4, 2, 16, 32\): "
+                                         r"its axis 1 \(2\) must be divisible by the 'model' "
+                                         r"mesh axis size 4 \(and 1 more leaves\); params "
+                                         r"sharded on this mesh repeat the KV heads"):
+        sharding.shard_state(state, _fake_mesh(1, 4))
