@@ -77,6 +77,24 @@ def greedy(params, state, tokens, prefill, decode_step):
     return all_logits, all_tokens, state
 
 
+def sharded_greedy(params, mesh, tokens, ref_logits, ref_tokens, scale):
+    """``params`` sharded on ``mesh``, then prefill + DECODE_STEPS steps fed the one-device run's
+    tokens: (sharded params, final state, each step's max |logits - ref| / ``scale``, the
+    compiled decode step's HLO text)."""
+    sp = sharding.shard_params(params, mesh)
+    state = sharding.init_state_sharded(sp.config, mesh, BATCH, MAX_LEN)
+    logits, state = jd.prefill(sp, state, tokens, PROMPT_LENGTHS)
+    errors = [float(np.abs(np.asarray(logits) - np.asarray(ref_logits[0])).max()) / scale]
+    for i in range(DECODE_STEPS):
+        logits, state = jd.decode_step(sp, state, np.asarray(ref_tokens[i]))
+        errors.append(float(np.abs(np.asarray(logits) - np.asarray(ref_logits[i + 1])).max())
+                      / scale)
+    kernels = jd.choose_kernels(sp.config, BATCH, dtype="float32", mesh=mesh)
+    tok = sharding.shard_batch(np.zeros(BATCH, np.int32), mesh)
+    hlo = step.jit_decode_step(sp.config, kernels).lower(sp, state, tok, None).compile().as_text()
+    return sp, state, errors, hlo
+
+
 def spec_mismatches(tree, specs, mesh) -> list[str]:
     """Leaves whose sharding is not equivalent to the specified one, by key path."""
     bad = []
@@ -191,18 +209,8 @@ def check_repeated_kv_heads() -> dict:
     out = {}
     for shape in KV_MESHES:
         mesh = sharding.make_mesh(*shape)
-        sp = sharding.shard_params(params, mesh)
-        state = sharding.init_state_sharded(sp.config, mesh, BATCH, MAX_LEN)
-        logits, state = jd.prefill(sp, state, tokens, PROMPT_LENGTHS)
-        errors = [float(np.abs(np.asarray(logits) - np.asarray(ref_logits[0])).max()) / scale]
-        for i in range(DECODE_STEPS):
-            logits, state = jd.decode_step(sp, state, np.asarray(ref_tokens[i]))
-            errors.append(float(np.abs(np.asarray(logits) - np.asarray(ref_logits[i + 1])).max())
-                          / scale)
-        kernels = jd.choose_kernels(sp.config, BATCH, dtype="float32", mesh=mesh)
-        tok = sharding.shard_batch(np.zeros(BATCH, np.int32), mesh)
-        hlo = step.jit_decode_step(sp.config, kernels).lower(sp, state, tok, None).compile(
-            ).as_text()
+        sp, state, errors, hlo = sharded_greedy(params, mesh, tokens, ref_logits, ref_tokens,
+                                                scale)
         cache = state.kv_cache[0].k
         out[f"{shape[0]},{shape[1]}"] = {
             "rel_errors": errors,
@@ -314,18 +322,8 @@ def check_moe() -> dict:
     out = {"meshes": {}, "checkpoint": check_checkpoint(params, MOE_CONFIG)}
     for shape in MESHES:
         mesh = sharding.make_mesh(*shape)
-        sp = sharding.shard_params(params, mesh)
-        state = sharding.init_state_sharded(MOE_CONFIG, mesh, BATCH, MAX_LEN)
-        logits, state = jd.prefill(sp, state, tokens, PROMPT_LENGTHS)
-        errors = [float(np.abs(np.asarray(logits) - np.asarray(ref_logits[0])).max()) / scale]
-        for i in range(DECODE_STEPS):
-            logits, state = jd.decode_step(sp, state, np.asarray(ref_tokens[i]))
-            errors.append(float(np.abs(np.asarray(logits) - np.asarray(ref_logits[i + 1])).max())
-                          / scale)
-        kernels = jd.choose_kernels(MOE_CONFIG, BATCH, dtype="float32", mesh=mesh)
-        tok = sharding.shard_batch(np.zeros(BATCH, np.int32), mesh)
-        hlo = step.jit_decode_step(MOE_CONFIG, kernels).lower(sp, state, tok, None).compile(
-            ).as_text()
+        sp, state, errors, hlo = sharded_greedy(params, mesh, tokens, ref_logits, ref_tokens,
+                                                scale)
         experts = sp.layers[0].mlp.experts_gate_up_proj
         out["meshes"][f"{shape[0]},{shape[1]}"] = {
             "rel_errors": errors,
