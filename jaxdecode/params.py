@@ -402,7 +402,7 @@ def internal_to_hf(config: Config, name: str, x):
     return x
 
 
-def _init_leaf(spec: ParamSpec, key: Array, dtype, config: Config) -> Array:
+def init_leaf(spec: ParamSpec, key: Array, dtype, config: Config) -> Array:
     """HF-like initial values (``Qwen3_5PreTrainedModel._init_weights``), with small random
     perturbations of the norm weights so no quirk of the model hides behind a constant."""
     name, shape = spec.name, spec.shape
@@ -428,7 +428,7 @@ def init_params(config: Config, key: Array, dtype="float32") -> Params:
     float32. ``jax.eval_shape`` of it gives shapes without allocating."""
     dtype = model_dtype(dtype)
     specs = param_specs(config)
-    flat = {name: _init_leaf(spec, jax.random.fold_in(key, n), dtype, config)
+    flat = {name: init_leaf(spec, jax.random.fold_in(key, n), dtype, config)
             for n, (name, spec) in enumerate(specs.items())}
     return params_from_flat(config, flat)
 

@@ -47,9 +47,10 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdecode import memory
-from jaxdecode.config import Config
+from jaxdecode.config import Config, model_dtype
 from jaxdecode.kernels.choice import DATA, MODEL
-from jaxdecode.params import Params, param_specs, params_from_flat, params_to_flat
+from jaxdecode.params import (Params, init_leaf, leaf_dtype, param_specs, params_from_flat,
+                              params_to_flat)
 from jaxdecode.state import DecodeState, KVCache, init_state
 from jaxdecode.quantization import Fp8Linear
 
@@ -250,6 +251,49 @@ def shard_params(params: Params, mesh: Mesh) -> Params:
                 for name, x in params_to_flat(params).items()}
         params = params_from_flat(config, flat)
     return jax.tree.map(_put, params, param_shardings(config, mesh))
+
+
+def init_params_sharded(config: Config, mesh: Mesh, key: jax.Array, dtype="float32") -> Params:
+    """``shard_params(jd.init_params(config, key, dtype), mesh)`` with each leaf created in its
+    sharding: every device computes and holds only its shard (a model no one device can hold,
+    e.g. Qwen3.5-397B-A17B on 8 GPUs). Values as ``init_params`` under jit (random bits do not
+    depend on the sharding); one small program per distinct leaf kind and shape.
+    Raises ValueError: see :func:`check_mesh`, a dtype ``init_params`` refuses, or a shard of the
+    weights larger than a device's free memory."""
+    on = config_on(config, mesh)
+    check_mesh(on, mesh)
+    dtype = model_dtype(dtype)
+    specs = param_specs(config)
+    placed = {name: NamedSharding(mesh, param_partition_spec(name)) for name in specs}
+    per_device = sum(_shard_bytes(_on_shape(spec, config, on), leaf_dtype(spec, dtype),
+                                  placed[name]) for name, spec in specs.items())
+    memory.check_fits(f"a shard of the weights ({dtype.name}) over {mesh.size} devices",
+                      per_device, mesh.devices.flat[0])
+    flat = {}
+    for n, (name, spec) in enumerate(specs.items()):
+        kind = dataclasses.replace(spec, name=_LAYER_PREFIX.sub("", name))  # shared per layer
+        flat[name] = _init_leaf_jit(kind, dtype, config, on, placed[name])(
+            jax.random.fold_in(key, n))
+    return params_from_flat(on, flat)
+
+
+def _on_shape(spec, config: Config, on: Config) -> tuple[int, ...]:
+    """Shape of leaf ``spec`` in ``on``'s layout (a K/V projection's heads repeated)."""
+    if not spec.name.endswith(KV_LEAVES):
+        return spec.shape
+    return (spec.shape[0] * on.num_key_value_heads // config.num_key_value_heads,
+            *spec.shape[1:])
+
+
+def _shard_bytes(shape: tuple[int, ...], dtype, placed: NamedSharding) -> int:
+    split = int(np.prod([placed.mesh.shape[a] for a in placed.spec if a is not None]))
+    return int(np.prod(shape)) * jnp.dtype(dtype).itemsize // split
+
+
+@functools.cache
+def _init_leaf_jit(spec, dtype, config: Config, on: Config, placed: NamedSharding):
+    return jax.jit(lambda key: repeat_kv_heads(spec.name, init_leaf(spec, key, dtype, config),
+                                               config, on), out_shardings=placed)
 
 
 def shard_state(state: DecodeState, mesh: Mesh) -> DecodeState:

@@ -201,7 +201,8 @@ def check_repeated_kv_heads() -> dict:
     greedy prefill + decode logits, the KV heads each device holds, the step's collectives;
     load_checkpoint(mesh=) of the published-layout checkpoint equal to shard_params."""
     c = SHRUNK_397B
-    params = jd.init_params(c, jax.random.key(3))
+    key = jax.random.key(3)
+    params = jd.init_params(c, key)
     tokens = np.random.default_rng(4).integers(0, c.vocab_size, (BATCH, 12))
     ref_logits, ref_tokens, _ = greedy(params, jd.init_state(c, BATCH, MAX_LEN), tokens,
                                        jd.prefill, jd.decode_step)
@@ -220,7 +221,20 @@ def check_repeated_kv_heads() -> dict:
                                                 mesh),
             "collectives": collectives(hlo)}
     out["checkpoint"] = check_repeated_kv_checkpoint(params)
+    out["init_sharded"] = check_init_params_sharded(params, key)
     return out
+
+
+def check_init_params_sharded(params, key) -> dict:
+    """sharding.init_params_sharded on (1, 8): the values of shard_params(init_params) (relative
+    to each leaf's scale; init_params' values are eager, these jitted), its config and layout."""
+    mesh = sharding.make_mesh(1, 8)
+    got = sharding.init_params_sharded(params.config, mesh, key)
+    want = sharding.shard_params(params, mesh)
+    errors = [float(np.abs(np.asarray(a) - np.asarray(b)).max() / np.abs(np.asarray(b)).max())
+              for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)]
+    return {"worst_rel_error": max(errors), "config_equal": got.config == want.config,
+            "mismatches": spec_mismatches(got, sharding.param_partition_specs(got.config), mesh)}
 
 
 def check_repeated_kv_checkpoint(params) -> dict:

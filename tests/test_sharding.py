@@ -241,6 +241,15 @@ def test_fewer_kv_heads_than_devices_repeats_them(meshes, mesh):
 
 
 @pytest.mark.slow
+def test_params_initialised_in_their_shardings_equal_shard_params(meshes):
+    """sharding.init_params_sharded (each device computes only its shard: how a benchmark gets
+    397B-A17B onto 8 GPUs) gives shard_params(init_params)'s values, config and layout."""
+    res = meshes["repeated_kv_heads"]["init_sharded"]
+    assert res["worst_rel_error"] <= 1e-6, res
+    assert res["config_equal"] and res["mismatches"] == [], res
+
+
+@pytest.mark.slow
 def test_checkpoint_with_fewer_kv_heads_than_devices_loads_repeated(meshes):
     """The published-layout checkpoint (2 KV heads) loaded onto 8 "model" devices: K/V rows
     repeated as it is read, the same arrays, config and layout as shard_params."""
