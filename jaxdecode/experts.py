@@ -25,6 +25,7 @@ and doing E times the FLOPs in prefill (benchmarks/RESULTS.md, the MoE tables).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -138,25 +139,82 @@ def _rounds_bwd(k, res, g):
 _rounds.defvjp(_rounds_fwd, _rounds_bwd)
 
 
+def expert_parallel_capacity(num_pairs: int, devices: int) -> int:
+    """Slots C for the pairs routed to one device's experts when the experts are split over
+    ``devices`` (each holds 1/devices of them; routing assumed uniform, so a device's count is
+    Binomial(P, 1/devices)): the C >= 1 minimising C·q + P·(1 - q), q = F(C)^devices, the
+    expected pairs the slowest device computes when each runs C slots, or all P where its pairs
+    overflow them (:func:`routed_experts`' fallback). E.g. P = 10 on 8 devices: C = 4."""
+    p, s = num_pairs, 1 / devices
+    best, best_cost, cdf = p, float(p), 0.0
+    for c in range(p + 1):
+        cdf += math.exp(math.lgamma(p + 1) - math.lgamma(c + 1) - math.lgamma(p - c + 1)
+                        + c * math.log(s) + (p - c) * math.log1p(-s))
+        q = min(cdf, 1.0) ** devices
+        cost = max(c, 1) * q + p * (1 - q)
+        if cost < best_cost:
+            best, best_cost = max(c, 1), cost
+    return best
+
+
+def _local_pairs(x, weights, experts, here, gate_up_proj, down_proj, cap):
+    """[P, H] as :func:`_pairs` (weights already 0 where not ``here``), computing ``cap`` slots:
+    the pairs of this device's experts in order, then empty slots that read the first slot's
+    expert again with weight 0 (the weights other devices' pairs would stream stay unread).
+    Needs sum(here) <= cap."""
+    k, e = experts.shape[1], gate_up_proj.shape[0]
+    flat_here = here.reshape(-1)
+    p = flat_here.shape[0]
+    rank = jnp.cumsum(flat_here) - 1  # a local pair's slot
+    slot_pair = jnp.zeros((cap,), jnp.int32).at[jnp.where(flat_here, rank, cap)].set(
+        jnp.arange(p, dtype=jnp.int32), mode="drop")
+    valid = jnp.arange(cap) < jnp.sum(flat_here)
+    ids = jnp.clip(experts.reshape(-1)[slot_pair], 0, e - 1)
+    ids = jnp.where(valid, ids, ids[0])
+    w = jnp.where(valid, weights.reshape(-1)[slot_pair], 0)
+    out = _swiglu(x[slot_pair // k], gate_up_proj[ids], down_proj[ids],
+                  subscripts=("ph,pih->pi", "pi,phi->ph")) * w[:, None]
+    return jnp.zeros((p, x.shape[1]), out.dtype).at[jnp.where(valid, slot_pair, p)].set(
+        out, mode="drop")
+
+
+def _by_form(form, x, weights, experts, here, gate_up_proj, down_proj):
+    """[P, H] of one form; ``weights`` already 0 where not ``here``."""
+    k, e = experts.shape[1], gate_up_proj.shape[0]
+    if form == "pairs":  # another device's pair reads an expert of this one, times 0
+        return _pairs(x, weights, jnp.clip(experts, 0, e - 1), gate_up_proj, down_proj)
+    if form == "rounds":  # another device's pair sorts last, in no expert's group
+        order, starts, group_sizes = _routing(jnp.where(here, experts, e), e)
+        return _rounds(k, x, weights.reshape(-1), order, starts, group_sizes, gate_up_proj,
+                       down_proj)
+    raise ValueError(f"form={form!r}: expected 'pairs', 'rounds' or None")
+
+
 def routed_experts(x: Array, weights: Array, experts: Array, gate_up_proj: Array,
-                   down_proj: Array, *, form: str | None = None, out_dtype=None) -> Array:
+                   down_proj: Array, *, form: str | None = None, out_dtype=None,
+                   expert_parallel: int = 1) -> Array:
     """The routed experts' output [N, H] in ``out_dtype`` (default x's dtype; shapes and math:
     module docstring; HF ``Qwen3_5MoeExperts.forward``); ``form`` "pairs" | "rounds" | None
     (:func:`use_pairs` decides). A pair whose expert id is outside [0, E) adds nothing (expert
-    parallelism: the experts another device holds). Raises ValueError for any other ``form``."""
+    parallelism: the experts another device holds). ``expert_parallel`` m > 1 (the stack is one
+    of m devices' E/m experts; ``form`` None): the pairs form over
+    :func:`expert_parallel_capacity` slots holding this device's pairs, where they fit (a
+    ``lax.cond``; else the form for all N·k pairs), so a device streams about its own share of
+    the chosen experts instead of k per token. Raises ValueError for any other ``form``."""
     n, k = experts.shape
     e, two_i, h = gate_up_proj.shape
     here = (experts >= 0) & (experts < e)
     weights = jnp.where(here, weights, 0)
+    expert_bytes = 3 * (two_i // 2) * h * gate_up_proj.dtype.itemsize
+    cap = n * k
     if form is None:
-        expert_bytes = 3 * (two_i // 2) * h * gate_up_proj.dtype.itemsize
         form = "pairs" if use_pairs(n * k, e, expert_bytes) else "rounds"
-    if form == "pairs":  # another device's pair reads an expert of this one, times 0
-        out = _pairs(x, weights, jnp.clip(experts, 0, e - 1), gate_up_proj, down_proj)
-    elif form == "rounds":  # another device's pair sorts last, in no expert's group
-        order, starts, group_sizes = _routing(jnp.where(here, experts, e), e)
-        out = _rounds(k, x, weights.reshape(-1), order, starts, group_sizes, gate_up_proj,
-                      down_proj)
+        if expert_parallel > 1:
+            cap = expert_parallel_capacity(n * k, expert_parallel)
+    args = (x, weights, experts, here, gate_up_proj, down_proj)
+    if cap < n * k and use_pairs(cap, e, expert_bytes):
+        out = lax.cond(jnp.sum(here) <= cap, functools.partial(_local_pairs, cap=cap),
+                       functools.partial(_by_form, form), *args)
     else:
-        raise ValueError(f"form={form!r}: expected 'pairs', 'rounds' or None")
+        out = _by_form(form, *args)
     return jnp.sum(out.astype(f32).reshape(n, k, h), axis=1).astype(out_dtype or x.dtype)

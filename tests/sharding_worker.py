@@ -344,6 +344,7 @@ def check_moe() -> dict:
             "param_mismatches": spec_mismatches(sp, sharding.param_partition_specs(MOE_CONFIG),
                                                 mesh),
             "collectives": collectives(hlo),
+            "conditionals": len(re.findall(r"\sconditional\(", hlo)),
             "expert_fraction_per_device":
                 experts.addressable_shards[0].data.size / experts.size}
     return out

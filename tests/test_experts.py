@@ -113,3 +113,53 @@ def test_pairs_of_experts_outside_the_stack_add_nothing(form):
     want = _reference(x, np.where(here, w, 0), np.where(here, chosen, 0), gate_up, down)
     err = np.max(np.abs(np.asarray(got, np.float64) - want)) / np.max(np.abs(want))
     assert err < 1e-6, err
+
+
+def test_expert_parallel_capacity_minimises_the_slowest_devices_pairs():
+    """The slots a device runs: 4 for Qwen3.5-397B-A17B's 10 pairs on 8 devices (against a
+    brute-force expectation over simulated uniform routing), at least 1, at most P."""
+    assert experts.expert_parallel_capacity(10, 8) == 4
+    assert experts.expert_parallel_capacity(1, 8) == 1
+    assert experts.expert_parallel_capacity(24, 2) <= 24
+    rng = np.random.default_rng(0)
+    counts = rng.binomial(10, 1 / 8, size=(20000, 8))  # per step, per device
+
+    def slowest(c):
+        return np.mean(np.where((counts <= c).all(1), c, 10))
+
+    assert min(range(1, 11), key=slowest) == 4
+
+
+@pytest.mark.parametrize("n,first,devices", [(1, 2, 2), (3, 0, 4), (6, 4, 4), (2, 6, 4)])
+def test_expert_parallel_slots_equal_the_pairs_of_this_device(n, first, devices):
+    """One device of ``devices`` holding E/devices experts: its pairs through the slots (or, when
+    more of them than the slots, the full form) equal the float64 loop over this device's pairs;
+    the step has the slots' cond. n = 6 on 4 devices of 2 experts, all routed to experts 4, 5
+    (with 6): more local pairs than slots, the fallback."""
+    gate_up, down = _weights(5)
+    x, w, chosen = _routing(6, n, False)
+    if n == 6:
+        chosen[:] = [4, 5, 6]
+    e = E // devices
+    local = chosen - first
+    here = (local >= 0) & (local < e)
+    cap = experts.expert_parallel_capacity(n * K, devices)
+    assert (here.sum() > cap) == (n == 6) and cap < n * K
+
+    def run(*a):
+        return experts.routed_experts(*a, out_dtype=jnp.float32, expert_parallel=devices)
+
+    args = (jnp.asarray(x), jnp.asarray(w), jnp.asarray(local), gate_up[first:first + e],
+            down[first:first + e])
+    assert "cond" in str(jax.make_jaxpr(run)(*args))
+    got = jax.jit(run)(*args)
+    want = _reference(x, np.where(here, w, 0), np.where(here, chosen, 0), gate_up, down)
+    scale = np.max(np.abs(want)) or 1.0  # no pair on this device: exactly zero
+    err = np.max(np.abs(np.asarray(got, np.float64) - want)) / scale
+    assert err < 1e-6, (err, here.sum())
+    g = jax.grad(lambda *a: jnp.sum(run(*a) ** 2), argnums=(0, 1, 3, 4))(*args)
+    g_ref = jax.grad(lambda *a: jnp.sum(experts.routed_experts(
+        *a[:2], jnp.asarray(local), *a[2:], form="pairs", out_dtype=jnp.float32) ** 2),
+        argnums=(0, 1, 2, 3))(args[0], args[1], args[3], args[4])
+    for a, b in zip(g, g_ref):
+        assert float(jnp.max(jnp.abs(a - b))) <= 1e-5 * max(float(jnp.max(jnp.abs(b))), 1.0)

@@ -219,6 +219,10 @@ def test_moe_expert_parallel_equals_single_device(meshes, mesh):
     model_size = int(mesh.split(",")[1])
     assert res["expert_fraction_per_device"] == 1 / model_size
     assert res["collectives"] == ({"all-reduce": 2 * 4 + 1} if model_size > 1 else {}), res
+    # (4, 2): 2 rows x 3 pairs a device, 4 slots for the pairs of its 8 experts (a cond per
+    # layer: experts.expert_parallel_capacity); the other meshes' slots would exceed the pairs
+    # form's limit (E/m experts) and run the rounds form
+    assert res["conditionals"] == (4 if mesh == "4,2" else 0), res
 
 
 @pytest.mark.slow

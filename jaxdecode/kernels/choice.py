@@ -309,7 +309,8 @@ def routed_experts(kernels: Kernels, x, weights, chosen, gate_up_proj, down_proj
     def local(x, weights, chosen, gate_up_proj, down_proj):
         first = jax.lax.axis_index(MODEL) * gate_up_proj.shape[0]
         out = experts.routed_experts(x, weights, chosen - first, gate_up_proj, down_proj,
-                                     out_dtype=jnp.float32)
+                                     out_dtype=jnp.float32,
+                                     expert_parallel=kernels.mesh.shape[MODEL])
         if kernels.mesh.shape[MODEL] > 1:  # (a psum over one device still launches)
             out = jax.lax.psum(out, MODEL)
         return out.astype(x.dtype)
