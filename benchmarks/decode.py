@@ -126,8 +126,12 @@ def kernels_for(params, batch, attention="auto", **overrides) -> jd.Kernels:
     return dataclasses.replace(kernels, **overrides)
 
 
-def time_decode(params, state, batch, steps=50, repeats=3, kernels=None, compiler_options=None):
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 1000, batch), jnp.int32)
+def time_decode(params, state, batch, steps=50, repeats=3, kernels=None, compiler_options=None,
+                tokens=None):
+    """(median s per step, compile s, compiled step); ``tokens`` [B] (default random ids on the
+    default device; on a mesh pass them placed with ``sharding.shard_batch``)."""
+    if tokens is None:
+        tokens = jnp.asarray(np.random.default_rng(0).integers(0, 1000, batch), jnp.int32)
     kernels = kernels or kernels_for(params, batch)
     t0 = time.perf_counter()
     compiled = step.jit_decode_step(params.config, kernels).lower(

@@ -26,7 +26,27 @@ first variant relative to max |out|. Variants:
   slices+fusion     the same with ``xla_gpu_enable_dynamic_slice_fusion``
 
 Part 2, ``--decode``: the library's decode step (``step.jit_decode_step``) for the whole model
-at the given batch sizes and context, ms per token (the library's MoE). Random weights route near-uniformly, the worst case for distinct experts at batch > 1.
+at the given batch sizes and context, ms per token (the library's MoE). Random weights route
+near-uniformly, the worst case for distinct experts at batch > 1.
+
+Part 3, ``--mesh DATA,MODEL`` (e.g. 397B-A17B on 8 GPUs):
+
+    python benchmarks/moe.py --model 397b-a17b --mesh 1,8 --decode 1,8,64 \
+        --contexts 1024,8192 --check-layers 2 --load-layers 4
+
+the decode step expert parallel (experts split over "model") with tensor-parallel attention and
+DeltaNet, params created in their shardings (``sharding.init_params_sharded``), no MTP layer:
+ms per token, tok/s, bytes one device needs per step (its weight shards, the share of its
+experts uniform routing touches, its share of the state) and % of the copy bandwidth of one
+GPU measured in the same run (each GPU reads its own bytes, so this is also the share of the
+summed bandwidth), the bytes the expert form streams (every slot counted as a full read), the
+collectives of the compiled step (count and bytes per device) and its memory per device.
+``--check-layers N``: the first N layers on the mesh, on one device and in float32 on one
+device (prefill + one decode step). ``--load-layers N``: N layers written as published to
+``--load-dir`` (page cache dropped), ``load_checkpoint(mesh=)`` timed, the rate applied to the
+whole model's bytes. ``--compile-only``: abstract params and state, nothing allocated: the
+collectives and memory of the full 397B step on 8 virtual CPU devices
+(``XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu``).
 """
 
 from __future__ import annotations
@@ -35,6 +55,7 @@ import argparse
 import dataclasses
 import functools
 import os
+import re
 import statistics
 import sys
 import time
@@ -47,9 +68,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxdecode as jd  # noqa: E402
-from jaxdecode import experts, model  # noqa: E402
+from jaxdecode import experts, model, sharding  # noqa: E402
 from jaxdecode.activations import sigmoid, silu  # noqa: E402
 from jaxdecode.params import MLPParams, MoEParams  # noqa: E402
+from jaxdecode.step import jit_decode_step  # noqa: E402
+from sharded_decode import collectives, describe  # noqa: E402
 
 FUSION = {"xla_gpu_experimental_use_ragged_dot_fusion": True}
 
@@ -273,24 +296,256 @@ def part_decode(config, batches, context, bw, prefill):
     return rows, pre
 
 
+def truncated(config, layers):
+    """``config`` with its last ``layers`` layers (the published schedule ends in a full-attention
+    layer) and no MTP layer (decode does not read it)."""
+    return dataclasses.replace(config, num_hidden_layers=layers,
+                               layer_types=config.layer_types[-layers:], mtp_num_hidden_layers=0)
+
+
+def device_step_bytes(params, batch, context, mesh):
+    """(needed, streamed): bytes one device reads in a decode step on ``mesh``. Needed: its
+    shard of every weight (the embedding: B rows; the routed experts: the share of its E/m
+    experts that B/d tokens touch under uniform routing, 1 - (1 - k/E)^(B/d)) and its share of
+    the state (every state leaf is split over data x model). Streamed: the same with the
+    experts as the library's form reads them (``experts.routed_experts``: the slots' experts
+    when the pairs fit them, else every pair's or, rounds, every local expert).
+    ``params`` real or abstract (``jax.ShapeDtypeStruct`` with shardings)."""
+    from decode import step_bytes  # noqa: PLC0415
+    c = params.config
+    rows, m = batch // mesh.shape[sharding.DATA], mesh.shape[sharding.MODEL]
+    local, pairs = c.num_experts // m, rows * c.num_experts_per_tok
+    expert_bytes = 3 * c.moe_intermediate_size * c.hidden_size * params.dtype.itemsize
+    slots = experts.expert_parallel_capacity(pairs, m) if m > 1 else pairs
+    if slots >= pairs or not experts.use_pairs(slots, local, expert_bytes):
+        slots = pairs if experts.use_pairs(pairs, local, expert_bytes) else local
+    touched = 1 - (1 - c.num_experts_per_tok / c.num_experts) ** rows
+
+    def shard(x):
+        return int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+
+    total = sum(shard(x) for x in jax.tree.leaves(params))
+    total -= shard(params.embed_tokens) - rows * c.hidden_size * params.embed_tokens.dtype.itemsize
+    stacks = sum(shard(layer.mlp.experts_gate_up_proj) + shard(layer.mlp.experts_down_proj)
+                 for layer in params.layers if isinstance(layer.mlp, MoEParams))
+    state = step_bytes(c, params, batch, context)
+    state = (state["kv"] + state["state"]) / mesh.size
+    return (int(total - stacks * (1 - touched) + state),
+            int(total - stacks + stacks * slots / local + state))
+
+
+def abstract(tree, shardings):
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
+                        shardings)
+
+
+def part_mesh(config, mesh, batches, contexts, bw, compile_only=False):
+    """Part 3: the decode step on ``mesh`` (expert parallel MoE, tensor parallel attention and
+    DeltaNet), params created in their shardings; with ``compile_only`` abstract params and
+    state (nothing allocated: the full 397B compiles on 8 virtual CPU devices)."""
+    from decode import randomize_state, time_decode  # noqa: PLC0415
+    key = jax.random.key(0)
+    if compile_only:
+        on = sharding.config_on(config, mesh)
+        params = abstract(jax.eval_shape(lambda: jd.init_params(on, key, "bfloat16")),
+                          sharding.param_shardings(on, mesh))
+    else:
+        params = sharding.init_params_sharded(config, mesh, key, "bfloat16")
+    config = params.config
+    rows = []
+    for context in contexts:
+        for batch in batches:
+            cell = dict(batch=batch, context=context)
+            try:
+                kernels = jd.choose_kernels(config, batch, dtype=params.dtype, mesh=mesh)
+                tokens = sharding.shard_batch(
+                    np.random.default_rng(0).integers(0, 1000, batch).astype(np.int32), mesh)
+                if compile_only:
+                    state = abstract(jax.eval_shape(
+                        lambda b=batch, n=context: jd.init_state(config, b, n + 128, "bfloat16",
+                                                                 check_memory=False)),
+                        sharding.state_shardings(config, mesh, batch))
+                    t0 = time.perf_counter()
+                    compiled = jit_decode_step(config, kernels).lower(
+                        params, state, tokens, None).compile()
+                    s, compile_s = float("nan"), time.perf_counter() - t0
+                else:
+                    state = randomize_state(sharding.init_state_sharded(
+                        config, mesh, batch, context + 128, "bfloat16"), context)
+                    s, compile_s, compiled = time_decode(params, state, batch, steps=30,
+                                                         kernels=kernels, tokens=tokens)
+                    del state
+                nbytes, streamed = device_step_bytes(params, batch, context, mesh)
+                memory_stats = compiled.memory_analysis()
+                cell.update(ms=s * 1e3, tok_s=batch / s, gib=nbytes / 2**30,
+                            streamed_gib=streamed / 2**30,
+                            pct=100 * nbytes / s / 1e9 / bw, compile_s=compile_s,
+                            comm=describe(collectives(compiled.as_text())),
+                            device_gib=(memory_stats.argument_size_in_bytes
+                                        + memory_stats.temp_size_in_bytes) / 2**30)
+            except Exception as e:  # noqa: BLE001 - report and go on
+                cell["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            rows.append(cell)
+            print(cell, flush=True)
+    return rows
+
+
+def check_on_one_device(config, mesh, layers, prompt=64):
+    """The first ``layers`` layers' model, bf16, on ``mesh`` and gathered onto one device,
+    against the same weights in float32 on one device: prefill of a random prompt and one
+    greedy decode step (the mesh's token fed to all three), max |difference| relative to max
+    |logits|. The mesh is right when its error is the one device's (bf16 rounding) in size."""
+    config = truncated(config, layers)
+    params = sharding.init_params_sharded(config, mesh, jax.random.key(1), "bfloat16")
+    one = jax.device_put(params, jax.devices()[0])
+    ids = np.random.default_rng(1).integers(0, config.vocab_size, (1, prompt)).astype(np.int32)
+    c, n = params.config, prompt + 8
+    runs = (("mesh", params, sharding.init_state_sharded(c, mesh, 1, n, "bfloat16")),
+            ("one", one, jd.init_state(c, 1, n, "bfloat16")),
+            ("f32", jax.tree.map(lambda x: x.astype(jnp.float32), one), jd.init_state(c, 1, n)))
+    logits, token = {}, None
+    for name, p, state in runs:
+        first, state = jd.prefill(p, state, ids, np.array([prompt], np.int32))
+        if token is None:
+            token = np.asarray(jnp.argmax(first, -1)).astype(np.int32)
+        logits[name] = [np.asarray(x, np.float32)
+                        for x in (first, jd.decode_step(p, state, token)[0])]
+        del p, state
+
+    def rel(a, b):
+        return [float(np.abs(x - y).max() / np.abs(y).max()) for x, y in zip(a, b)]
+    return dict(layers=layers, mesh_vs_f32=rel(logits["mesh"], logits["f32"]),
+                one_vs_f32=rel(logits["one"], logits["f32"]),
+                mesh_vs_one=rel(logits["mesh"], logits["one"]))
+
+
+def time_load(config, mesh, layers, directory):
+    """Writes the first ``layers`` layers' random bf16 weights in the published layout (a
+    ``model.safetensors.index.json`` and one file per layer, experts as fused 3-D tensors),
+    drops them from the page cache (fsync + ``POSIX_FADV_DONTNEED``), then times
+    ``jd.load_checkpoint(directory, "bfloat16", mesh=mesh)``; GB/s and that rate applied to the
+    whole model's bytes."""
+    import json  # noqa: PLC0415
+
+    from safetensors.numpy import save_file  # noqa: PLC0415
+
+    from jaxdecode.params import init_leaf, param_specs  # noqa: PLC0415
+    part = truncated(config, layers)
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(part.to_hf_config(), f)
+    files: dict[str, list] = {}
+    for n, (name, spec) in enumerate(param_specs(part).items()):
+        layer = name.split(".")[2] if name.startswith("model.layers.") else "rest"
+        files.setdefault(f"model-{layer}.safetensors", []).append((n, name, spec))
+    make = jax.jit(init_leaf, static_argnums=(0, 2, 3))
+    weight_map, nbytes = {}, 0
+    for file, leaves in files.items():  # one file in host memory at a time
+        tensors = {}
+        for n, name, spec in leaves:
+            kind = dataclasses.replace(spec, name=re.sub(r"^model\.layers\.\d+\.", "", name))
+            tensors[name] = np.asarray(make(kind, jax.random.fold_in(jax.random.key(2), n),
+                                            jnp.dtype("bfloat16"), part))
+            weight_map[name] = file
+        path = os.path.join(directory, file)
+        save_file(tensors, path)
+        nbytes += sum(t.nbytes for t in tensors.values())
+        del tensors
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the load reads from disk
+        os.close(fd)
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": nbytes}, "weight_map": weight_map}, f)
+    t0 = time.perf_counter()
+    params = jax.block_until_ready(jd.load_checkpoint(directory, "bfloat16", mesh=mesh))
+    s = time.perf_counter() - t0
+    full = sum(int(np.prod(spec.shape)) * 2 for spec in param_specs(
+        dataclasses.replace(config, mtp_num_hidden_layers=0)).values())
+    del params
+    return dict(layers=layers, gib=nbytes / 2**30, s=s, gb_s=nbytes / s / 1e9,
+                full_model_s=full / (nbytes / s))
+
+
+def run_mesh(config, args, bw):
+    """Part 3's cells: the check on one device, the load timing, then the decode step."""
+    data, model_size = (int(n) for n in args.mesh.split(","))
+    mesh = sharding.make_mesh(data, model_size, devices=jax.devices()[:data * model_size])
+    config = dataclasses.replace(config, mtp_num_hidden_layers=0)
+    check = load = None
+    if args.check_layers:
+        check = check_on_one_device(config, mesh, args.check_layers)
+        print(check, flush=True)
+    if args.load_layers:
+        load = time_load(config, mesh, args.load_layers, args.load_dir)
+        print(load, flush=True)
+    rows = part_mesh(config, mesh, [int(b) for b in (args.decode or "1,8,64").split(",")],
+                     [int(c) for c in args.contexts.split(",")], bw, args.compile_only)
+    return rows, check, load
+
+
+def print_mesh(rows, check, load, args):
+    what = "compiled only" if args.compile_only else "timed"
+    print(f"\n| mesh (data, model) | batch | context | ms/token | tok/s | GiB needed per step "
+          f"per device | % copy bw | GiB the expert form streams | collectives per step (bytes "
+          f"per device) | device GiB (args + temp) | compile s |   ({what})")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|")
+    for r in rows:
+        if "error" in r:
+            print(f"| ({args.mesh}) | {r['batch']} | {r['context']} | {r['error']} |")
+        else:
+            print(f"| ({args.mesh}) | {r['batch']} | {r['context']} | {r['ms']:.3f} | "
+                  f"{r['tok_s']:.0f} | {r['gib']:.2f} | {r['pct']:.1f} | "
+                  f"{r['streamed_gib']:.2f} | {r['comm']} | "
+                  f"{r['device_gib']:.1f} | {r['compile_s']:.1f} |")
+    if check:
+        print(f"\nFirst {check['layers']} layers, bf16, max |difference| / max |logits| "
+              "(prefill, decode step):")
+        for name, what in (("mesh_vs_f32", f"on ({args.mesh}) vs float32 on one device"),
+                           ("one_vs_f32", "on one device vs float32 on one device"),
+                           ("mesh_vs_one", f"on ({args.mesh}) vs on one device")):
+            print(f"- {what}: {check[name][0]:.1e}, {check[name][1]:.1e}")
+    if load:
+        print(f"\nload_checkpoint(mesh=) of {load['layers']} layers ({load['gib']:.1f} GiB, "
+              f"page cache dropped): {load['s']:.1f} s, {load['gb_s']:.2f} GB/s; the whole "
+              f"model at that rate {load['full_model_s']:.0f} s")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="35b-a3b")
-    ap.add_argument("--tokens", default="1,8,64,1024")
+    ap.add_argument("--tokens", default=None, help="part 1's token counts (default 1,8,64,1024; "
+                    "none with --mesh)")
     ap.add_argument("--variants", default="library,pairs,rounds,ragged_dot")
     ap.add_argument("--decode", default="", help="batch sizes for part 2, e.g. 1,8,64")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--prefill", default="", help="rows:tokens cells of jd.prefill, e.g. 1:8192")
     ap.add_argument("--layers", type=int, default=None, help="fewer layers (CPU smoke runs)")
     ap.add_argument("--experts", type=int, default=None, help="fewer experts (CPU smoke runs)")
+    ap.add_argument("--vocab", type=int, default=None, help="smaller vocabulary (CPU smoke runs)")
+    ap.add_argument("--mesh", default=None, help="part 3: DATA,MODEL mesh of the decode step, "
+                    "e.g. 1,8 (batches: --decode, default 1,8,64)")
+    ap.add_argument("--contexts", default="1024,8192", help="part 3's contexts")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="part 3 on abstract params and state: collectives and memory per "
+                         "device, nothing allocated (runs on 8 virtual CPU devices)")
+    ap.add_argument("--check-layers", type=int, default=0,
+                    help="part 3: the first N layers on the mesh against one device")
+    ap.add_argument("--load-layers", type=int, default=0,
+                    help="part 3: write N layers as published to --load-dir, time "
+                         "load_checkpoint(mesh=) from disk")
+    ap.add_argument("--load-dir", default="/tmp/jaxdecode_moe_checkpoint")
     args = ap.parse_args()
+    if args.tokens is None:
+        args.tokens = "" if args.mesh else "1,8,64,1024"
     name = args.model
     config = jd.Config.from_preset(name if name.startswith("tiny") else f"qwen3.5-{name}")
     if args.layers:
-        config = dataclasses.replace(config, num_hidden_layers=args.layers,
-                                     layer_types=config.layer_types[-args.layers:])
+        config = truncated(config, args.layers)
     if args.experts:
         config = dataclasses.replace(config, num_experts=args.experts)
+    if args.vocab:
+        config = dataclasses.replace(config, vocab_size=args.vocab)
     from decode import copy_bandwidth_gb_per_s  # noqa: PLC0415
     bw = copy_bandwidth_gb_per_s()
     print(f"device {jax.devices()[0].device_kind}, JAX {jax.__version__}, copy bandwidth "
@@ -298,12 +553,15 @@ def main():
           f"top {config.num_experts_per_tok}")
     blocks = part_blocks(config, [int(t) for t in args.tokens.split(",") if t],
                          args.variants.split(","), bw) if args.tokens else []
+    if args.mesh:
+        mesh_rows, check, load = run_mesh(config, args, bw)
     decode, pre = part_decode(config, [int(b) for b in args.decode.split(",") if b],
                               args.context, bw, args.prefill) \
-        if args.decode or args.prefill else ([], [])
-    print("\n| tokens | variant | ms (all layers) | MiB touched | distinct experts/layer "
-          "| GB/s | % copy bw | max diff | compiled as |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---|")
+        if (args.decode or args.prefill) and not args.mesh else ([], [])
+    if blocks:
+        print("\n| tokens | variant | ms (all layers) | MiB touched | distinct experts/layer "
+              "| GB/s | % copy bw | max diff | compiled as |")
+        print("|---:|---|---:|---:|---:|---:|---:|---:|---|")
     for r in blocks:
         if len(r) == 3:
             print(f"| {r[0]} | {r[1]} | {r[2]} |")
@@ -325,6 +583,8 @@ def main():
         print("|---|---:|---:|---:|")
         for r in pre:
             print(f"| {r[0]} | {r[1]:.2f} | {r[2]:.3f} | {r[3]:.0f} |")
+    if args.mesh:
+        print_mesh(mesh_rows, check, load, args)
 
 
 if __name__ == "__main__":

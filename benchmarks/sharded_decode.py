@@ -12,10 +12,11 @@ recurrent state, every row at ``--context`` tokens already in the cache) and eac
 
 it compiles ``jaxdecode.step.jit_decode_step`` with ``jd.choose_kernels(..., mesh=mesh)`` (state
 donated, the Pallas kernels per device under ``shard_map``), reports median ms per step (3
-repeats of 30 steps after warm-up), tokens/s and the speed-up over TP1 at the same batch, counts the collectives in the compiled step, and
-checks the logits of one step against TP1 from the same state (relative max difference; bf16).
-On CPU (``--models demo`` with XLA_FLAGS=--xla_force_host_platform_device_count=2) it checks the
-script itself.
+repeats of 30 steps after warm-up), tokens/s and the speed-up over TP1 at the same batch,
+counts the collectives in the compiled step (and their bytes per device), and checks the logits
+of one step against TP1 from the same state (relative max difference; bf16). On CPU
+(``--models demo`` with XLA_FLAGS=--xla_force_host_platform_device_count=2) it checks the script
+itself.
 """
 
 from __future__ import annotations
@@ -58,10 +59,31 @@ def random_state(config, mesh, batch, context, max_len):
     return randomize_state(state, context)  # leaf by leaf, shardings kept
 
 
-def collectives(hlo: str) -> dict[str, int]:
+ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "bf16": 2, "f16": 2, "s16": 2,
+              "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8}
+
+
+def collectives(hlo: str) -> dict[str, tuple[int, int]]:
+    """{kind: (count, bytes)} of the collectives in a compiled module's text: each op once (an
+    async pair by its ``-start``), bytes of its result per device (an async all-gather's or
+    permute's (operand, result) tuple: the result half)."""
     names = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-    found = {n: len(re.findall(rf"= \S+ {n}(?:-start)?\(", hlo)) for n in names}
-    return {k: v for k, v in found.items() if v}
+    found = {}
+    for result, kind, start in re.findall(
+            r"= (\([^=]*?\)|\S+) (" + "|".join(names) + r")(-start)?\(", hlo):
+        shapes = re.findall(r"(\w+)\[([\d,]*)\]", result)
+        if start and kind != "all-reduce" and len(shapes) > 1:
+            shapes = shapes[len(shapes) // 2:]
+        nbytes = sum(ITEM_BYTES[dt] * int(np.prod([int(d) for d in dims.split(",") if d]))
+                     for dt, dims in shapes)
+        count, total = found.get(kind, (0, 0))
+        found[kind] = (count + 1, total + nbytes)
+    return found
+
+
+def describe(comm: dict[str, tuple[int, int]]) -> str:
+    """"9 all-reduce (72 KiB)" per kind, or "none"."""
+    return ", ".join(f"{n} {k} ({b / 1024:.0f} KiB)" for k, (n, b) in comm.items()) or "none"
 
 
 def main():
@@ -168,10 +190,10 @@ def main():
     print(f"\n## Sharded decode step ({len(devices)} x {devices[0].device_kind}, jax "
           f"{jax.__version__}, context {args.context})\n")
     print("| model | setup | mesh (data, model) | batch | ms/step | tok/s | vs TP1 | collectives "
-          "per step | logits vs TP1 | compile s |")
+          "per step (bytes per device) | logits vs TP1 | compile s |")
     print("|---|---|---|---:|---:|---:|---:|---|---:|---:|")
     for r in rows:
-        comm = ", ".join(f"{v} {k}" for k, v in r["collectives"].items()) or "none"
+        comm = describe(r["collectives"])
         print(f"| {r['model']} | {r['setup']} | {r['mesh']} | {r['batch']} | "
               f"{r['ms_per_step']:.3f} | {r['tok_per_s']:.0f} | "
               f"{base[(r['model'], r['batch'])] / r['ms_per_step']:.2f}x | {comm} | "
