@@ -24,6 +24,10 @@ first variant relative to max |out|. Variants:
                     into the reduction; N <= 64)
   slices            one GEMV pair per (token, slot) on a ``dynamic_slice`` of the stack (N = 1)
   slices+fusion     the same with ``xla_gpu_enable_dynamic_slice_fusion``
+  ep_slots          with ``--simulate-ep M``: one of M expert-parallel devices (its stack holds
+                    E/M experts; the touched bytes count those): the library's slots
+  ep_clipped        the same device with every pair clipped onto its experts (weight 0 for the
+                    other devices' pairs: the form before the slots)
 
 Part 2, ``--decode``: the library's decode step (``step.jit_decode_step``) for the whole model
 at the given batch sizes and context, ms per token (the library's MoE). Random weights route
@@ -153,12 +157,13 @@ VARIANTS = {
 }
 
 
-def layer_params(config, layers, key):
+def layer_params(config, layers, key, local=None):
     """One MoEParams per layer (separate arrays: a scan over stacked weights would hand each
-    layer a slice, which XLA may copy)."""
+    layer a slice, which XLA may copy); ``local``: only the first ``local`` experts' weights
+    (one expert-parallel device's), the router over all E."""
     c = config
-    e, h, ie, isz = c.num_experts, c.hidden_size, c.moe_intermediate_size, \
-        c.shared_expert_intermediate_size
+    h, ie, isz = c.hidden_size, c.moe_intermediate_size, c.shared_expert_intermediate_size
+    e = local or c.num_experts
 
     def normal(key, shape, fan_in):
         return jax.random.normal(key, shape, jnp.bfloat16) * jnp.bfloat16(fan_in**-0.5)
@@ -167,7 +172,7 @@ def layer_params(config, layers, key):
     def make(key):
         ks = jax.random.split(key, 7)
         return MoEParams(
-            gate=normal(ks[0], (e, h), h),
+            gate=normal(ks[0], (c.num_experts, h), h),
             experts_gate_up_proj=normal(ks[1], (e, 2 * ie, h), h),
             experts_down_proj=normal(ks[2], (e, h, ie), ie),
             shared_expert=MLPParams(gate_proj=normal(ks[3], (isz, h), h),
@@ -204,26 +209,39 @@ def median_s(f, args, repeats=10):
     return statistics.median(times)
 
 
-def touched_bytes(config, experts):
+def touched_bytes(config, chosen, local=None):
     """Bytes the routing touched in every layer: router, shared expert and gate, and each
-    distinct chosen expert's gate_up and down weights (bf16)."""
+    distinct chosen expert's gate_up and down weights (bf16; with ``local``, only experts below
+    it: one expert-parallel device's)."""
     c = config
     h, ie, isz = c.hidden_size, c.moe_intermediate_size, c.shared_expert_intermediate_size
     per_expert = 3 * ie * h * 2
     fixed = (c.num_experts * h + 3 * isz * h + h) * 2
-    distinct = [len(np.unique(layer)) for layer in np.asarray(experts)]
+    local = local or c.num_experts
+    distinct = [len(np.unique(layer[layer < local])) for layer in np.asarray(chosen)]
     return sum(fixed + d * per_expert for d in distinct), statistics.mean(distinct)
 
 
-def part_blocks(config, tokens, variants, bw):
+def ep_variants(devices):
+    """Variants for one of ``devices`` expert-parallel devices (part 1 with ``--simulate-ep``;
+    its stack holds experts [0, E/devices), pairs of the others add nothing): the library's
+    slots, and every pair clipped onto this device's experts (the form before the slots)."""
+    slots = functools.partial(experts.routed_experts, expert_parallel=devices)
+    return {"ep_slots": (lambda p, x, c: _moe(p, x, c, slots), None, None),
+            "ep_clipped": (lambda p, x, c: _moe(p, x, c, experts.routed_experts), None, None)}
+
+
+def part_blocks(config, tokens, variants, bw, simulate_ep=None):
     layers = config.num_hidden_layers
-    params = layer_params(config, layers, jax.random.key(0))
+    local = config.num_experts // simulate_ep if simulate_ep else None
+    params = layer_params(config, layers, jax.random.key(0), local)
+    forms = {**VARIANTS, **(ep_variants(simulate_ep) if simulate_ep else {})}
     rows = []
     for n in tokens:
         x = jax.random.normal(jax.random.key(n), (n, config.hidden_size), jnp.bfloat16)
         ref = None
         for name in variants:
-            fn, options, largest = VARIANTS[name]
+            fn, options, largest = forms[name]
             if largest is not None and n > largest:
                 continue  # pairs: N·k weight copies; ragged_dot: an [E, N·k, H] operand
             try:
@@ -233,8 +251,8 @@ def part_blocks(config, tokens, variants, bw):
                 hlo = f.as_text()
                 lowered = ("cuDNN fusion" if "__cudnn$fusion" in hlo or "kCuDnn" in hlo
                            else "ragged-dot" if "ragged-dot" in hlo else "dense dot/gather")
-                out, experts = f(params, x)
-                nbytes, distinct = touched_bytes(config, experts)
+                out, chosen = f(params, x)
+                nbytes, distinct = touched_bytes(config, chosen, local)
                 # the difference on one layer (chained layers amplify bf16 routing flips)
                 out = np.asarray(jax.jit(fn, static_argnums=2)(params[0], x, config).astype(
                     jnp.float32))
@@ -523,6 +541,9 @@ def main():
     ap.add_argument("--layers", type=int, default=None, help="fewer layers (CPU smoke runs)")
     ap.add_argument("--experts", type=int, default=None, help="fewer experts (CPU smoke runs)")
     ap.add_argument("--vocab", type=int, default=None, help="smaller vocabulary (CPU smoke runs)")
+    ap.add_argument("--simulate-ep", type=int, default=None,
+                    help="part 1 as one of M expert-parallel devices (its E/M experts), for the "
+                         "variants ep_slots and ep_clipped, e.g. 8 for 397B-A17B on 8 GPUs")
     ap.add_argument("--mesh", default=None, help="part 3: DATA,MODEL mesh of the decode step, "
                     "e.g. 1,8 (batches: --decode, default 1,8,64)")
     ap.add_argument("--contexts", default="1024,8192", help="part 3's contexts")
@@ -552,7 +573,7 @@ def main():
           f"{bw:.0f} GB/s, {config.num_hidden_layers} layers x {config.num_experts} experts, "
           f"top {config.num_experts_per_tok}")
     blocks = part_blocks(config, [int(t) for t in args.tokens.split(",") if t],
-                         args.variants.split(","), bw) if args.tokens else []
+                         args.variants.split(","), bw, args.simulate_ep) if args.tokens else []
     if args.mesh:
         mesh_rows, check, load = run_mesh(config, args, bw)
     decode, pre = part_decode(config, [int(b) for b in args.decode.split(",") if b],

@@ -139,6 +139,7 @@ def _rounds_bwd(k, res, g):
 _rounds.defvjp(_rounds_fwd, _rounds_bwd)
 
 
+@functools.cache
 def expert_parallel_capacity(num_pairs: int, devices: int) -> int:
     """Slots C for the pairs routed to one device's experts when the experts are split over
     ``devices`` (each holds 1/devices of them; routing assumed uniform, so a device's count is
@@ -154,6 +155,8 @@ def expert_parallel_capacity(num_pairs: int, devices: int) -> int:
         cost = max(c, 1) * q + p * (1 - q)
         if cost < best_cost:
             best, best_cost = max(c, 1), cost
+        if q > 1 - 1e-12:  # larger C only costs more
+            break
     return best
 
 
@@ -209,7 +212,7 @@ def routed_experts(x: Array, weights: Array, experts: Array, gate_up_proj: Array
     cap = n * k
     if form is None:
         form = "pairs" if use_pairs(n * k, e, expert_bytes) else "rounds"
-        if expert_parallel > 1:
+        if expert_parallel > 1 and n * k <= e * expert_parallel:  # else no slots fit pairs
             cap = expert_parallel_capacity(n * k, expert_parallel)
     args = (x, weights, experts, here, gate_up_proj, down_proj)
     if cap < n * k and use_pairs(cap, e, expert_bytes):
