@@ -30,7 +30,8 @@ first variant relative to max |out|. Variants:
                     other devices' pairs: the form before the slots)
 
 Part 2, ``--decode``: the library's decode step (``step.jit_decode_step``) for the whole model
-at the given batch sizes and context, ms per token (the library's MoE). Random weights route
+at the given batch sizes and context, ms per token (the library's MoE); ``--fp8``: the same
+cells again with ``jd.quantize_fp8`` weights (experts as block-FP8 stacks). Random weights route
 near-uniformly, the worst case for distinct experts at batch > 1.
 
 Part 3, ``--mesh DATA,MODEL`` (e.g. 397B-A17B on 8 GPUs):
@@ -276,27 +277,33 @@ def decode_bytes(config, params, batch, context):
     c = config
     parts = step_bytes(c, params, batch, context)
     moe = [layer.mlp for layer in params.layers]
-    all_experts = sum(m.experts_gate_up_proj.nbytes + m.experts_down_proj.nbytes for m in moe)
+    all_experts = sum(x.nbytes for m in moe
+                      for x in jax.tree.leaves((m.experts_gate_up_proj, m.experts_down_proj)))
     distinct = c.num_experts * (1 - (1 - c.num_experts_per_tok / c.num_experts) ** batch)
     return sum(parts.values()) - all_experts + all_experts * distinct / c.num_experts
 
 
-def part_decode(config, batches, context, bw, prefill):
+def part_decode(config, batches, context, bw, prefill, fp8=False):
+    """The decode cells in bf16, then (``fp8``) with ``jd.quantize_fp8`` weights (the experts as
+    block-FP8 stacks) in the same run; the prefill cells in bf16."""
     params = jd.init_params(config, jax.random.key(0), "bfloat16")
     from decode import randomize_state, time_decode  # noqa: PLC0415
     rows = []
-    for batch in batches:
-        state = randomize_state(jd.init_state(config, batch, context + 256, "bfloat16"),
-                                context)
-        try:
-            s, compile_s, _ = time_decode(params, state, batch)
-            nbytes = decode_bytes(config, params, batch, context)
-            rows.append((batch, s * 1e3, batch / s, nbytes / 2**30, 100 * nbytes / s / 1e9 / bw,
-                         compile_s))
-        except Exception as e:  # noqa: BLE001
-            rows.append((batch, f"{type(e).__name__}: {str(e)[:100]}"))
-        print(rows[-1], flush=True)
-        del state
+    for weights in ("bf16", "fp8") if fp8 else ("bf16",):
+        p = jd.quantize_fp8(params) if weights == "fp8" else params
+        for batch in batches:
+            state = randomize_state(jd.init_state(config, batch, context + 256, "bfloat16"),
+                                    context)
+            try:
+                s, compile_s, _ = time_decode(p, state, batch)
+                nbytes = decode_bytes(config, p, batch, context)
+                rows.append((f"{batch} ({weights})", s * 1e3, batch / s, nbytes / 2**30,
+                             100 * nbytes / s / 1e9 / bw, compile_s))
+            except Exception as e:  # noqa: BLE001
+                rows.append((f"{batch} ({weights})", f"{type(e).__name__}: {str(e)[:100]}"))
+            print(rows[-1], flush=True)
+            del state
+        del p
     pre = []
     for cell in filter(None, prefill.split(",")):
         b, t = map(int, cell.split(":"))
@@ -538,6 +545,8 @@ def main():
     ap.add_argument("--decode", default="", help="batch sizes for part 2, e.g. 1,8,64")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--prefill", default="", help="rows:tokens cells of jd.prefill, e.g. 1:8192")
+    ap.add_argument("--fp8", action="store_true",
+                    help="part 2 also with block-FP8 weights (jd.quantize_fp8), same run")
     ap.add_argument("--layers", type=int, default=None, help="fewer layers (CPU smoke runs)")
     ap.add_argument("--experts", type=int, default=None, help="fewer experts (CPU smoke runs)")
     ap.add_argument("--vocab", type=int, default=None, help="smaller vocabulary (CPU smoke runs)")
@@ -577,7 +586,7 @@ def main():
     if args.mesh:
         mesh_rows, check, load = run_mesh(config, args, bw)
     decode, pre = part_decode(config, [int(b) for b in args.decode.split(",") if b],
-                              args.context, bw, args.prefill) \
+                              args.context, bw, args.prefill, args.fp8) \
         if (args.decode or args.prefill) and not args.mesh else ([], [])
     if blocks:
         print("\n| tokens | variant | ms (all layers) | MiB touched | distinct experts/layer "

@@ -267,8 +267,10 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
     with a ``weight_scale_inv``; spec §9) loads its quantised Linears as :class:`Fp8Linear`
     (``place`` is called with the weight's name for the float8 values and that name +
     ``"_scale_inv"`` for the float32 scales); an FP8 tensor of another leaf is dequantised at
-    load to ``dtype``: the per-expert MoE experts of the FP8 MoE releases and Qwen3-Next's
-    fused projections too (held in ``dtype``, not yet in FP8). Not yet: FP8 on a ``mesh``.
+    load to ``dtype`` (Qwen3-Next's fused projections). The FP8 MoE releases' per-expert FP8
+    experts load as block-FP8 stacks (``Fp8Linear`` [E, 2·I, H] / [E, H, I]; dequantised instead
+    where ``moe_intermediate_size`` is not a multiple of the block rows, which would split a
+    block between gate and up). Not yet: FP8 on a ``mesh``.
 
     Returns :class:`Params` (config from ``config.json``; a tied checkpoint's stored
     ``lm_head.weight`` is ignored).
@@ -330,8 +332,16 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
                          f"({len(problems)} problems):\n  " + "\n  ".join(sorted(problems)))
 
     place = place or (lambda name, x: jnp.asarray(x))
+    stacks = _fp8_stacks(config, found, scales, block)
     flat = {}
-    for name, array in _iter_tensors(found, scales, block):
+    for name, array in _iter_tensors(found, scales, block, stacks):
+        if name in stacks:  # per-expert FP8 tensors stacked, kept FP8
+            array, scale = array
+            if check_finite:
+                for x in (array, scale):
+                    _check_finite(x, f"{name} (stacked from its per-expert tensors)", directory)
+            flat[name] = Fp8Linear(place(name, array), place(name + SCALE_SUFFIX, scale), block)
+            continue
         if name in scales:
             array, scale = array
             for x, stored in ((array, found[name][1]), (scale, scales[name][1])):
@@ -375,12 +385,26 @@ def _fp8_leaf(config: Config, name: str, w8: np.ndarray, scale: np.ndarray, bloc
     return Fp8Linear(place(name, w8), place(name + SCALE_SUFFIX, scale), block)
 
 
-def _iter_tensors(found, scales=None, block=quantization.DEFAULT_BLOCK
+def _fp8_stacks(config: Config, found: dict, scales: dict, block) -> set[str]:
+    """The stacked expert entries of ``found`` (path None) whose every part is an FP8 weight with
+    its scales and whose parts' blocks stay whole when an expert's gate and up rows are
+    concatenated (``moe_intermediate_size`` a multiple of the block rows; the published
+    releases): these load as block-FP8 stacks, the others dequantised."""
+    whole = config.moe_intermediate_size % block[0] == 0
+    return {name for name, (path, parts, _) in found.items()
+            if path is None and (whole or name.endswith("down_proj"))
+            and all(canonical_name(stored, mtp=True) in scales
+                    for expert in parts for _, stored in expert)}
+
+
+def _iter_tensors(found, scales=None, block=quantization.DEFAULT_BLOCK, stacks=frozenset()
                   ) -> Iterator[tuple[str, np.ndarray]]:
     """(name, array) for every entry of ``found``: a stored tensor, or (path None) the stack of
     per-expert parts (:func:`_fuse_experts`), each expert's parts concatenated along rows (an
-    FP8 part dequantised to float32 first); for a name in ``scales`` (an FP8 weight: {name: its
-    scale's entry}) array is (float8 values, float32 block scales)."""
+    FP8 part dequantised to float32 first, unless the name is in ``stacks``: then array is
+    (float8 [E, ...], float32 scales [E, ...]), the parts' values and scales concatenated); for
+    a name in ``scales`` (an FP8 weight: {name: its scale's entry}) array is (float8 values,
+    float32 block scales)."""
     scales = scales or {}
     with contextlib.ExitStack() as stack:
         handles = {}
@@ -393,6 +417,9 @@ def _iter_tensors(found, scales=None, block=quantization.DEFAULT_BLOCK
             except Exception as e:  # noqa: BLE001 - a truncated data section
                 raise ValueError(f"cannot read tensor {stored} from {path!r} "
                                  f"({type(e).__name__}: {e})") from None
+
+        def read_scale(stored):  # the block scales of FP8 weight ``stored``
+            return read(*scales[canonical_name(stored, mtp=True)][:2])
 
         def read_part(path, stored):  # a per-expert tensor; FP8 ones dequantised
             scale = scales.get(canonical_name(stored, mtp=True))
@@ -407,6 +434,11 @@ def _iter_tensors(found, scales=None, block=quantization.DEFAULT_BLOCK
                              read(*scales[name][:2]).astype(np.float32))
             elif path is not None:
                 yield name, read(path, stored)
+            elif name in stacks:
+                yield name, (np.stack([np.concatenate([_read_fp8(*part) for part in expert])
+                                       for expert in stored]),
+                             np.stack([np.concatenate([read_scale(part[1]) for part in expert])
+                                       for expert in stored]).astype(np.float32))
             else:
                 yield name, np.stack([np.concatenate([read_part(*part) for part in expert])
                                       for expert in stored])

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxdecode.activations import silu
+from jaxdecode.quantization import Fp8Linear
 
 Array = jax.Array
 f32 = jnp.float32
@@ -53,6 +54,25 @@ def capacity(num_pairs: int, num_experts: int) -> int:
     return -(-(2 * mean + 8) // 8) * 8
 
 
+def _stack_bytes(stack: Array | Fp8Linear) -> int:
+    """Bytes of one value of an expert stack: 1 for block FP8 (its scales ~1/16384 more)."""
+    return 1 if isinstance(stack, Fp8Linear) else stack.dtype.itemsize
+
+
+def _take(stack: Array | Fp8Linear, ids: Array, dtype) -> Array:
+    """The experts ``ids`` of a stack [E, ...] -> [len(ids), ...]; a block-FP8 stack's gathered
+    and dequantised to ``dtype`` (as ``model.linear``'s XLA form: weight-only, frozen), which XLA
+    fuses into the GEMV that reads it."""
+    if isinstance(stack, Fp8Linear):
+        return stack.take(ids).dequantize(dtype)
+    return stack[ids]
+
+
+def _dense(stack: Array | Fp8Linear, dtype) -> Array:
+    """Every expert of a stack, a block-FP8 one dequantised to ``dtype``."""
+    return stack.dequantize(dtype) if isinstance(stack, Fp8Linear) else stack
+
+
 def _swiglu(x, gate_up, down, *, subscripts):
     """down(silu(gate(x)) · up(x)) in x's dtype; ``subscripts`` (gate_up, down) einsums."""
     ie = down.shape[-1]
@@ -65,8 +85,8 @@ def _pairs(x, weights, experts, gate_up_proj, down_proj):
     k = experts.shape[1]
     flat = experts.reshape(-1)
     xs = jnp.repeat(x, k, axis=0)
-    out = _swiglu(xs, gate_up_proj[flat], down_proj[flat], subscripts=("ph,pih->pi",
-                                                                        "pi,phi->ph"))
+    out = _swiglu(xs, _take(gate_up_proj, flat, x.dtype), _take(down_proj, flat, x.dtype),
+                  subscripts=("ph,pih->pi", "pi,phi->ph"))
     return out * weights.reshape(-1)[:, None]
 
 
@@ -175,7 +195,8 @@ def _local_pairs(x, weights, experts, here, gate_up_proj, down_proj, cap):
     ids = jnp.clip(experts.reshape(-1)[slot_pair], 0, e - 1)
     ids = jnp.where(valid, ids, ids[0])
     w = jnp.where(valid, weights.reshape(-1)[slot_pair], 0)
-    out = _swiglu(x[slot_pair // k], gate_up_proj[ids], down_proj[ids],
+    out = _swiglu(x[slot_pair // k], _take(gate_up_proj, ids, x.dtype),
+                  _take(down_proj, ids, x.dtype),
                   subscripts=("ph,pih->pi", "pi,phi->ph")) * w[:, None]
     return jnp.zeros((p, x.shape[1]), out.dtype).at[jnp.where(valid, slot_pair, p)].set(
         out, mode="drop")
@@ -188,13 +209,13 @@ def _by_form(form, x, weights, experts, here, gate_up_proj, down_proj):
         return _pairs(x, weights, jnp.clip(experts, 0, e - 1), gate_up_proj, down_proj)
     if form == "rounds":  # another device's pair sorts last, in no expert's group
         order, starts, group_sizes = _routing(jnp.where(here, experts, e), e)
-        return _rounds(k, x, weights.reshape(-1), order, starts, group_sizes, gate_up_proj,
-                       down_proj)
+        return _rounds(k, x, weights.reshape(-1), order, starts, group_sizes,
+                       _dense(gate_up_proj, x.dtype), _dense(down_proj, x.dtype))
     raise ValueError(f"form={form!r}: expected 'pairs', 'rounds' or None")
 
 
-def routed_experts(x: Array, weights: Array, experts: Array, gate_up_proj: Array,
-                   down_proj: Array, *, form: str | None = None, out_dtype=None,
+def routed_experts(x: Array, weights: Array, experts: Array, gate_up_proj: Array | Fp8Linear,
+                   down_proj: Array | Fp8Linear, *, form: str | None = None, out_dtype=None,
                    expert_parallel: int = 1) -> Array:
     """The routed experts' output [N, H] in ``out_dtype`` (default x's dtype; shapes and math:
     module docstring; HF ``Qwen3_5MoeExperts.forward``); ``form`` "pairs" | "rounds" | None
@@ -203,12 +224,14 @@ def routed_experts(x: Array, weights: Array, experts: Array, gate_up_proj: Array
     of m devices' E/m experts; ``form`` None): the pairs form over
     :func:`expert_parallel_capacity` slots holding this device's pairs, where they fit (a
     ``lax.cond``; else the form for all N·k pairs), so a device streams about its own share of
-    the chosen experts instead of k per token. Raises ValueError for any other ``form``."""
+    the chosen experts instead of k per token. Block-FP8 stacks (:class:`Fp8Linear`, weight
+    [E, 2·I, H] / [E, H, I]) are dequantised to x's dtype as read (the rounds form: every
+    expert, once per call). Raises ValueError for any other ``form``."""
     n, k = experts.shape
     e, two_i, h = gate_up_proj.shape
     here = (experts >= 0) & (experts < e)
     weights = jnp.where(here, weights, 0)
-    expert_bytes = 3 * (two_i // 2) * h * gate_up_proj.dtype.itemsize
+    expert_bytes = 3 * (two_i // 2) * h * _stack_bytes(gate_up_proj)
     cap = n * k
     if form is None:
         form = "pairs" if use_pairs(n * k, e, expert_bytes) else "rounds"

@@ -23,20 +23,23 @@ FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
 DEFAULT_BLOCK = (128, 128)
 
-# The checkpoint leaves (``params.param_specs`` names) the FP8 releases store quantised; the
-# MoE experts are not held quantised yet.
+# The checkpoint leaves (``params.param_specs`` names) held as FP8: those the FP8 releases store
+# quantised (their MoE experts per expert, held here as stacks of [E, out, in]).
 QUANTIZED_LEAVES = ("linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight",
                     "linear_attn.out_proj.weight", "self_attn.q_proj.weight",
                     "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                     "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
                     "mlp.down_proj.weight", "mlp.shared_expert.gate_proj.weight",
-                    "mlp.shared_expert.up_proj.weight", "mlp.shared_expert.down_proj.weight")
+                    "mlp.shared_expert.up_proj.weight", "mlp.shared_expert.down_proj.weight",
+                    "mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
 @struct.dataclass
 class Fp8Linear:
     """A block-FP8 ``[out, in]`` Linear weight: ``weight`` float8_e4m3fn [out, in], ``scale_inv``
-    float32 [ceil(out / b0), ceil(in / b1)] for ``block_size = (b0, b1)`` (static)."""
+    float32 [ceil(out / b0), ceil(in / b1)] for ``block_size = (b0, b1)`` (static); or a stack of
+    them with leading axes (the MoE experts: weight [E, out, in], scale_inv [E, R, C]), indexed
+    by :meth:`take`."""
     weight: Array
     scale_inv: Array
     block_size: tuple[int, int] = struct.field(pytree_node=False, default=DEFAULT_BLOCK)
@@ -51,38 +54,46 @@ class Fp8Linear:
         weight, scale = jax.lax.stop_gradient((self.weight, self.scale_inv))
         return dequantize(weight, scale, self.block_size, dtype)
 
+    def take(self, index) -> "Fp8Linear":
+        """The stacked Linears ``index`` picks along the first axis (an int array gathers)."""
+        return Fp8Linear(self.weight[index], self.scale_inv[index], self.block_size)
 
-def scale_shape(shape: tuple[int, int], block_size: tuple[int, int]) -> tuple[int, int]:
-    """[ceil(out / b0), ceil(in / b1)]: the ``weight_scale_inv`` shape of an [out, in] weight."""
-    return tuple(math.ceil(n / b) for n, b in zip(shape, block_size))
+
+def scale_shape(shape: tuple[int, ...], block_size: tuple[int, int]) -> tuple[int, ...]:
+    """[..., ceil(out / b0), ceil(in / b1)]: the ``weight_scale_inv`` shape of an [..., out, in]
+    weight (leading axes: a stack)."""
+    return (*shape[:-2], *(math.ceil(n / b) for n, b in zip(shape[-2:], block_size)))
 
 
 def _expand(scale, shape, block_size):
-    """[R, C] block scales -> [out, in], each block's scale over its (possibly partial) block."""
+    """[..., R, C] block scales -> [..., out, in], each block's scale over its (possibly
+    partial) block."""
     xp = jnp if isinstance(scale, jax.Array) else np
-    rows = xp.repeat(scale, block_size[0], axis=0)[:shape[0]]
-    return xp.repeat(rows, block_size[1], axis=1)[:, :shape[1]]
+    rows = xp.repeat(scale, block_size[0], axis=-2)[..., :shape[-2], :]
+    return xp.repeat(rows, block_size[1], axis=-1)[..., :shape[-1]]
 
 
 def dequantize(weight, scale_inv, block_size=DEFAULT_BLOCK, dtype=np.float32):
     """``f32(weight) · scale_inv`` per block, cast to ``dtype`` (exact in float32 for bf16 scales,
-    the releases': a 4-bit by an 8-bit mantissa; float32 scales round once). weight [out, in]
-    float8_e4m3fn, scale_inv [R, C] any float type."""
+    the releases': a 4-bit by an 8-bit mantissa; float32 scales round once). weight [..., out,
+    in] float8_e4m3fn, scale_inv [..., R, C] any float type."""
     xp = jnp if isinstance(weight, jax.Array) else np
     w = weight.astype(xp.float32) * _expand(scale_inv.astype(xp.float32), weight.shape, block_size)
     return w.astype(dtype)
 
 
 def quantize(w, block_size=DEFAULT_BLOCK):
-    """An [out, in] float weight -> (float8_e4m3fn [out, in], float32 scales [R, C]): each block's
-    scale its largest magnitude / 448 (1 for an all-zero block), the values ``w / scale``
-    rounded to nearest (the DeepSeek-V3 / Qwen block quantisation; numpy or jax)."""
+    """An [..., out, in] float weight -> (float8_e4m3fn [..., out, in], float32 scales [..., R,
+    C]): each block's scale its largest magnitude / 448 (1 for an all-zero block), the values
+    ``w / scale`` rounded to nearest (the DeepSeek-V3 / Qwen block quantisation; numpy or jax;
+    leading axes: a stack, each quantised on its own)."""
     xp = jnp if isinstance(w, jax.Array) else np
     w = w.astype(xp.float32)
-    out, inp = w.shape
-    r, c = scale_shape(w.shape, block_size)
-    padded = xp.pad(xp.abs(w), ((0, r * block_size[0] - out), (0, c * block_size[1] - inp)))
-    amax = padded.reshape(r, block_size[0], c, block_size[1]).max(axis=(1, 3))
+    lead, (out, inp) = w.shape[:-2], w.shape[-2:]
+    r, c = scale_shape(w.shape, block_size)[-2:]
+    padded = xp.pad(xp.abs(w), ((0, 0),) * len(lead) + ((0, r * block_size[0] - out),
+                                                         (0, c * block_size[1] - inp)))
+    amax = padded.reshape(*lead, r, block_size[0], c, block_size[1]).max(axis=(-3, -1))
     # times the float32 reciprocal, not / 448: XLA rewrites a division by a constant that way,
     # so numpy and jax give the same scales
     scale = xp.where(amax > 0, amax * xp.float32(1 / FP8_MAX), 1.0).astype(xp.float32)

@@ -5,6 +5,8 @@ which form runs at which size."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -163,3 +165,29 @@ def test_expert_parallel_slots_equal_the_pairs_of_this_device(n, first, devices)
         argnums=(0, 1, 2, 3))(args[0], args[1], args[3], args[4])
     for a, b in zip(g, g_ref):
         assert float(jnp.max(jnp.abs(a - b))) <= 1e-5 * max(float(jnp.max(jnp.abs(b))), 1.0)
+
+
+@pytest.mark.parametrize("form,devices,n", [("pairs", 1, 5), ("rounds", 1, 5), (None, 2, 2)])
+def test_block_fp8_experts_equal_their_dequantised_weights(form, devices, n):
+    """Stacks of block-FP8 experts (jd.Fp8Linear [E, 2I, H] / [E, H, I], 8 x 8 blocks so the
+    blocks straddle the gate/up rows and the scales differ within an expert) give the output of
+    their dequantised float32 weights, in every form (None on 2 devices: the slots)."""
+    from jaxdecode.quantization import Fp8Linear, quantize
+
+    gate_up, down = _weights(11)
+    fp8 = [Fp8Linear(*quantize(w, (8, 8)), block_size=(8, 8)) for w in (gate_up, down)]
+    assert fp8[0].scale_inv.shape == (E, 3, 2)
+    x, w, chosen = _routing(12, n, False)
+    e = E // devices
+    local = chosen - e  # the second device's experts when split
+    stacks = [f.take(jnp.arange(e, 2 * e)) if devices > 1 else f for f in fp8]
+    args = (jnp.asarray(x), jnp.asarray(w), jnp.asarray(local if devices > 1 else chosen))
+    if devices > 1:
+        assert "cond" in str(jax.make_jaxpr(functools.partial(
+            experts.routed_experts, expert_parallel=devices))(*args, *stacks))
+    got = experts.routed_experts(*args, *stacks, form=form, expert_parallel=devices)
+    want = experts.routed_experts(*args, *(s.dequantize(jnp.float32) for s in stacks),
+                                  form=form, expert_parallel=devices)
+    assert float(jnp.max(jnp.abs(want))) > 0
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
+                               atol=1e-6 * float(jnp.max(jnp.abs(want))))

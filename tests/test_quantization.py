@@ -271,11 +271,15 @@ NEXT_CONFIG = dataclasses.replace(MOE_CONFIG, model_type="qwen3_next", intermedi
                                   mlp_only_layers=(2,), norm_topk_prob=False)
 
 
-@pytest.mark.parametrize("config", [MOE_CONFIG, NEXT_CONFIG], ids=["qwen3_5_moe", "qwen3_next"])
-def test_fp8_moe_release_loads_its_experts_dequantised(tmp_path, config):
+@pytest.mark.parametrize("config", [MOE_CONFIG, NEXT_CONFIG,
+                                    dataclasses.replace(MOE_CONFIG, moe_intermediate_size=128)],
+                         ids=["qwen3_5_moe", "qwen3_next", "qwen3_5_moe_whole_blocks"])
+def test_fp8_moe_release_loads_its_experts(tmp_path, config):
     """The FP8 MoE releases' layout (experts per expert in F8_E4M3 with block scales; Qwen3-Next's
-    fused in_proj_qkvz in F8_E4M3) loads: the experts and the fused projection dequantised to
-    the model dtype at load (equal to the dequantised checkpoint's), the other Linears FP8."""
+    fused in_proj_qkvz in F8_E4M3) loads: the experts as block-FP8 stacks (gate_up_proj where an
+    expert's gate rows end on a block boundary, moe_intermediate_size 128 as every release; else
+    dequantised), their values the dequantised checkpoint's; the fused projection dequantised;
+    the other Linears FP8; the logits the dequantised checkpoint's."""
     params = jd.init_params(config, jax.random.key(9))
     path = _write_fp8_checkpoint(tmp_path / "fp8", params)
     from safetensors import safe_open
@@ -285,9 +289,15 @@ def test_fp8_moe_release_loads_its_experts_dequantised(tmp_path, config):
     loaded = jd.load_checkpoint(path, dtype="float32")
     dense = jd.load_checkpoint(path / "dequantised", dtype="float32")
     moe, want = loaded.layers[0].mlp, dense.layers[0].mlp
-    for got, ref in ((moe.experts_gate_up_proj, want.experts_gate_up_proj),
-                     (moe.experts_down_proj, want.experts_down_proj)):
-        assert not isinstance(got, jd.Fp8Linear)
+    for got, ref, whole in ((moe.experts_gate_up_proj, want.experts_gate_up_proj,
+                             config.moe_intermediate_size % 128 == 0),
+                            (moe.experts_down_proj, want.experts_down_proj, True)):
+        if whole:  # down_proj: each expert's [H, I] keeps its own blocks
+            assert isinstance(got, jd.Fp8Linear) and got.weight.dtype == FP8
+            assert got.scale_inv.shape == quantization.scale_shape(ref.shape, (128, 128))
+            got = got.dequantize(jnp.float32)
+        else:
+            assert not isinstance(got, jd.Fp8Linear)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
     assert isinstance(loaded.layers[1].self_attn.o_proj, jd.Fp8Linear)
     assert isinstance(moe.shared_expert.down_proj, jd.Fp8Linear)
@@ -309,6 +319,26 @@ def test_fp8_moe_release_loads_its_experts_dequantised(tmp_path, config):
         name: np.ones((3, 3), np.float32)})
     with pytest.raises(ValueError, match=rf"{name} has shape \(3, 3\), expected \(1, 1\)"):
         jd.load_checkpoint(bad, dtype="float32")
+
+
+def test_quantize_fp8_holds_the_moe_experts_as_fp8_stacks():
+    """quantize_fp8 of an MoE model: the routed experts as block-FP8 stacks (each expert in its
+    own blocks), the router in the model dtype; logits (prefill, and decode at 1 and 3 rows:
+    the pairs and the rounds forms) those of the dequantised weights."""
+    dense = jd.init_params(MOE_CONFIG, jax.random.key(12))
+    params = jd.quantize_fp8(dense)
+    moe = params.layers[0].mlp
+    assert isinstance(moe.experts_gate_up_proj, jd.Fp8Linear)
+    assert moe.experts_gate_up_proj.scale_inv.shape == (4, 1, 1)
+    assert moe.experts_down_proj.weight.shape == (4, 96, 64) and not isinstance(moe.gate,
+                                                                                 jd.Fp8Linear)
+    assert jd.num_params(params) == jd.num_params(dense)
+    rng = np.random.default_rng(13)
+    for rows in (1, 3):
+        tokens = rng.integers(0, MOE_CONFIG.vocab_size, (rows, 7)).astype(np.int32)
+        num_new = np.full(rows, 7, np.int32)
+        got, want = _run(params, tokens, num_new), _run(_dequantized(params), tokens, num_new)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
 
 
 def test_quantize_at_load_equals_quantize_fp8_of_the_loaded_params(tmp_path):
