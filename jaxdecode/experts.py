@@ -17,6 +17,10 @@ Two static-shape forms, picked by the number of pairs P = N·k (:func:`use_pairs
   group is done, so no pair is dropped whatever the routing. Its VJP (:func:`_rounds_bwd`)
   walks the same rounds.
 
+Expert parallel (``expert_parallel`` m > 1: the stack is one device's E/m experts): a device's
+own pairs gathered into a few slots (:func:`expert_parallel_capacity`) run the pairs form, the
+full form only where they overflow. Block-FP8 stacks (``Fp8Linear``) are dequantised as read.
+
 Why not ``jax.lax.ragged_dot``: XLA's GPU compiler rewrites it to a dense dot over every
 expert (``RaggedDotRewriter``: an [E, P, H] masked operand), reading all E experts at batch 1
 and doing E times the FLOPs in prefill (benchmarks/RESULTS.md, the MoE tables).
