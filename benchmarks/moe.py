@@ -417,20 +417,24 @@ def part_mesh(config, mesh, batches, contexts, bw, compile_only=False):
 
 def check_on_one_device(config, mesh, layers, prompt=64):
     """The first ``layers`` layers' model, bf16, on ``mesh`` and gathered onto one device,
-    against the same weights in float32 on one device: prefill of a random prompt and one
-    greedy decode step (the mesh's token fed to all three), max |difference| relative to max
-    |logits|. The mesh is right when its error is the one device's (bf16 rounding) in size."""
+    against the same weights in float32 on one device: prefill of a random prompt per "data"
+    group and one greedy decode step (the mesh's tokens fed to all three), max |difference|
+    relative to max |logits|. The mesh is right when its error is the one device's (bf16
+    rounding) in size."""
     config = truncated(config, layers)
     params = sharding.init_params_sharded(config, mesh, jax.random.key(1), "bfloat16")
     one = jax.device_put(params, jax.devices()[0])
-    ids = np.random.default_rng(1).integers(0, config.vocab_size, (1, prompt)).astype(np.int32)
+    rows = mesh.shape[sharding.DATA]  # one row per "data" group
+    ids = np.random.default_rng(1).integers(0, config.vocab_size, (rows, prompt)).astype(
+        np.int32)
     c, n = params.config, prompt + 8
-    runs = (("mesh", params, sharding.init_state_sharded(c, mesh, 1, n, "bfloat16")),
-            ("one", one, jd.init_state(c, 1, n, "bfloat16")),
-            ("f32", jax.tree.map(lambda x: x.astype(jnp.float32), one), jd.init_state(c, 1, n)))
+    runs = (("mesh", params, sharding.init_state_sharded(c, mesh, rows, n, "bfloat16")),
+            ("one", one, jd.init_state(c, rows, n, "bfloat16")),
+            ("f32", jax.tree.map(lambda x: x.astype(jnp.float32), one),
+             jd.init_state(c, rows, n)))
     logits, token = {}, None
     for name, p, state in runs:
-        first, state = jd.prefill(p, state, ids, np.array([prompt], np.int32))
+        first, state = jd.prefill(p, state, ids, np.full(rows, prompt, np.int32))
         if token is None:
             token = np.asarray(jnp.argmax(first, -1)).astype(np.int32)
         logits[name] = [np.asarray(x, np.float32)

@@ -59,23 +59,26 @@ def random_state(config, mesh, batch, context, max_len):
     return randomize_state(state, context)  # leaf by leaf, shardings kept
 
 
-ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "bf16": 2, "f16": 2, "s16": 2,
-              "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8}
+def _shape_bytes(dtype: str, dims: str) -> int:
+    """Bytes of an HLO array type such as ``bf16[1,4096]`` (``pred``: 1 byte; ``s4``: half)."""
+    bits = 8 if dtype == "pred" else int(re.search(r"(\d+)", dtype).group(1))
+    return int(np.prod([int(d) for d in dims.split(",") if d])) * bits // 8
 
 
 def collectives(hlo: str) -> dict[str, tuple[int, int]]:
     """{kind: (count, bytes)} of the collectives in a compiled module's text: each op once (an
     async pair by its ``-start``), bytes of its result per device (an async all-gather's or
-    permute's (operand, result) tuple: the result half)."""
+    permute's (operands, results[, u32[] contexts]) tuple: the results, the scalar contexts
+    left out)."""
     names = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
     found = {}
     for result, kind, start in re.findall(
             r"= (\([^=]*?\)|\S+) (" + "|".join(names) + r")(-start)?\(", hlo):
-        shapes = re.findall(r"(\w+)\[([\d,]*)\]", result)
+        shapes = [(dt, dims) for dt, dims in re.findall(r"(\w+)\[([\d,]*)\]", result)
+                  if not (start and dims == "")]
         if start and kind != "all-reduce" and len(shapes) > 1:
             shapes = shapes[len(shapes) // 2:]
-        nbytes = sum(ITEM_BYTES[dt] * int(np.prod([int(d) for d in dims.split(",") if d]))
-                     for dt, dims in shapes)
+        nbytes = sum(_shape_bytes(dt, dims) for dt, dims in shapes)
         count, total = found.get(kind, (0, 0))
         found[kind] = (count + 1, total + nbytes)
     return found

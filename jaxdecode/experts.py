@@ -170,6 +170,8 @@ def expert_parallel_capacity(num_pairs: int, devices: int) -> int:
     Binomial(P, 1/devices)): the C >= 1 minimising C·q + P·(1 - q), q = F(C)^devices, the
     expected pairs the slowest device computes when each runs C slots, or all P where its pairs
     overflow them (:func:`routed_experts`' fallback). E.g. P = 10 on 8 devices: C = 4."""
+    if devices <= 1 or num_pairs <= 1:  # nothing to split
+        return max(num_pairs, 1)
     p, s = num_pairs, 1 / devices
     best, best_cost, cdf = p, float(p), 0.0
     for c in range(p + 1):
@@ -225,10 +227,10 @@ def routed_experts(x: Array, weights: Array, experts: Array, gate_up_proj: Array
     module docstring; HF ``Qwen3_5MoeExperts.forward``); ``form`` "pairs" | "rounds" | None
     (:func:`use_pairs` decides). A pair whose expert id is outside [0, E) adds nothing (expert
     parallelism: the experts another device holds). ``expert_parallel`` m > 1 (the stack is one
-    of m devices' E/m experts; ``form`` None): the pairs form over
-    :func:`expert_parallel_capacity` slots holding this device's pairs, where they fit (a
-    ``lax.cond``; else the form for all N·k pairs), so a device streams about its own share of
-    the chosen experts instead of k per token. Block-FP8 stacks (:class:`Fp8Linear`, weight
+    of m devices' E/m experts; read only with ``form`` None, an explicit form runs as asked):
+    the pairs form over :func:`expert_parallel_capacity` slots holding this device's pairs,
+    where they fit (a ``lax.cond``; else the form for all N·k pairs), so a device streams about
+    its own share of the chosen experts instead of k per token. Block-FP8 stacks (:class:`Fp8Linear`, weight
     [E, 2·I, H] / [E, H, I]) are dequantised to x's dtype as read (the rounds form: every
     expert, once per call). Raises ValueError for any other ``form``."""
     n, k = experts.shape

@@ -56,14 +56,15 @@ def state_bytes(config: Config, batch_size: int, max_len: int, dtype) -> int:
             + 4 * batch_size)
 
 
-def check_fits(what: str, needed: int, device: jax.Device | None = None) -> None:
-    """ValueError if ``needed`` bytes exceed the device's free memory (nothing where it keeps no
-    statistics)."""
+def check_fits(what: str, needed: int, device: jax.Device | None = None,
+               advice: str = "use fewer rows, a smaller max_len or a mesh") -> None:
+    """ValueError (ending with ``advice``) if ``needed`` bytes exceed the device's free memory
+    (nothing where it keeps no statistics)."""
     free = free_bytes(device)
     if free is not None and needed > free:
         raise ValueError(f"{what} needs {_size(needed)} but the device "
                          f"({(device or jax.devices()[0]).device_kind}) has {_size(free)} free; "
-                         "use fewer rows, a smaller max_len or a mesh")
+                         + advice)
 
 
 def prefill_token_bytes(config: Config, dtype) -> int:

@@ -268,7 +268,8 @@ def init_params_sharded(config: Config, mesh: Mesh, key: jax.Array, dtype="float
     per_device = sum(_shard_bytes(_on_shape(spec, config, on), leaf_dtype(spec, dtype),
                                   placed[name]) for name, spec in specs.items())
     memory.check_fits(f"a shard of the weights ({dtype.name}) over {mesh.size} devices",
-                      per_device, mesh.devices.flat[0])
+                      per_device, mesh.devices.flat[0],
+                      advice="use more 'model' devices (or FP8 weights on one device)")
     flat = {}
     for n, (name, spec) in enumerate(specs.items()):
         kind = dataclasses.replace(spec, name=_LAYER_PREFIX.sub("", name))  # shared per layer
