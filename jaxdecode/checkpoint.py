@@ -337,9 +337,13 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
     for name, array in _iter_tensors(found, scales, block, stacks):
         if name in stacks:  # per-expert FP8 tensors stacked, kept FP8
             array, scale = array
-            if check_finite:
-                for x in (array, scale):
-                    _check_finite(x, f"{name} (stacked from its per-expert tensors)", directory)
+            if check_finite:  # name the first expert with a NaN or inf, and its file
+                for x, suffix in ((array, ""), (scale, SCALE_SUFFIX)):
+                    bad = ~np.isfinite(x.reshape(x.shape[0], -1)).all(axis=1)
+                    if bad.any():
+                        parts = found[name][1][int(np.argmax(bad))]
+                        _check_finite(x[int(np.argmax(bad))], " or ".join(
+                            stored + suffix for _, stored in parts), parts[0][0])
             flat[name] = Fp8Linear(place(name, array), place(name + SCALE_SUFFIX, scale), block)
             continue
         if name in scales:

@@ -313,9 +313,11 @@ def _describe(args) -> str:
 def _fp8_note(params) -> str:
     """', N Linears in block FP8' for a model with FP8 weights, else ''."""
     import jax
+    import numpy as np
+
     import jaxdecode as jd
-    n = sum(isinstance(x, jd.Fp8Linear) for x in jax.tree.leaves(
-        params, is_leaf=lambda x: isinstance(x, jd.Fp8Linear)))
+    n = sum(int(np.prod(x.shape[:-2])) for x in jax.tree.leaves(  # a stack: E Linears
+        params, is_leaf=lambda x: isinstance(x, jd.Fp8Linear)) if isinstance(x, jd.Fp8Linear))
     return f", {n} Linears in block FP8" if n else ""
 
 

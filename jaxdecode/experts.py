@@ -103,9 +103,11 @@ def _slots(r, order, starts, group_sizes, cap):
 
 
 def _round(x, pair_weights, pair, valid, gate_up_proj, down_proj, k):
-    """One round's weighted outputs [E, C, H] (zeros in empty slots)."""
+    """One round's weighted outputs [E, C, H] (zeros in empty slots); block-FP8 stacks
+    dequantised here, inside the round, where XLA can fuse them into the batched GEMM."""
     xe = jnp.where(valid[..., None], x[pair // k], 0)
-    out = _swiglu(xe, gate_up_proj, down_proj, subscripts=("ech,eih->eci", "eci,ehi->ech"))
+    out = _swiglu(xe, _dense(gate_up_proj, x.dtype), _dense(down_proj, x.dtype),
+                  subscripts=("ech,eih->eci", "eci,ehi->ech"))
     return out * jnp.where(valid, pair_weights[pair], 0)[..., None]
 
 
@@ -146,18 +148,28 @@ def _rounds_bwd(k, res, g):
     x, pair_weights, order, starts, group_sizes, gate_up_proj, down_proj = res
     e, p = gate_up_proj.shape[0], pair_weights.shape[0]
     cap = capacity(p, e)
+    # cotangents for x, the pair weights and the stacks that are not block FP8 (frozen: None)
+    inputs = [a for a in (x, pair_weights, gate_up_proj, down_proj)
+              if not isinstance(a, Fp8Linear)]
 
     def body(r, acc):
         pair, valid = _slots(r, order, starts, group_sizes, cap)
-        _, vjp = jax.vjp(lambda *a: _round(*a[:2], pair, valid, *a[2:], k), x, pair_weights,
-                         gate_up_proj, down_proj)
+
+        def round_of(x, pair_weights, *dense):  # dense: the stacks that are not FP8
+            it = iter(dense)
+            stacks = [s if isinstance(s, Fp8Linear) else next(it)
+                      for s in (gate_up_proj, down_proj)]
+            return _round(x, pair_weights, pair, valid, *stacks, k)
+
+        _, vjp = jax.vjp(round_of, *inputs)
         grads = vjp(jnp.where(valid[..., None], g[pair], 0))
         return tuple(a + d.astype(f32) for a, d in zip(acc, grads))
 
-    zeros = tuple(jnp.zeros(a.shape, f32) for a in (x, pair_weights, gate_up_proj, down_proj))
-    dx, dw, dgu, dd = lax.fori_loop(0, _num_rounds(group_sizes, cap), body, zeros)
-    return (dx.astype(x.dtype), dw.astype(pair_weights.dtype), None, None, None,
-            dgu.astype(gate_up_proj.dtype), dd.astype(down_proj.dtype))
+    zeros = tuple(jnp.zeros(a.shape, f32) for a in inputs)
+    grads = iter(lax.fori_loop(0, _num_rounds(group_sizes, cap), body, zeros))
+    out = [next(grads).astype(a.dtype) if not isinstance(a, Fp8Linear) else None
+           for a in (x, pair_weights, gate_up_proj, down_proj)]
+    return (out[0], out[1], None, None, None, out[2], out[3])
 
 
 _rounds.defvjp(_rounds_fwd, _rounds_bwd)
@@ -215,8 +227,8 @@ def _by_form(form, x, weights, experts, here, gate_up_proj, down_proj):
         return _pairs(x, weights, jnp.clip(experts, 0, e - 1), gate_up_proj, down_proj)
     if form == "rounds":  # another device's pair sorts last, in no expert's group
         order, starts, group_sizes = _routing(jnp.where(here, experts, e), e)
-        return _rounds(k, x, weights.reshape(-1), order, starts, group_sizes,
-                       _dense(gate_up_proj, x.dtype), _dense(down_proj, x.dtype))
+        return _rounds(k, x, weights.reshape(-1), order, starts, group_sizes, gate_up_proj,
+                       down_proj)
     raise ValueError(f"form={form!r}: expected 'pairs', 'rounds' or None")
 
 
@@ -230,9 +242,10 @@ def routed_experts(x: Array, weights: Array, experts: Array, gate_up_proj: Array
     of m devices' E/m experts; read only with ``form`` None, an explicit form runs as asked):
     the pairs form over :func:`expert_parallel_capacity` slots holding this device's pairs,
     where they fit (a ``lax.cond``; else the form for all N·k pairs), so a device streams about
-    its own share of the chosen experts instead of k per token. Block-FP8 stacks (:class:`Fp8Linear`, weight
-    [E, 2·I, H] / [E, H, I]) are dequantised to x's dtype as read (the rounds form: every
-    expert, once per call). Raises ValueError for any other ``form``."""
+    its own share of the chosen experts instead of k per token. Block-FP8 stacks
+    (:class:`Fp8Linear`, weight [E, 2·I, H] / [E, H, I]) are dequantised to x's dtype as read
+    (the rounds form: inside each round; frozen, no cotangent). Raises ValueError for any other
+    ``form``."""
     n, k = experts.shape
     e, two_i, h = gate_up_proj.shape
     here = (experts >= 0) & (experts < e)

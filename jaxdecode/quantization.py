@@ -49,7 +49,7 @@ class Fp8Linear:
         return tuple(self.weight.shape)
 
     def dequantize(self, dtype) -> Array:
-        """The [out, in] weight in ``dtype`` (:func:`dequantize`). FP8 weights are frozen: no
+        """The [..., out, in] weight in ``dtype`` (:func:`dequantize`). FP8 weights are frozen: no
         gradient flows into them (a float8 cotangent would underflow to zero)."""
         weight, scale = jax.lax.stop_gradient((self.weight, self.scale_inv))
         return dequantize(weight, scale, self.block_size, dtype)

@@ -191,3 +191,28 @@ def test_block_fp8_experts_equal_their_dequantised_weights(form, devices, n):
     assert float(jnp.max(jnp.abs(want))) > 0
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
                                atol=1e-6 * float(jnp.max(jnp.abs(want))))
+
+
+def test_rounds_vjp_with_block_fp8_stacks_flows_to_x_and_the_weights_only():
+    """The rounds form with block-FP8 stacks (dequantised inside each round): gradients w.r.t. x
+    and the routing weights equal autodiff of the pairs form on the dequantised stacks; the FP8
+    stacks are frozen (their cotangent is zero)."""
+    from jaxdecode.quantization import Fp8Linear, quantize
+
+    stacks = [Fp8Linear(*quantize(w, (8, 8)), block_size=(8, 8)) for w in _weights(13)]
+    x, w, chosen = _routing(14, 40, True)
+    r = jax.random.normal(jax.random.key(15), (40, H))
+
+    def loss(form, gate_up, down):
+        return lambda x, w: jnp.sum(r * experts.routed_experts(x, w, chosen, gate_up, down,
+                                                                form=form))
+
+    args = (jnp.asarray(x), jnp.asarray(w))
+    got = jax.jit(jax.grad(loss("rounds", *stacks), argnums=(0, 1)))(*args)
+    want = jax.grad(loss("pairs", *(s.dequantize(jnp.float32) for s in stacks)),
+                    argnums=(0, 1))(*args)
+    for g, h in zip(got, want):
+        assert float(jnp.max(jnp.abs(g - h)) / jnp.max(jnp.abs(h))) < 1e-5
+    frozen = jax.grad(lambda s: jnp.sum(r * experts.routed_experts(
+        *args, chosen, s, stacks[1], form="rounds")))(stacks[0])
+    assert not np.asarray(frozen.scale_inv).any()

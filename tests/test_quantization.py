@@ -319,6 +319,12 @@ def test_fp8_moe_release_loads_its_experts(tmp_path, config):
         name: np.ones((3, 3), np.float32)})
     with pytest.raises(ValueError, match=rf"{name} has shape \(3, 3\), expected \(1, 1\)"):
         jd.load_checkpoint(bad, dtype="float32")
+    # and a NaN in an expert of a stack (down_proj: always one) by that expert's tensor and file
+    name = "model.layers.0.mlp.experts.2.down_proj.weight_scale_inv"
+    nan = _write_fp8_checkpoint(tmp_path / "nan", params, change={
+        name: np.full((1, 1), np.nan, np.float32)})
+    with pytest.raises(ValueError, match=rf"tensor {name} in .*model.safetensors' has 1 NaN"):
+        jd.load_checkpoint(nan, dtype="float32")
 
 
 def test_quantize_fp8_holds_the_moe_experts_as_fp8_stacks():
