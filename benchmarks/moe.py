@@ -60,7 +60,6 @@ import argparse
 import dataclasses
 import functools
 import os
-import re
 import statistics
 import sys
 import time
@@ -341,9 +340,9 @@ def device_step_bytes(params, batch, context, mesh):
     rows, m = batch // mesh.shape[sharding.DATA], mesh.shape[sharding.MODEL]
     local, pairs = c.num_experts // m, rows * c.num_experts_per_tok
     expert_bytes = 3 * c.moe_intermediate_size * c.hidden_size * params.dtype.itemsize
-    slots = experts.expert_parallel_capacity(pairs, m) if m > 1 else pairs
-    if slots >= pairs or not experts.use_pairs(slots, local, expert_bytes):
-        slots = pairs if experts.use_pairs(pairs, local, expert_bytes) else local
+    form, slots = experts.plan(pairs, local, expert_bytes, m)
+    if slots == pairs and form == "rounds":
+        slots = local  # every local expert once
     touched = 1 - (1 - c.num_experts_per_tok / c.num_experts) ** rows
 
     def shard(x):
@@ -458,24 +457,20 @@ def time_load(config, mesh, layers, directory):
 
     from safetensors.numpy import save_file  # noqa: PLC0415
 
-    from jaxdecode.params import init_leaf, param_specs  # noqa: PLC0415
+    from jaxdecode.params import param_specs, params_to_hf  # noqa: PLC0415
     part = truncated(config, layers)
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(part.to_hf_config(), f)
+    hf = params_to_hf(jd.init_params(part, jax.random.key(2), "bfloat16"))  # on the device
     files: dict[str, list] = {}
-    for n, (name, spec) in enumerate(param_specs(part).items()):
+    for name in hf:
         layer = name.split(".")[2] if name.startswith("model.layers.") else "rest"
-        files.setdefault(f"model-{layer}.safetensors", []).append((n, name, spec))
-    make = jax.jit(init_leaf, static_argnums=(0, 2, 3))
+        files.setdefault(f"model-{layer}.safetensors", []).append(name)
     weight_map, nbytes = {}, 0
-    for file, leaves in files.items():  # one file in host memory at a time
-        tensors = {}
-        for n, name, spec in leaves:
-            kind = dataclasses.replace(spec, name=re.sub(r"^model\.layers\.\d+\.", "", name))
-            tensors[name] = np.asarray(make(kind, jax.random.fold_in(jax.random.key(2), n),
-                                            jnp.dtype("bfloat16"), part))
-            weight_map[name] = file
+    for file, names in files.items():  # one file in host memory at a time
+        tensors = {name: np.asarray(hf.pop(name)) for name in names}
+        weight_map.update(dict.fromkeys(names, file))
         path = os.path.join(directory, file)
         save_file(tensors, path)
         nbytes += sum(t.nbytes for t in tensors.values())

@@ -84,14 +84,19 @@ def _swiglu(x, gate_up, down, *, subscripts):
     return jnp.einsum(subscripts[1], silu(gu[..., :ie]) * gu[..., ie:], down)
 
 
+def _gathered(xs, ids, w, gate_up_proj, down_proj):
+    """[S, H]: row s of ``xs`` through expert ``ids[s]`` (its weights gathered, batched GEMVs),
+    times ``w`` flattened to [S] (model dtype)."""
+    out = _swiglu(xs, _take(gate_up_proj, ids, xs.dtype), _take(down_proj, ids, xs.dtype),
+                  subscripts=("ph,pih->pi", "pi,phi->ph"))
+    return out * w.reshape(-1)[:, None]
+
+
 def _pairs(x, weights, experts, gate_up_proj, down_proj):
     """[P, H]: each pair's weighted expert output (model dtype), pair p = token p // k."""
-    k = experts.shape[1]
-    flat = experts.reshape(-1)
-    xs = jnp.repeat(x, k, axis=0)
-    out = _swiglu(xs, _take(gate_up_proj, flat, x.dtype), _take(down_proj, flat, x.dtype),
-                  subscripts=("ph,pih->pi", "pi,phi->ph"))
-    return out * weights.reshape(-1)[:, None]
+    ids = experts.reshape(-1)
+    return _gathered(jnp.repeat(x, experts.shape[1], axis=0), ids, weights, gate_up_proj,
+                     down_proj)
 
 
 def _slots(r, order, starts, group_sizes, cap):
@@ -198,6 +203,20 @@ def expert_parallel_capacity(num_pairs: int, devices: int) -> int:
     return best
 
 
+def plan(num_pairs: int, num_experts: int, expert_bytes: int, expert_parallel: int = 1
+         ) -> tuple[str, int]:
+    """(form, slots) :func:`routed_experts` runs for P pairs over a stack of E experts of
+    ``expert_bytes`` each: the form for all P pairs (:func:`use_pairs`), and slots < P where one
+    of ``expert_parallel`` devices runs its own pairs in that many slots first (the pairs form
+    over :func:`expert_parallel_capacity` slots, where those fit it); else slots = P."""
+    form = "pairs" if use_pairs(num_pairs, num_experts, expert_bytes) else "rounds"
+    if expert_parallel > 1 and num_pairs <= num_experts * expert_parallel:
+        cap = expert_parallel_capacity(num_pairs, expert_parallel)
+        if cap < num_pairs and use_pairs(cap, num_experts, expert_bytes):
+            return form, cap
+    return form, num_pairs
+
+
 def _local_pairs(x, weights, experts, here, gate_up_proj, down_proj, cap):
     """[P, H] as :func:`_pairs` (weights already 0 where not ``here``), computing ``cap`` slots:
     the pairs of this device's experts in order, then empty slots that read the first slot's
@@ -213,9 +232,7 @@ def _local_pairs(x, weights, experts, here, gate_up_proj, down_proj, cap):
     ids = jnp.clip(experts.reshape(-1)[slot_pair], 0, e - 1)
     ids = jnp.where(valid, ids, ids[0])
     w = jnp.where(valid, weights.reshape(-1)[slot_pair], 0)
-    out = _swiglu(x[slot_pair // k], _take(gate_up_proj, ids, x.dtype),
-                  _take(down_proj, ids, x.dtype),
-                  subscripts=("ph,pih->pi", "pi,phi->ph")) * w[:, None]
+    out = _gathered(x[slot_pair // k], ids, w, gate_up_proj, down_proj)
     return jnp.zeros((p, x.shape[1]), out.dtype).at[jnp.where(valid, slot_pair, p)].set(
         out, mode="drop")
 
@@ -250,14 +267,12 @@ def routed_experts(x: Array, weights: Array, experts: Array, gate_up_proj: Array
     e, two_i, h = gate_up_proj.shape
     here = (experts >= 0) & (experts < e)
     weights = jnp.where(here, weights, 0)
-    expert_bytes = 3 * (two_i // 2) * h * _stack_bytes(gate_up_proj)
     cap = n * k
     if form is None:
-        form = "pairs" if use_pairs(n * k, e, expert_bytes) else "rounds"
-        if expert_parallel > 1 and n * k <= e * expert_parallel:  # else no slots fit pairs
-            cap = expert_parallel_capacity(n * k, expert_parallel)
+        form, cap = plan(n * k, e, 3 * (two_i // 2) * h * _stack_bytes(gate_up_proj),
+                         expert_parallel)
     args = (x, weights, experts, here, gate_up_proj, down_proj)
-    if cap < n * k and use_pairs(cap, e, expert_bytes):
+    if cap < n * k:
         out = lax.cond(jnp.sum(here) <= cap, functools.partial(_local_pairs, cap=cap),
                        functools.partial(_by_form, form), *args)
     else:

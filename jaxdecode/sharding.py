@@ -49,8 +49,7 @@ from jax.sharding import PartitionSpec as P
 from jaxdecode import memory
 from jaxdecode.config import Config, model_dtype
 from jaxdecode.kernels.choice import DATA, MODEL
-from jaxdecode.params import (Params, init_leaf, leaf_dtype, param_specs, params_from_flat,
-                              params_to_flat)
+from jaxdecode.params import Params, init_leaf, param_specs, params_from_flat, params_to_flat
 from jaxdecode.state import DecodeState, KVCache, init_state
 from jaxdecode.quantization import Fp8Linear
 
@@ -263,32 +262,18 @@ def init_params_sharded(config: Config, mesh: Mesh, key: jax.Array, dtype="float
     on = config_on(config, mesh)
     check_mesh(on, mesh)
     dtype = model_dtype(dtype)
-    specs = param_specs(config)
-    placed = {name: NamedSharding(mesh, param_partition_spec(name)) for name in specs}
-    per_device = sum(_shard_bytes(_on_shape(spec, config, on), leaf_dtype(spec, dtype),
-                                  placed[name]) for name, spec in specs.items())
+    fns = {name: _init_leaf_jit(dataclasses.replace(spec, name=_LAYER_PREFIX.sub("", name)),
+                                dtype, config, on, NamedSharding(mesh, param_partition_spec(name)))
+           for name, spec in param_specs(config).items()}  # one jit per leaf kind and shape
+    keys = [jax.random.fold_in(key, n) for n in range(len(fns))]
+    per_device = 0
+    for fn, k in zip(fns.values(), keys):
+        out = jax.eval_shape(fn, k)  # the shape in ``on``'s layout (K/V heads repeated)
+        per_device += int(np.prod(out.sharding.shard_shape(out.shape))) * out.dtype.itemsize
     memory.check_fits(f"a shard of the weights ({dtype.name}) over {mesh.size} devices",
                       per_device, mesh.devices.flat[0],
                       advice="use more 'model' devices (or FP8 weights on one device)")
-    flat = {}
-    for n, (name, spec) in enumerate(specs.items()):
-        kind = dataclasses.replace(spec, name=_LAYER_PREFIX.sub("", name))  # shared per layer
-        flat[name] = _init_leaf_jit(kind, dtype, config, on, placed[name])(
-            jax.random.fold_in(key, n))
-    return params_from_flat(on, flat)
-
-
-def _on_shape(spec, config: Config, on: Config) -> tuple[int, ...]:
-    """Shape of leaf ``spec`` in ``on``'s layout (a K/V projection's heads repeated)."""
-    if not spec.name.endswith(KV_LEAVES):
-        return spec.shape
-    return (spec.shape[0] * on.num_key_value_heads // config.num_key_value_heads,
-            *spec.shape[1:])
-
-
-def _shard_bytes(shape: tuple[int, ...], dtype, placed: NamedSharding) -> int:
-    split = int(np.prod([placed.mesh.shape[a] for a in placed.spec if a is not None]))
-    return int(np.prod(shape)) * jnp.dtype(dtype).itemsize // split
+    return params_from_flat(on, {name: fn(k) for (name, fn), k in zip(fns.items(), keys)})
 
 
 @functools.cache
