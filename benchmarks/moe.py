@@ -51,7 +51,9 @@ device (prefill + one decode step). ``--load-layers N``: N layers written as pub
 ``--load-dir`` (page cache dropped), ``load_checkpoint(mesh=)`` timed, the rate applied to the
 whole model's bytes. ``--compile-only``: abstract params and state, nothing allocated: the
 collectives and memory of the full 397B step on 8 virtual CPU devices
-(``XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu``).
+(``XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu``). ``--fp8``: the
+cells with block-FP8 Linears and experts (``init_params_sharded(quantize="fp8")``; the
+397B-A17B FP8 on 4 GPUs: ``--mesh 1,4 --fp8``).
 """
 
 from __future__ import annotations
@@ -70,11 +72,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
 
 import jaxdecode as jd  # noqa: E402
 from jaxdecode import experts, model, sharding  # noqa: E402
 from jaxdecode.activations import sigmoid, silu  # noqa: E402
-from jaxdecode.params import MLPParams, MoEParams  # noqa: E402
+from jaxdecode.params import (MLPParams, MoEParams, params_from_flat,  # noqa: E402
+                              params_to_flat)
 from jaxdecode.step import jit_decode_step  # noqa: E402
 from sharded_decode import collectives, describe  # noqa: E402
 
@@ -334,19 +338,23 @@ def device_step_bytes(params, batch, context, mesh):
     the state (every state leaf is split over data x model). Streamed: the same with the
     experts as the library's form reads them (``experts.routed_experts``: the slots' experts
     when the pairs fit them, else every pair's or, rounds, every local expert).
-    ``params`` real or abstract (``jax.ShapeDtypeStruct`` with shardings)."""
+    ``params`` real or abstract (``jax.ShapeDtypeStruct`` with shardings), block-FP8 or not."""
     from decode import step_bytes  # noqa: PLC0415
     c = params.config
     rows, m = batch // mesh.shape[sharding.DATA], mesh.shape[sharding.MODEL]
     local, pairs = c.num_experts // m, rows * c.num_experts_per_tok
-    expert_bytes = 3 * c.moe_intermediate_size * c.hidden_size * params.dtype.itemsize
+    stack = next(layer.mlp.experts_gate_up_proj for layer in params.layers
+                 if isinstance(layer.mlp, MoEParams))
+    value_bytes = 1 if isinstance(stack, jd.Fp8Linear) else stack.dtype.itemsize
+    expert_bytes = 3 * c.moe_intermediate_size * c.hidden_size * value_bytes
     form, slots = experts.plan(pairs, local, expert_bytes, m)
     if slots == pairs and form == "rounds":
         slots = local  # every local expert once
     touched = 1 - (1 - c.num_experts_per_tok / c.num_experts) ** rows
 
-    def shard(x):
-        return int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+    def shard(x):  # an Fp8Linear: its values and scales
+        return sum(int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize
+                   for a in jax.tree.leaves(x))
 
     total = sum(shard(x) for x in jax.tree.leaves(params))
     total -= shard(params.embed_tokens) - rows * c.hidden_size * params.embed_tokens.dtype.itemsize
@@ -363,18 +371,23 @@ def abstract(tree, shardings):
                         shardings)
 
 
-def part_mesh(config, mesh, batches, contexts, bw, compile_only=False):
+def part_mesh(config, mesh, batches, contexts, bw, compile_only=False, fp8=False):
     """Part 3: the decode step on ``mesh`` (expert parallel MoE, tensor parallel attention and
-    DeltaNet), params created in their shardings; with ``compile_only`` abstract params and
-    state (nothing allocated: the full 397B compiles on 8 virtual CPU devices)."""
+    DeltaNet), params created in their shardings (``fp8``: block-FP8 Linears and experts); with
+    ``compile_only`` abstract params and state (nothing allocated: the full 397B compiles on 8
+    virtual CPU devices)."""
     from decode import randomize_state, time_decode  # noqa: PLC0415
     key = jax.random.key(0)
-    if compile_only:
-        on = sharding.config_on(config, mesh)
-        params = abstract(jax.eval_shape(lambda: jd.init_params(on, key, "bfloat16")),
-                          sharding.param_shardings(on, mesh))
+    init = functools.partial(sharding.init_params_sharded, config, mesh, key, "bfloat16",
+                             quantize="fp8" if fp8 else None)
+    if compile_only:  # eval_shape drops the shardings: each leaf gets its spec's back
+        shaped = jax.eval_shape(init)
+        params = params_from_flat(shaped.config, {
+            name: jax.tree.map(lambda x, n=name: jax.ShapeDtypeStruct(
+                x.shape, x.dtype, sharding=NamedSharding(mesh, sharding.param_partition_spec(n))),
+                leaf) for name, leaf in params_to_flat(shaped).items()})
     else:
-        params = sharding.init_params_sharded(config, mesh, key, "bfloat16")
+        params = init()
     config = params.config
     rows = []
     for context in contexts:
@@ -504,12 +517,13 @@ def run_mesh(config, args, bw):
         load = time_load(config, mesh, args.load_layers, args.load_dir)
         print(load, flush=True)
     rows = part_mesh(config, mesh, [int(b) for b in (args.decode or "1,8,64").split(",")],
-                     [int(c) for c in args.contexts.split(",")], bw, args.compile_only)
+                     [int(c) for c in args.contexts.split(",")], bw, args.compile_only,
+                     args.fp8)
     return rows, check, load
 
 
 def print_mesh(rows, check, load, args):
-    what = "compiled only" if args.compile_only else "timed"
+    what = ("compiled only" if args.compile_only else "timed") + (", FP8" if args.fp8 else "")
     print(f"\n| mesh (data, model) | batch | context | ms/token | tok/s | GiB needed per step "
           f"per device | % copy bw | GiB the expert form streams | collectives per step (bytes "
           f"per device) | device GiB (args + temp) | compile s |   ({what})")
@@ -545,7 +559,8 @@ def main():
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--prefill", default="", help="rows:tokens cells of jd.prefill, e.g. 1:8192")
     ap.add_argument("--fp8", action="store_true",
-                    help="part 2 also with block-FP8 weights (jd.quantize_fp8), same run")
+                    help="part 2 also with block-FP8 weights (jd.quantize_fp8), same run; "
+                         "part 3 with them only (sharding.init_params_sharded(quantize='fp8'))")
     ap.add_argument("--layers", type=int, default=None, help="fewer layers (CPU smoke runs)")
     ap.add_argument("--experts", type=int, default=None, help="fewer experts (CPU smoke runs)")
     ap.add_argument("--vocab", type=int, default=None, help="smaller vocabulary (CPU smoke runs)")

@@ -31,8 +31,9 @@ from safetensors import safe_open
 from jaxdecode import quantization, sharding
 from jaxdecode.config import Config, model_dtype
 from jaxdecode.params import (CONV_CHANNEL_LEAVES, Params, checkpoint_specs, conv_channel_order,
+                              param_specs,
                               hf_to_internal, leaf_dtype, params_from_flat, split_fused)
-from jaxdecode.quantization import Fp8Linear
+from jaxdecode.quantization import SCALE_SUFFIX, Fp8Linear
 
 TEXT_PREFIX = "model.language_model."
 SKIPPED_PREFIXES = ("model.visual.", "visual.")
@@ -78,7 +79,6 @@ def canonical_name(name: str, mtp: bool = False) -> str | None:
 
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
 FP8_DTYPE = "F8_E4M3"  # block-FP8 weights, each with a ``weight_scale_inv`` (spec §9)
-SCALE_SUFFIX = "_scale_inv"
 _PER_EXPERT = re.compile(r"^((?:model|mtp)\.layers\.\d+\.mlp\.experts\.)(\d+)\."
                          r"(gate|up|down)_proj\.weight$")
 
@@ -270,7 +270,9 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
     load to ``dtype`` (Qwen3-Next's fused projections). The FP8 MoE releases' per-expert FP8
     experts load as block-FP8 stacks (``Fp8Linear`` [E, 2·I, H] / [E, H, I]; dequantised instead
     where ``moe_intermediate_size`` is not a multiple of the block rows, which would split a
-    block between gate and up). Not yet: FP8 on a ``mesh``.
+    block between gate and up). On a ``mesh`` an FP8 weight and its scales split as its spec
+    says, which needs whole scale blocks on each "model" device
+    (``sharding.fp8_split_problem``).
 
     Returns :class:`Params` (config from ``config.json``; a tied checkpoint's stored
     ``lm_head.weight`` is ignored).
@@ -283,8 +285,8 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
         inf values (named, with the file); an unsupported or malformed config
         (``Config.from_hf_config``) or index file; one message listing every missing,
         unexpected, misshapen (both shapes), duplicated or non-float tensor, by its name in the
-        checkpoint (``params.checkpoint_specs``); a config that cannot be split over ``mesh``;
-        both ``place`` and ``mesh``.
+        checkpoint (``params.checkpoint_specs``); a config, or an FP8 weight's blocks, that
+        cannot be split over ``mesh``; both ``place`` and ``mesh``.
     """
     directory = os.fspath(directory)
     files = None
@@ -308,8 +310,6 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
     problems: list[str] = []
     fp8: set[str] = set()
     found = _index_tensors(files or checkpoint_files(directory), problems, fp8, bool(mtp))
-    if mesh is not None and (fp8 or quantize):
-        raise ValueError("FP8 weights cannot be loaded onto a mesh yet; load them on one device")
     scales = _pair_scales(config, found, fp8, block, problems)
     _fuse_experts(config, found, problems)
     if config.tie_word_embeddings and "lm_head.weight" in found:
@@ -331,8 +331,12 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
         raise ValueError(f"checkpoint {directory!r} does not match its config.json "
                          f"({len(problems)} problems):\n  " + "\n  ".join(sorted(problems)))
 
-    place = place or (lambda name, x: jnp.asarray(x))
     stacks = _fp8_stacks(config, found, scales, block)
+    if mesh is not None:  # each FP8 leaf's blocks must split whole over "model"
+        sharding.check_fp8_leaves(config, mesh, {
+            name for name in param_specs(config) if quantization.is_quantized_leaf(name)
+            and (quantize == "fp8" or name in scales or name in stacks)}, block)
+    place = place or (lambda name, x: jnp.asarray(x))
     flat = {}
     for name, array in _iter_tensors(found, scales, block, stacks):
         if name in stacks:  # per-expert FP8 tensors stacked, kept FP8

@@ -22,6 +22,7 @@ Array = jax.Array
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
 DEFAULT_BLOCK = (128, 128)
+SCALE_SUFFIX = "_scale_inv"  # a weight's block scales are stored as ``name + SCALE_SUFFIX``
 
 # The checkpoint leaves (``params.param_specs`` names) held as FP8: those the FP8 releases store
 # quantised (their MoE experts per expert, held here as stacks of [E, out, in]).

@@ -14,7 +14,10 @@ replicated RMSNorm gains (and an MoE router), state rows over ``"data"``, logits
 ``(data, model)``. Megatron pattern (column-parallel in-, row-parallel out-projections): no
 weight moves, and each mixer and MLP ends with one all-reduce of its [B, T, H] update
 (tests/test_sharding.py counts them). MoE layers: the routed experts split over ``"model"`` by
-expert (expert parallelism), the shared expert as a dense MLP.
+expert (expert parallelism), the shared expert as a dense MLP. Block-FP8 weights
+(``Fp8Linear``) split as their 16-bit form with their block scales beside them, where every
+device gets whole scale blocks (:func:`fp8_split_problem`); on a mesh they run XLA's form of
+the FP8 Linear (``kernels.choice.fp8_linear``).
 ``q_proj``'s per-head ``[Hq, 2D]`` rows and the per-key-head conv channels
 (``params.conv_channel_order``) make contiguous blocks whole heads. The Pallas kernels run under
 ``shard_map`` (the partitioner cannot split a custom call); the per-row cache write moves no K/V
@@ -46,12 +49,12 @@ from jax.core import Tracer  # imported once: jax.core's module getattr is slow 
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdecode import memory
+from jaxdecode import memory, quantization
 from jaxdecode.config import Config, model_dtype
 from jaxdecode.kernels.choice import DATA, MODEL
 from jaxdecode.params import Params, init_leaf, param_specs, params_from_flat, params_to_flat
 from jaxdecode.state import DecodeState, KVCache, init_state
-from jaxdecode.quantization import Fp8Linear
+from jaxdecode.quantization import DEFAULT_BLOCK, SCALE_SUFFIX, Fp8Linear
 
 AXIS_NAMES = (DATA, MODEL)
 
@@ -136,14 +139,28 @@ def config_on(config: Config, mesh: Mesh) -> Config:
 
 def repeat_kv_heads(name: str, x, config: Config, to: Config):
     """Leaf ``name`` of ``config``'s params in ``to``'s layout: a K/V projection [Hkv·D, H] with
-    each head's D rows repeated ``to.num_key_value_heads / config.num_key_value_heads`` times
-    (numpy or jax in, the same kind out); any other leaf as it is."""
+    each head's rows repeated ``to.num_key_value_heads / config.num_key_value_heads`` times (an
+    :class:`Fp8Linear`: its weight's rows and its scales' rows, D / b0 a head, alike; numpy or
+    jax in, the same kind out); any other leaf as it is. ValueError: an FP8 K/V projection whose
+    scale blocks straddle two heads (D not a multiple of the block rows)."""
     r = to.num_key_value_heads // config.num_key_value_heads
-    if r == 1 or not name.endswith(KV_LEAVES):
+    if r == 1 or not _base_name(name).endswith(KV_LEAVES):
         return x
+    if isinstance(x, Fp8Linear):
+        if config.head_dim % x.block_size[0]:
+            raise ValueError(f"cannot repeat the KV heads of FP8 {name}: head_dim="
+                             f"{config.head_dim} is not a multiple of its {x.block_size[0]}-row "
+                             "scale blocks")
+        return Fp8Linear(repeat_kv_heads(name, x.weight, config, to),
+                         repeat_kv_heads(name, x.scale_inv, config, to), x.block_size)
     xp = np if isinstance(x, np.ndarray) else jnp
-    heads = x.reshape(config.num_key_value_heads, config.head_dim, x.shape[-1])
+    heads = x.reshape(config.num_key_value_heads, -1, x.shape[-1])  # a head's rows (or scales)
     return xp.repeat(heads, r, axis=0).reshape(-1, x.shape[-1])
+
+
+def _base_name(name: str) -> str:
+    """A weight's name for an FP8 scale's (``..._scale_inv``), any other name as it is."""
+    return name.removesuffix(SCALE_SUFFIX)
 
 
 def check_mesh(config: Config, mesh: Mesh, batch_size: int | None = None) -> None:
@@ -181,8 +198,58 @@ def check_mesh(config: Config, mesh: Mesh, batch_size: int | None = None) -> Non
 
 
 def param_partition_spec(name: str) -> P:
-    """The spec of one parameter, by its HF checkpoint name (``Qwen3_5ForCausalLM`` layout)."""
-    return PARAM_RULES.get(_LAYER_PREFIX.sub("", name), P())
+    """The spec of one parameter, by its HF checkpoint name (``Qwen3_5ForCausalLM`` layout); an
+    FP8 weight's block scales (``name + "_scale_inv"``, [..., R, C]) split as the weight."""
+    return PARAM_RULES.get(_LAYER_PREFIX.sub("", _base_name(name)), P())
+
+
+def fp8_split_problem(name: str, shape: Sequence[int], block_size: Sequence[int],
+                      mesh: Mesh) -> str | None:
+    """Why the block-FP8 weight ``name`` ([..., out, in]) cannot be split over ``mesh`` as its
+    spec says, or None: a split dimension of the last two must give each "model" device whole
+    scale blocks (its size a multiple of "model" size x block), so that a device's scales are
+    those of its own weights."""
+    spec = tuple(param_partition_spec(name)) + (None,) * len(shape)
+    m, lead = mesh.shape[MODEL], len(shape) - 2
+    for dim in range(lead, len(shape)):
+        b = block_size[dim - lead]
+        if spec[dim] == MODEL and m > 1 and shape[dim] % (m * b):
+            return (f"{name} {tuple(shape)}: axis {dim} ({shape[dim]}) is not a multiple of "
+                    f"{m} x {b}")
+    return None
+
+
+def _raise_fp8_problems(problems: list[str], mesh: Mesh, block_size) -> None:
+    if problems:
+        shown = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more"
+                                            if len(problems) > 6 else "")
+        raise ValueError(f"cannot split {len(problems)} FP8 weights into whole "
+                         f"{tuple(block_size)} scale blocks on each of {mesh.shape[MODEL]} "
+                         f"'model' devices (use fewer 'model' devices, or load them "
+                         f"unquantised): {shown}")
+
+
+def check_fp8_leaves(config: Config, mesh: Mesh, names, block_size) -> None:
+    """Raises ValueError naming each of ``config``'s params ``names`` that, held in block FP8,
+    :func:`fp8_split_problem` refuses on ``mesh`` (shapes as :func:`config_on` lays them out:
+    K/V rows repeated): what ``load_checkpoint`` and :func:`init_params_sharded` check before
+    any device work."""
+    specs = param_specs(config)
+    r = config_on(config, mesh).num_key_value_heads // config.num_key_value_heads
+    _raise_fp8_problems([why for name in sorted(names) if (why := fp8_split_problem(
+        name, (specs[name].shape[0] * (r if name.endswith(KV_LEAVES) else 1),
+               *specs[name].shape[1:]), block_size, mesh))], mesh, block_size)
+
+
+def check_fp8_mesh(params: Params, mesh: Mesh) -> None:
+    """Raises ValueError naming every block-FP8 weight of ``params`` :func:`fp8_split_problem`
+    refuses (before any device work)."""
+    flat = {name: x for name, x in params_to_flat(params).items() if isinstance(x, Fp8Linear)}
+    if flat:
+        block = next(iter(flat.values())).block_size
+        _raise_fp8_problems([why for name, x in flat.items()
+                             if (why := fp8_split_problem(name, x.shape, x.block_size, mesh))],
+                            mesh, block)
 
 
 def param_partition_specs(config: Config) -> Params:
@@ -238,48 +305,68 @@ def shard_params(params: Params, mesh: Mesh) -> Params:
     """``params`` placed with :func:`param_shardings` (host or device arrays in, global out), with
     ``config_on(params.config, mesh)``'s config (KV heads repeated where the mesh needs it; they
     stay repeated when resharded to a smaller mesh or saved by ``params_to_hf``: the same model
-    with more KV heads). Raises ValueError: see :func:`check_mesh`; FP8 weights (not shardable
-    yet)."""
-    if any(isinstance(x, Fp8Linear) for x in jax.tree.leaves(
-            params, is_leaf=lambda x: isinstance(x, Fp8Linear))):
-        raise ValueError("FP8 weights (jd.Fp8Linear) cannot be sharded yet; decode them on one "
-                         "device")
+    with more KV heads). A block-FP8 weight (:class:`Fp8Linear`) keeps its spec, its block
+    scales split with it. Raises ValueError: see :func:`check_mesh` and
+    :func:`check_fp8_mesh`."""
     config = config_on(params.config, mesh)
-    if config is not params.config:
-        flat = {name: repeat_kv_heads(name, x, params.config, config)
-                for name, x in params_to_flat(params).items()}
-        params = params_from_flat(config, flat)
-    return jax.tree.map(_put, params, param_shardings(config, mesh))
+    check_mesh(config, mesh)
+    check_fp8_mesh(params, mesh)
+    flat = {name: repeat_kv_heads(name, x, params.config, config)
+            for name, x in params_to_flat(params).items()}
+    return params_from_flat(config, {name: _place(name, x, mesh) for name, x in flat.items()})
 
 
-def init_params_sharded(config: Config, mesh: Mesh, key: jax.Array, dtype="float32") -> Params:
+def _place(name: str, x, mesh: Mesh):
+    """One leaf (an :class:`Fp8Linear`: both its arrays) with ``name``'s spec on ``mesh``."""
+    placed = NamedSharding(mesh, param_partition_spec(name))
+    if isinstance(x, Fp8Linear):
+        return Fp8Linear(_put(x.weight, placed), _put(x.scale_inv, placed), x.block_size)
+    return _put(x, placed)
+
+
+def init_params_sharded(config: Config, mesh: Mesh, key: jax.Array, dtype="float32", *,
+                        quantize: str | None = None, block_size=DEFAULT_BLOCK) -> Params:
     """``shard_params(jd.init_params(config, key, dtype), mesh)`` with each leaf created in its
     sharding: every device computes and holds only its shard (a model no one device can hold,
     e.g. Qwen3.5-397B-A17B on 8 GPUs). Values as ``init_params`` under jit (random bits do not
     depend on the sharding); one small program per distinct leaf kind and shape.
-    Raises ValueError: see :func:`check_mesh`, a dtype ``init_params`` refuses, or a shard of the
-    weights larger than a device's free memory."""
+    ``quantize="fp8"``: as ``shard_params(jd.quantize_fp8(init_params(...), block_size))``, each
+    leaf quantised where it is created (the FP8 model without its 16-bit copy anywhere).
+    Raises ValueError: see :func:`check_mesh` and :func:`fp8_split_problem`, a dtype
+    ``init_params`` refuses, another ``quantize``, or a shard of the weights larger than a
+    device's free memory."""
+    if quantize not in (None, "fp8"):
+        raise ValueError(f"quantize={quantize!r} must be None or 'fp8'")
     on = config_on(config, mesh)
     check_mesh(on, mesh)
     dtype = model_dtype(dtype)
+    specs = param_specs(config)
+    fp8 = {name for name in specs if quantize and quantization.is_quantized_leaf(name)}
+    check_fp8_leaves(config, mesh, fp8, block_size)
     fns = {name: _init_leaf_jit(dataclasses.replace(spec, name=_LAYER_PREFIX.sub("", name)),
-                                dtype, config, on, NamedSharding(mesh, param_partition_spec(name)))
-           for name, spec in param_specs(config).items()}  # one jit per leaf kind and shape
+                                dtype, config, on, NamedSharding(mesh, param_partition_spec(name)),
+                                tuple(block_size) if name in fp8 else None)
+           for name, spec in specs.items()}  # one jit per leaf kind and shape
     keys = [jax.random.fold_in(key, n) for n in range(len(fns))]
     per_device = 0
     for fn, k in zip(fns.values(), keys):
-        out = jax.eval_shape(fn, k)  # the shape in ``on``'s layout (K/V heads repeated)
-        per_device += int(np.prod(out.sharding.shard_shape(out.shape))) * out.dtype.itemsize
-    memory.check_fits(f"a shard of the weights ({dtype.name}) over {mesh.size} devices",
-                      per_device, mesh.devices.flat[0],
-                      advice="use more 'model' devices (or FP8 weights on one device)")
+        for out in jax.tree.leaves(jax.eval_shape(fn, k)):  # in ``on``'s layout (K/V repeated)
+            per_device += int(np.prod(out.sharding.shard_shape(out.shape))) * out.dtype.itemsize
+    memory.check_fits(f"a shard of the weights ({'FP8' if fp8 else dtype.name}) over "
+                      f"{mesh.size} devices", per_device, mesh.devices.flat[0],
+                      advice="use more 'model' devices" + ("" if fp8 else " (or FP8 weights)"))
     return params_from_flat(on, {name: fn(k) for (name, fn), k in zip(fns.items(), keys)})
 
 
 @functools.cache
-def _init_leaf_jit(spec, dtype, config: Config, on: Config, placed: NamedSharding):
-    return jax.jit(lambda key: repeat_kv_heads(spec.name, init_leaf(spec, key, dtype, config),
-                                               config, on), out_shardings=placed)
+def _init_leaf_jit(spec, dtype, config: Config, on: Config, placed: NamedSharding, block_size):
+    def init(key):
+        x = repeat_kv_heads(spec.name, init_leaf(spec, key, dtype, config), config, on)
+        if block_size is None:
+            return x
+        return Fp8Linear(*quantization.quantize(x, block_size), block_size=block_size)
+
+    return jax.jit(init, out_shardings=placed)
 
 
 def shard_state(state: DecodeState, mesh: Mesh) -> DecodeState:
@@ -361,16 +448,15 @@ def shard_batch(x, mesh: Mesh, dtype=None) -> jax.Array:
 def checkpoint_placer(config: Config, mesh: Mesh) -> Callable[[str, np.ndarray], jax.Array]:
     """The ``place(name, host_array)`` callback of ``load_checkpoint(..., mesh=mesh)``: each
     device receives only its slice of each tensor as it is read, the K/V projections in
-    ``config_on(config, mesh)``'s layout. ValueError: :func:`check_mesh`."""
+    ``config_on(config, mesh)``'s layout; an FP8 weight's scales (``name + "_scale_inv"``) split
+    as the weight (:func:`param_partition_spec`). ValueError: :func:`check_mesh`."""
     on = config_on(config, mesh)
     check_mesh(on, mesh)
-    shardings = {name: NamedSharding(mesh, param_partition_spec(name))
-                 for name in param_specs(config)}
 
     def place(name: str, host: np.ndarray) -> jax.Array:
         host = repeat_kv_heads(name, host, config, on)
-        return jax.make_array_from_callback(host.shape, shardings[name],
-                                            lambda index: host[index])
+        return jax.make_array_from_callback(
+            host.shape, NamedSharding(mesh, param_partition_spec(name)), lambda index: host[index])
 
     return place
 

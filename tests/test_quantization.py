@@ -161,27 +161,28 @@ def _split_experts(hf: dict, config) -> dict:
 _RELEASE_FP8 = re.compile(r"(mlp\.experts\.\d+\.(gate|up|down)_proj|in_proj_qkvz)\.weight$")
 
 
-def _write_fp8_checkpoint(path, params, *, scale_dtype=ml_dtypes.bfloat16, change=None):
+def _write_fp8_checkpoint(path, params, *, scale_dtype=ml_dtypes.bfloat16, change=None,
+                          block=quantization.DEFAULT_BLOCK):
     """An FP8 release's layout from float32 params: the quantised Linears (the routed experts
-    per expert, Qwen3-Next's in_proj_qkvz) as F8_E4M3 + a weight_scale_inv (``scale_dtype``), the
-    rest float32; also the dequantised checkpoint beside it (path / "dequantised").
-    ``change``: {name: array} replacing stored tensors."""
+    per expert, Qwen3-Next's in_proj_qkvz) as F8_E4M3 + a weight_scale_inv (``scale_dtype``) in
+    ``block`` blocks, the rest float32; also the dequantised checkpoint beside it (path /
+    "dequantised"). ``change``: {name: array} replacing stored tensors."""
     hf = {k: np.asarray(v, np.float32) for k, v in params_to_hf(params).items()}
     hf = _split_experts(hf, params.config)
     fp8, dense = {}, {}
     for name, w in hf.items():
         if quantization.is_quantized_leaf(name) or _RELEASE_FP8.search(name):
-            w8, scale = quantization.quantize(w)
+            w8, scale = quantization.quantize(w, block)
             scale = scale.astype(scale_dtype)
             fp8[name], fp8[name + "_scale_inv"] = w8, scale
-            dense[name] = quantization.dequantize(w8, scale)
+            dense[name] = quantization.dequantize(w8, scale, block)
         else:
             fp8[name] = dense[name] = w
     fp8.update(change or {})
     config = params.config.to_hf_config()
     for where, tensors, extra in ((path, fp8, {"quantization_config": {
             "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-            "weight_block_size": [128, 128]}}), (path / "dequantised", dense, {})):
+            "weight_block_size": list(block)}}), (path / "dequantised", dense, {})):
         where.mkdir(parents=True, exist_ok=True)
         (where / "config.json").write_text(json.dumps({**config, **extra}))
         _save(where / "model.safetensors", tensors)
@@ -362,13 +363,6 @@ def test_quantize_at_load_equals_quantize_fp8_of_the_loaded_params(tmp_path):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8) if a.dtype == FP8 else a,
                                       np.asarray(b).view(np.uint8) if b.dtype == FP8 else b)
     assert isinstance(at_load.layers[0].mlp.gate_proj, jd.Fp8Linear)
-
-
-def test_fp8_params_cannot_be_sharded_yet():
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
-    params = jd.quantize_fp8(jd.init_params(CONFIG, jax.random.key(0)))
-    with pytest.raises(ValueError, match="cannot be sharded yet"):
-        jd.sharding.shard_params(params, mesh)
 
 
 def test_fp8_checkpoint_logits_match_hf_on_the_dequantised_weights(tmp_path, hf_checkpoints):

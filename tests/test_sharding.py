@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -242,6 +243,65 @@ def test_fewer_kv_heads_than_devices_repeats_them(meshes, mesh):
     assert res["num_key_value_heads"] == model_size and res["kv_heads_per_device"] == 1
     assert res["param_mismatches"] == []
     assert res["collectives"] == {"all-reduce": 2 * 4 + 1}, res
+
+
+def test_published_fp8_releases_split_into_whole_blocks():
+    """The FP8 releases' 128 x 128 blocks split whole over 2, 4 and 8 "model" devices (the
+    397B-A17B FP8 on 4 GPUs among them), but for a shared expert (or MLP) of 512 (3584) rows
+    over 8: refused by name, before any device work."""
+    from jax.sharding import AbstractMesh
+
+    from jaxdecode import quantization
+    refused = {("qwen3.5-35b-a3b", 8): "mlp.shared_expert.down_proj.weight (2048, 512)",
+               ("qwen3-next-80b-a3b", 8): "mlp.shared_expert.down_proj.weight (2048, 512)",
+               ("qwen3.5-0.8b", 8): "mlp.down_proj.weight (1024, 3584)"}
+    for preset in ("qwen3.5-0.8b", "qwen3.5-9b", "qwen3.5-27b", "qwen3.5-35b-a3b",
+                   "qwen3.5-122b-a10b", "qwen3.5-397b-a17b", "qwen3-next-80b-a3b"):
+        config = jd.Config.from_preset(preset)
+        names = {n for n in jd.param_specs(config) if quantization.is_quantized_leaf(n)}
+        for m in (2, 4, 8):
+            mesh = AbstractMesh((1, m), ("data", "model"))
+            if (preset, m) in refused:
+                with pytest.raises(ValueError, match=re.escape(refused[preset, m])):
+                    sharding.check_fp8_leaves(config, mesh, names, (128, 128))
+            else:
+                sharding.check_fp8_leaves(config, mesh, names, (128, 128))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["1,8", "2,4"])
+def test_fp8_weights_on_a_mesh_equal_one_device(meshes, mesh):
+    """Block-FP8 params (the MoE model, 8 x 8 blocks) on a mesh: each weight split as its bf16
+    spec with its block scales beside it (a device's scales are its own blocks'), the greedy
+    logits of one device, and only the dense model's all-reduces (no weight gathered)."""
+    res = meshes["fp8"][mesh]
+    assert max(res["rel_errors"]) <= REL_TOL, res["rel_errors"]
+    assert res["layout_problems"] == []
+    assert res["collectives"] == {"all-reduce": 2 * 4 + 1}, res
+
+
+@pytest.mark.slow
+def test_fp8_checkpoint_and_sharded_init_land_in_their_shardings(meshes):
+    """An FP8 release checkpoint loaded onto (1, 8) equals shard_params of the one-device load,
+    bit for bit; init_params_sharded(quantize="fp8") equals quantising its unquantised values."""
+    res = meshes["fp8"]
+    assert res["checkpoint"] == {"values_equal": True, "layout_problems": []}
+    assert res["init_sharded"] == {"values_equal": True, "layout_problems": []}
+
+
+@pytest.mark.slow
+def test_fp8_weights_that_do_not_split_into_whole_blocks_are_refused(meshes):
+    """A split that would cut a scale block (I_s = 40 over 8 devices in 8-blocks; the tiny
+    shapes over 8 in 128-blocks) is refused naming the weight, its shape and the axis, by
+    shard_params, init_params_sharded and load_checkpoint(quantize="fp8", mesh=)."""
+    errors = meshes["fp8"]["errors"]
+    for where in ("shard_params", "init_sharded"):
+        assert errors[where].startswith("cannot split 12 FP8 weights into whole (8, 8) scale "
+                                        "blocks on each of 8 'model' devices"), errors[where]
+        assert ("model.layers.0.mlp.shared_expert.gate_proj.weight (40, 64): axis 0 (40) is "
+                "not a multiple of 8 x 8") in errors[where]
+    load = meshes["fp8"]["checkpoint_quantize_128_error"]
+    assert "whole (128, 128) scale blocks" in load and "in_proj_qkv.weight (384, 64)" in load
 
 
 @pytest.mark.slow

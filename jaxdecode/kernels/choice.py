@@ -87,9 +87,9 @@ class Kernels:
                              "split count follows the batch); leave it 'xla' with "
                              "batch_invariant")
         if self.fp8_linear == "pallas" and (self.mesh is not None or self.batch_invariant):
-            raise ValueError("Kernels(fp8_linear='pallas') runs on one device (FP8 weights are "
-                             "not sharded yet) and not with batch_invariant (its row "
-                             "independence is untested)")
+            raise ValueError("Kernels(fp8_linear='pallas') runs on one device (on a mesh the "
+                             "FP8 Linears run XLA's form under the partitioner) and not with "
+                             "batch_invariant (its row independence is untested)")
 
 
 XLA = Kernels()  # every op in XLA: the reference path, any backend
