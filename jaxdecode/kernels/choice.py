@@ -260,6 +260,9 @@ def fp8_linear(kernels: Kernels, x, w, *, out_dtype=None):
         y = _fp8_linear_kernel(x.reshape(rows, k), w.weight, w.scale_inv, w.block_size,
                                _interpret(kernels))
         return y.reshape(*lead, w.shape[0])
+    # the 16-bit copy tied to x, so it is made when this call runs, not whenever XLA likes:
+    # else every layer's copy may be alive at once (a copy of the whole model, on the CPU)
+    x, w = jax.lax.optimization_barrier((x, w))
     return jnp.einsum("...i,oi->...o", x, w.dequantize(x.dtype), preferred_element_type=out_dtype)
 
 
