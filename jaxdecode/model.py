@@ -41,13 +41,15 @@ INVARIANT_CHUNK = 256
 
 
 def linear(x: Array, w: Array | Fp8Linear, *, out_dtype=None,
-           kernels: Kernels = choice.XLA) -> Array:
+           kernels: Kernels = choice.XLA, row_parallel: bool = False) -> Array:
     """``x @ w.T`` with ``w`` in PyTorch layout ``[out, in]`` (no bias anywhere in Qwen3.5);
     ``out_dtype``: the accumulation/output dtype (None: x's). A block-FP8 ``w`` is weight-only
     (x stays in the model dtype): ``choice.fp8_linear`` as ``kernels.fp8_linear`` says (the
-    kernel or XLA's form, on the same weights dequantised to x's dtype)."""
+    kernel or XLA's form, on the same weights dequantised to x's dtype); ``row_parallel``: w's
+    input dimension is the one split over a mesh (``o_proj``, ``out_proj``, ``down_proj``), which
+    the kernel's per-device call needs to know."""
     if isinstance(w, Fp8Linear):
-        return choice.fp8_linear(kernels, x, w, out_dtype=out_dtype)
+        return choice.fp8_linear(kernels, x, w, out_dtype=out_dtype, row_parallel=row_parallel)
     return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=out_dtype)
 
 
@@ -101,7 +103,7 @@ def mlp(p: MLPParams, x: Array, kernels: Kernels = choice.XLA) -> Array:
     dtype (each op rounded once, as torch)."""
     gate = linear(x, p.gate_proj, kernels=kernels)
     return linear(silu(gate) * linear(x, p.up_proj, kernels=kernels), p.down_proj,
-                  kernels=kernels)
+                  kernels=kernels, row_parallel=True)
 
 
 def route(p: MoEParams, x: Array, config: Config,
@@ -167,7 +169,8 @@ def deltanet_output(p: GatedDeltaNetParams, o: Array, z: Array, config: Config,
     hv, dv = config.linear_num_value_heads, config.linear_value_head_dim
     o = gated_rms_norm(o.astype(z.dtype), z.reshape(batch, length, hv, dv), p.norm,
                        config.rms_norm_eps)
-    return linear(o.reshape(batch, length, hv * dv), p.out_proj, kernels=kernels)
+    return linear(o.reshape(batch, length, hv * dv), p.out_proj, kernels=kernels,
+                  row_parallel=True)
 
 
 def _hist_slice(window: Array, new: Array, j: int, length: int) -> Array:
@@ -323,7 +326,7 @@ def attention_output(p: AttentionParams, o: Array, gate: Array,
     """HF ``Qwen3_5Attention``'s output gate and ``o_proj``: o, gate [B, T, Hq, D] -> [B, T, H]."""
     batch, length = o.shape[:2]
     o = o.reshape(batch, length, -1) * sigmoid(gate.reshape(batch, length, -1))
-    return linear(o, p.o_proj, kernels=kernels)
+    return linear(o, p.o_proj, kernels=kernels, row_parallel=True)
 
 
 def gated_attention(p: AttentionParams, x: Array, cache: KVCache, start: Array, num_new: Array,

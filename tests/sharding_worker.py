@@ -269,11 +269,54 @@ def check_fp8() -> dict:
         "values_equal": trees_equal(got, sharding.shard_params(
             jd.quantize_fp8(unquantised, FP8_BLOCK), mesh)),
         "layout_problems": fp8_layout_problems(got, mesh)}
+    out["kernel"] = check_fp8_kernel_on_mesh()
     uneven = jd.quantize_fp8(jd.init_params(MOE_CONFIG, jax.random.key(0)), FP8_BLOCK)
     out["errors"] = {
         "shard_params": error_of(lambda: sharding.shard_params(uneven, mesh)),
         "init_sharded": error_of(lambda: sharding.init_params_sharded(
             MOE_CONFIG, mesh, key, quantize="fp8", block_size=FP8_BLOCK))}
+    return out
+
+
+def check_fp8_kernel_on_mesh() -> dict:
+    """choice.fp8_linear's kernel path per device on a (2, 4) mesh, column- and row-parallel
+    (x [8, 512] bf16, w [512, 512] / [128, 512] in 128-blocks), with the kernel's call replaced
+    by its XLA reference (the Mosaic GPU interpreter does not run under a multi-device
+    shard_map; the kernel itself is tested in test_kernels_fp8_linear.py): max |difference|
+    from XLA's form on one device relative to max |out|, and the compiled call's collectives."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jaxdecode import quantization
+    from jaxdecode.kernels import choice
+    from jaxdecode.kernels import fp8_linear as fl
+    mesh = sharding.make_mesh(2, 4)
+    rng = np.random.default_rng(8)
+    out = {}
+    kernel, shapes = choice._fp8_linear_kernel, []
+
+    def reference(x, w, s, block, interpret):  # traced per device: the local shapes
+        shapes.append([list(x.shape), list(w.shape)])
+        return fl.fp8_linear_reference(x, w, s, block)
+    choice._fp8_linear_kernel = reference
+    for name, n, row_parallel in (("column", 512, False), ("row", 128, True)):
+        x = jnp.asarray(rng.standard_normal((8, 512)), jnp.bfloat16)
+        w = jd.Fp8Linear(*quantization.quantize(rng.standard_normal((n, 512)).astype(np.float32)))
+        one = choice.fp8_linear(choice.XLA, x, w)
+        spec = P(None, "model") if row_parallel else P("model", None)
+        placed = jd.Fp8Linear(*(jax.device_put(a, NamedSharding(mesh, spec))
+                                for a in (w.weight, w.scale_inv)))
+        xs = jax.device_put(x, NamedSharding(mesh, P("data", "model" if row_parallel else None)))
+        kernels = choice.Kernels(fp8_linear="pallas", interpret=True, mesh=mesh)
+        fn = jax.jit(lambda x, w, rp=row_parallel: choice.fp8_linear(kernels, x, w,
+                                                                     row_parallel=rp))
+        shapes.clear()
+        got = fn(xs, placed)
+        one = np.asarray(one, np.float32)
+        out[name] = {"rel_error": float(np.abs(np.asarray(got, np.float32) - one).max()
+                                        / np.abs(one).max()),
+                     "collectives": collectives(fn.lower(xs, placed).compile().as_text()),
+                     "local_shapes": shapes[:1]}
+    choice._fp8_linear_kernel = kernel
     return out
 
 

@@ -154,8 +154,8 @@ def test_hopper_batch_invariant_choice_is_one_for_every_batch(hopper):
     (1, 1, 1, "xla"), (2, 1, 2 * (RULE - 1), "xla"), (2, 1, 2 * RULE, "pallas"),
     (4, 2, 4 * RULE, "pallas"), (8, 1, RULE, "xla"), (1, 2, RULE, "pallas")])
 def test_hopper_choice_on_a_mesh_is_per_device(hopper, data, model, batch, rule):
-    """On a mesh: never the one-kernel core (not even at one row per device), and the batch
-    threshold counts rows per device (batch / data)."""
+    """On a mesh: never the one-kernel core (not even at one row per device), the batch
+    threshold counts rows per device (batch / data), the FP8 linear kernel per device."""
     mesh = fake_mesh(data, model)
     config = dataclasses.replace(SUPPORTED, num_attention_heads=8, num_key_value_heads=4,
                                  linear_num_key_heads=4, linear_num_value_heads=8)
@@ -163,7 +163,7 @@ def test_hopper_choice_on_a_mesh_is_per_device(hopper, data, model, batch, rule)
         warnings.simplefilter("error")
         got = choice.choose_kernels(config, batch, dtype="bfloat16", mesh=mesh)
     assert got == kernels(attention="pallas", deltanet="xla", delta_rule=rule, mesh=mesh,
-                          verify_delta_rule="pallas")
+                          verify_delta_rule="pallas", fp8_linear="pallas")
     assert got.mesh is mesh
 
 

@@ -46,7 +46,7 @@ DELTA_RULE_MIN_BATCH = 8
 class Kernels:
     """The implementation of each decode-step op, "pallas" or "xla" (frozen, hashable: a jit
     static). ValueError for another value, ``deltanet="pallas"`` with a mesh, and
-    ``fp8_linear="pallas"`` with a mesh or ``batch_invariant``."""
+    ``fp8_linear="pallas"`` with ``batch_invariant``."""
     attention: str = "xla"  # split-K decode attention kernel, or decode_attention_reference
     deltanet: str = "xla"  # the one-token DeltaNet core in one kernel, or XLA then delta_rule
     delta_rule: str = "xla"  # with deltanet="xla": the one-pass delta-rule kernel, or XLA
@@ -86,10 +86,9 @@ class Kernels:
             raise ValueError("Kernels(verify_attention='pallas') is not batch-invariant (its "
                              "split count follows the batch); leave it 'xla' with "
                              "batch_invariant")
-        if self.fp8_linear == "pallas" and (self.mesh is not None or self.batch_invariant):
-            raise ValueError("Kernels(fp8_linear='pallas') runs on one device (on a mesh the "
-                             "FP8 Linears run XLA's form under the partitioner) and not with "
-                             "batch_invariant (its row independence is untested)")
+        if self.fp8_linear == "pallas" and self.batch_invariant:
+            raise ValueError("Kernels(fp8_linear='pallas') does not run with batch_invariant "
+                             "(its row independence is untested)")
 
 
 XLA = Kernels()  # every op in XLA: the reference path, any backend
@@ -133,8 +132,8 @@ def choose_kernels(config: Config, batch_size: int, *, dtype="bfloat16",
     With a mesh, shapes and batch are per device (rows over "data", heads over "model").
     ``batch_invariant``: one choice for every batch size (the attention kernels and the
     one-kernel DeltaNet core), with ``Kernels.batch_invariant`` set (what it guarantees: its
-    field comment); not on a mesh. The FP8 linear kernel: on one device, not batch-invariant,
-    16-bit models (it applies to ``Fp8Linear`` weights only, so a bf16 model is unaffected);
+    field comment); not on a mesh. The FP8 linear kernel: not batch-invariant, 16-bit models
+    (on a mesh, per device) (it applies to ``Fp8Linear`` weights only, so a bf16 model is unaffected);
     a call it does not take (:func:`fp8_linear`) runs XLA's form without a warning.
     """
     device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
@@ -173,8 +172,7 @@ def choose_kernels(config: Config, batch_size: int, *, dtype="bfloat16",
         (rows, 1, hq, c.head_dim), (rows, hkv, 64, c.head_dim), dtype))
     chunk_rule = supported("the prefill's delta rule", chunk_rule_kernel.check_supported(
         (rows, 1, hv, dk), (rows, 1, hv, dv), dtype))
-    fp8 = (mesh is None and not batch_invariant
-           and dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
+    fp8 = not batch_invariant and dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     pick = lambda use: "pallas" if use else "xla"  # noqa: E731
     return Kernels(attention=pick(attention), deltanet=pick(core), delta_rule=pick(rule),
                    prefill_attention=pick(prefill), prefill_delta_rule=pick(chunk_rule),
@@ -244,21 +242,41 @@ def prefill_attention(kernels: Kernels, q, k_cache, v_cache, start, num_new, *,
         q, k_cache, v_cache, start, num_new)
 
 
-def fp8_linear(kernels: Kernels, x, w, *, out_dtype=None):
+def fp8_linear(kernels: Kernels, x, w, *, out_dtype=None, row_parallel: bool = False):
     """``x @ W.T`` for a block-FP8 ``w`` (``quantization.Fp8Linear``), x [..., K] -> [..., N].
-    ``kernels.fp8_linear == "pallas"``: the kernel when it takes the call (up to 64 rows in all,
-    a decode step's; ``fp8_linear.check_supported``) and the result is in x's dtype; otherwise
-    the weight dequantised to x's dtype, then XLA's dot (more rows, a prefill's usually: one
-    16-bit copy of the weight per call). Both use the same dequantised weight; their results
-    can differ by a rounding of x's dtype (another accumulation order). Reverse-mode
-    differentiable either way, the FP8 weight frozen (``Fp8Linear.dequantize``)."""
+    ``kernels.fp8_linear == "pallas"``: the kernel when it takes the call (up to 64 rows in all
+    per device, a decode step's; ``fp8_linear.check_supported``) and the result is in x's dtype;
+    otherwise the weight dequantised to x's dtype, then XLA's dot (more rows, a prefill's
+    usually: one 16-bit copy of the weight per call). Both use the same dequantised weight;
+    their results can differ by a rounding of x's dtype (another accumulation order).
+    Reverse-mode differentiable either way, the FP8 weight frozen (``Fp8Linear.dequantize``).
+
+    On a mesh the kernel runs per device under ``shard_map``: column-parallel (w's rows split
+    over "model", x's rows over "data") or, ``row_parallel``, w's columns and x's K split over
+    "model" and the partial products summed (one psum in x's dtype, the all-reduce the
+    partitioner puts after a 16-bit row-parallel dot)."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = math.prod(lead)
-    if (kernels.fp8_linear == "pallas" and out_dtype in (None, x.dtype)
-            and fp8_kernel.check_supported((rows, k), w.shape, x.dtype, w.weight.dtype,
+    data = 1 if kernels.mesh is None else kernels.mesh.shape[DATA]
+    model = 1 if kernels.mesh is None else kernels.mesh.shape[MODEL]
+    local = ((rows // data, k // model if row_parallel else k),
+             (w.shape[0], k // model) if row_parallel else (w.shape[0] // model, k))
+    if (kernels.fp8_linear == "pallas" and out_dtype in (None, x.dtype) and rows % data == 0
+            and fp8_kernel.check_supported(*local, x.dtype, w.weight.dtype,
                                            w.block_size) is None):
-        y = _fp8_linear_kernel(x.reshape(rows, k), w.weight, w.scale_inv, w.block_size,
-                               _interpret(kernels))
+        block, interpret = w.block_size, _interpret(kernels)
+
+        def kernel(x, weight, scale_inv):
+            return _fp8_linear_kernel(x, weight, scale_inv, block, interpret)
+        if kernels.mesh is None:
+            y = kernel(x.reshape(rows, k), w.weight, w.scale_inv)
+        elif row_parallel:
+            y = _on_mesh(kernels, lambda *a: jax.lax.psum(kernel(*a), MODEL),
+                         (P(DATA, MODEL), P(None, MODEL), P(None, MODEL)), P(DATA, None))(
+                x.reshape(rows, k), w.weight, w.scale_inv)
+        else:
+            y = _on_mesh(kernels, kernel, (P(DATA, None), P(MODEL, None), P(MODEL, None)),
+                         P(DATA, MODEL))(x.reshape(rows, k), w.weight, w.scale_inv)
         return y.reshape(*lead, w.shape[0])
     # the 16-bit copy tied to x, so it is made when this call runs, not whenever XLA likes:
     # else every layer's copy may be alive at once (a copy of the whole model, on the CPU)
