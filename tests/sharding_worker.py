@@ -283,7 +283,9 @@ def check_fp8_kernel_on_mesh() -> dict:
     (x [8, 512] bf16, w [512, 512] / [128, 512] in 128-blocks), with the kernel's call replaced
     by its XLA reference (the Mosaic GPU interpreter does not run under a multi-device
     shard_map; the kernel itself is tested in test_kernels_fp8_linear.py): max |difference|
-    from XLA's form on one device relative to max |out|, and the compiled call's collectives."""
+    from XLA's form on one device relative to max |out|, and the compiled call's collectives;
+    the real kernel's path lowered for CUDA on the same mesh (its Mosaic GPU custom call and
+    all-reduces)."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from jaxdecode import quantization
@@ -309,13 +311,21 @@ def check_fp8_kernel_on_mesh() -> dict:
         kernels = choice.Kernels(fp8_linear="pallas", interpret=True, mesh=mesh)
         fn = jax.jit(lambda x, w, rp=row_parallel: choice.fp8_linear(kernels, x, w,
                                                                      row_parallel=rp))
+        real = choice.Kernels(fp8_linear="pallas", interpret=False, mesh=mesh)
+        choice._fp8_linear_kernel = kernel  # the real kernel, per device, lowered for CUDA
+        text = jax.jit(lambda x, w, rp=row_parallel: choice.fp8_linear(
+            real, x, w, row_parallel=rp)).trace(xs, placed).lower(
+                lowering_platforms=("cuda",)).as_text()
+        choice._fp8_linear_kernel = reference
         shapes.clear()
         got = fn(xs, placed)
         one = np.asarray(one, np.float32)
         out[name] = {"rel_error": float(np.abs(np.asarray(got, np.float32) - one).max()
                                         / np.abs(one).max()),
                      "collectives": collectives(fn.lower(xs, placed).compile().as_text()),
-                     "local_shapes": shapes[:1]}
+                     "local_shapes": shapes[:1],
+                     "cuda_lowering": {"mosaic_kernel": "mosaic_gpu" in text,
+                                       "all_reduces": text.count("stablehlo.all_reduce")}}
     choice._fp8_linear_kernel = kernel
     return out
 

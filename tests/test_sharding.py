@@ -285,11 +285,14 @@ def test_fp8_kernel_runs_per_device_on_a_mesh(meshes):
     """choice.fp8_linear's kernel path on a (2, 4) mesh calls the kernel once per device on its
     shards (4 rows of x; 128 of the 512 weight rows, or 128 of the 512 columns with x's K) and
     gives XLA's one-device result: exactly (column-parallel), or within the bf16 rounding of the
-    partial sums one all-reduce adds (row-parallel, as the partitioner's 16-bit dot)."""
+    partial sums one all-reduce adds (row-parallel, as the partitioner's 16-bit dot). The real
+    kernel's path lowers for CUDA on that mesh."""
     res = meshes["fp8"]["kernel"]
     assert res["column"] == {"rel_error": 0.0, "collectives": {},
-                             "local_shapes": [[[4, 512], [128, 512]]]}, res
+                             "local_shapes": [[[4, 512], [128, 512]]],
+                             "cuda_lowering": {"mosaic_kernel": True, "all_reduces": 0}}, res
     assert res["row"]["local_shapes"] == [[[4, 128], [128, 128]]], res
+    assert res["row"]["cuda_lowering"] == {"mosaic_kernel": True, "all_reduces": 1}, res
     assert res["row"]["collectives"] == {"all-reduce": 1}, res
     assert res["row"]["rel_error"] <= 1e-2, res
 
