@@ -272,7 +272,7 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
     where ``moe_intermediate_size`` is not a multiple of the block rows, which would split a
     block between gate and up). On a ``mesh`` an FP8 weight and its scales split as its spec
     says, which needs whole scale blocks on each "model" device
-    (``sharding.fp8_split_problem``).
+    (``sharding.check_fp8_split``).
 
     Returns :class:`Params` (config from ``config.json``; a tied checkpoint's stored
     ``lm_head.weight`` is ignored).
@@ -333,9 +333,10 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
 
     stacks = _fp8_stacks(config, found, scales, block)
     if mesh is not None:  # each FP8 leaf's blocks must split whole over "model"
-        sharding.check_fp8_leaves(config, mesh, {
-            name for name in param_specs(config) if quantization.is_quantized_leaf(name)
-            and (quantize == "fp8" or name in scales or name in stacks)}, block)
+        sharding.check_fp8_split(config, mesh, {
+            name: (spec.shape, block) for name, spec in param_specs(config).items()
+            if quantization.is_quantized_leaf(name)
+            and (quantize == "fp8" or name in scales or name in stacks)})
     place = place or (lambda name, x: jnp.asarray(x))
     flat = {}
     for name, array in _iter_tensors(found, scales, block, stacks):

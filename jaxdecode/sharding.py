@@ -16,8 +16,8 @@ weight moves, and each mixer and MLP ends with one all-reduce of its [B, T, H] u
 (tests/test_sharding.py counts them). MoE layers: the routed experts split over ``"model"`` by
 expert (expert parallelism), the shared expert as a dense MLP. Block-FP8 weights
 (``Fp8Linear``) split as their 16-bit form with their block scales beside them, where every
-device gets whole scale blocks (:func:`fp8_split_problem`); on a mesh they run XLA's form of
-the FP8 Linear (``kernels.choice.fp8_linear``).
+device gets whole scale blocks (:func:`check_fp8_split`); a decode step's FP8 Linears run
+their kernel per device (``kernels.choice.fp8_linear``).
 ``q_proj``'s per-head ``[Hq, 2D]`` rows and the per-key-head conv channels
 (``params.conv_channel_order``) make contiguous blocks whole heads. The Pallas kernels run under
 ``shard_map`` (the partitioner cannot split a custom call); the per-row cache write moves no K/V
@@ -219,37 +219,31 @@ def fp8_split_problem(name: str, shape: Sequence[int], block_size: Sequence[int]
     return None
 
 
-def _raise_fp8_problems(problems: list[str], mesh: Mesh, block_size) -> None:
+def check_fp8_split(config: Config, mesh: Mesh, weights: dict) -> None:
+    """Raises ValueError naming each block-FP8 weight ``name: (shape, block_size)`` of
+    ``config``'s params (shapes in ``config``'s layout) that cannot be split over ``mesh``:
+    :func:`fp8_split_problem` on its shape as :func:`config_on` lays it out (K/V rows repeated),
+    or K/V heads to repeat whose rows do not hold whole scale blocks. What
+    :func:`shard_params`, :func:`init_params_sharded` and ``load_checkpoint`` check before any
+    device work."""
+    r = config_on(config, mesh).num_key_value_heads // config.num_key_value_heads
+    problems = []
+    for name, (shape, block) in sorted(weights.items()):
+        if r > 1 and name.endswith(KV_LEAVES):
+            if config.head_dim % block[0]:
+                problems.append(f"{name} {tuple(shape)}: its KV heads, repeated {r} times, have "
+                                f"head_dim={config.head_dim} rows, not whole {block[0]}-row "
+                                "blocks")
+                continue
+            shape = (shape[0] * r, *shape[1:])
+        if why := fp8_split_problem(name, shape, block, mesh):
+            problems.append(why)
     if problems:
         shown = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more"
                                             if len(problems) > 6 else "")
-        raise ValueError(f"cannot split {len(problems)} FP8 weights into whole "
-                         f"{tuple(block_size)} scale blocks on each of {mesh.shape[MODEL]} "
-                         f"'model' devices (use fewer 'model' devices, or load them "
-                         f"unquantised): {shown}")
-
-
-def check_fp8_leaves(config: Config, mesh: Mesh, names, block_size) -> None:
-    """Raises ValueError naming each of ``config``'s params ``names`` that, held in block FP8,
-    :func:`fp8_split_problem` refuses on ``mesh`` (shapes as :func:`config_on` lays them out:
-    K/V rows repeated): what ``load_checkpoint`` and :func:`init_params_sharded` check before
-    any device work."""
-    specs = param_specs(config)
-    r = config_on(config, mesh).num_key_value_heads // config.num_key_value_heads
-    _raise_fp8_problems([why for name in sorted(names) if (why := fp8_split_problem(
-        name, (specs[name].shape[0] * (r if name.endswith(KV_LEAVES) else 1),
-               *specs[name].shape[1:]), block_size, mesh))], mesh, block_size)
-
-
-def check_fp8_mesh(params: Params, mesh: Mesh) -> None:
-    """Raises ValueError naming every block-FP8 weight of ``params`` :func:`fp8_split_problem`
-    refuses (before any device work)."""
-    flat = {name: x for name, x in params_to_flat(params).items() if isinstance(x, Fp8Linear)}
-    if flat:
-        block = next(iter(flat.values())).block_size
-        _raise_fp8_problems([why for name, x in flat.items()
-                             if (why := fp8_split_problem(name, x.shape, x.block_size, mesh))],
-                            mesh, block)
+        raise ValueError(f"cannot split {len(problems)} FP8 weights into whole scale blocks on "
+                         f"each of {mesh.shape[MODEL]} 'model' devices (use fewer 'model' "
+                         f"devices, or load them unquantised): {shown}")
 
 
 def param_partition_specs(config: Config) -> Params:
@@ -310,7 +304,9 @@ def shard_params(params: Params, mesh: Mesh) -> Params:
     :func:`check_fp8_mesh`."""
     config = config_on(params.config, mesh)
     check_mesh(config, mesh)
-    check_fp8_mesh(params, mesh)
+    check_fp8_split(params.config, mesh, {
+        name: (x.shape, x.block_size) for name, x in params_to_flat(params).items()
+        if isinstance(x, Fp8Linear)})
     flat = {name: repeat_kv_heads(name, x, params.config, config)
             for name, x in params_to_flat(params).items()}
     return params_from_flat(config, {name: _place(name, x, mesh) for name, x in flat.items()})
@@ -332,7 +328,7 @@ def init_params_sharded(config: Config, mesh: Mesh, key: jax.Array, dtype="float
     depend on the sharding); one small program per distinct leaf kind and shape.
     ``quantize="fp8"``: as ``shard_params(jd.quantize_fp8(init_params(...), block_size))``, each
     leaf quantised where it is created (the FP8 model without its 16-bit copy anywhere).
-    Raises ValueError: see :func:`check_mesh` and :func:`fp8_split_problem`, a dtype
+    Raises ValueError: see :func:`check_mesh` and :func:`check_fp8_split`, a dtype
     ``init_params`` refuses, another ``quantize``, or a shard of the weights larger than a
     device's free memory."""
     if quantize not in (None, "fp8"):
@@ -342,7 +338,7 @@ def init_params_sharded(config: Config, mesh: Mesh, key: jax.Array, dtype="float
     dtype = model_dtype(dtype)
     specs = param_specs(config)
     fp8 = {name for name in specs if quantize and quantization.is_quantized_leaf(name)}
-    check_fp8_leaves(config, mesh, fp8, block_size)
+    check_fp8_split(config, mesh, {name: (specs[name].shape, block_size) for name in fp8})
     fns = {name: _init_leaf_jit(dataclasses.replace(spec, name=_LAYER_PREFIX.sub("", name)),
                                 dtype, config, on, NamedSharding(mesh, param_partition_spec(name)),
                                 tuple(block_size) if name in fp8 else None)

@@ -270,12 +270,36 @@ def check_fp8() -> dict:
             jd.quantize_fp8(unquantised, FP8_BLOCK), mesh)),
         "layout_problems": fp8_layout_problems(got, mesh)}
     out["kernel"] = check_fp8_kernel_on_mesh()
+    out["repeated_kv"] = check_fp8_repeated_kv_heads()
     uneven = jd.quantize_fp8(jd.init_params(MOE_CONFIG, jax.random.key(0)), FP8_BLOCK)
     out["errors"] = {
         "shard_params": error_of(lambda: sharding.shard_params(uneven, mesh)),
         "init_sharded": error_of(lambda: sharding.init_params_sharded(
             MOE_CONFIG, mesh, key, quantize="fp8", block_size=FP8_BLOCK))}
     return out
+
+
+def check_fp8_repeated_kv_heads() -> dict:
+    """SHRUNK_397B (2 KV heads of 32 rows) in FP8 with 32 x 8 blocks, sharded from one device
+    onto (2, 4): each KV head repeated with its scale rows (one head a device), the greedy
+    logits of one device; a K/V weight in 64-row blocks (a head's rows not whole blocks)
+    refused by name (sharding.check_fp8_split, what shard_params checks)."""
+    config = dataclasses.replace(SHRUNK_397B, shared_expert_intermediate_size=128)
+    params = jd.init_params(config, jax.random.key(9))
+    fp8 = jd.quantize_fp8(params, (32, 8))
+    tokens = np.random.default_rng(10).integers(0, config.vocab_size, (BATCH, 12))
+    ref_logits, ref_tokens, _ = greedy(fp8, jd.init_state(config, BATCH, MAX_LEN), tokens,
+                                       jd.prefill, jd.decode_step)
+    scale = max(float(np.abs(np.asarray(x)).max()) for x in ref_logits)
+    mesh = sharding.make_mesh(2, 4)
+    sp, _, errors, _ = sharded_greedy(fp8, mesh, tokens, ref_logits, ref_tokens, scale)
+    k = sp.layers[3].self_attn.k_proj
+    return {"rel_errors": errors, "num_key_value_heads": sp.config.num_key_value_heads,
+            "k_rows_and_scale_rows_per_device": [k.weight.addressable_shards[0].data.shape[0],
+                                                 k.scale_inv.addressable_shards[0].data.shape[0]],
+            "layout_problems": fp8_layout_problems(sp, mesh),
+            "head_rows_error": error_of(lambda: sharding.check_fp8_split(config, mesh, {
+                "model.layers.3.self_attn.k_proj.weight": ((64, 64), (64, 8))}))}
 
 
 def check_fp8_kernel_on_mesh() -> dict:

@@ -258,14 +258,15 @@ def test_published_fp8_releases_split_into_whole_blocks():
     for preset in ("qwen3.5-0.8b", "qwen3.5-9b", "qwen3.5-27b", "qwen3.5-35b-a3b",
                    "qwen3.5-122b-a10b", "qwen3.5-397b-a17b", "qwen3-next-80b-a3b"):
         config = jd.Config.from_preset(preset)
-        names = {n for n in jd.param_specs(config) if quantization.is_quantized_leaf(n)}
+        weights = {n: (spec.shape, (128, 128)) for n, spec in jd.param_specs(config).items()
+                   if quantization.is_quantized_leaf(n)}
         for m in (2, 4, 8):
             mesh = AbstractMesh((1, m), ("data", "model"))
             if (preset, m) in refused:
                 with pytest.raises(ValueError, match=re.escape(refused[preset, m])):
-                    sharding.check_fp8_leaves(config, mesh, names, (128, 128))
+                    sharding.check_fp8_split(config, mesh, weights)
             else:
-                sharding.check_fp8_leaves(config, mesh, names, (128, 128))
+                sharding.check_fp8_split(config, mesh, weights)
 
 
 @pytest.mark.slow
@@ -278,6 +279,19 @@ def test_fp8_weights_on_a_mesh_equal_one_device(meshes, mesh):
     assert max(res["rel_errors"]) <= REL_TOL, res["rel_errors"]
     assert res["layout_problems"] == []
     assert res["collectives"] == {"all-reduce": 2 * 4 + 1}, res
+
+
+@pytest.mark.slow
+def test_fp8_kv_heads_repeat_with_their_scales(meshes):
+    """One-device FP8 params with 2 KV heads sharded onto 4 "model" devices: each head's rows and
+    scale rows repeated (32 rows and 1 scale row a device), the one-device logits; blocks taller
+    than a head are refused naming the weight and head_dim."""
+    res = meshes["fp8"]["repeated_kv"]
+    assert max(res["rel_errors"]) <= REL_TOL, res["rel_errors"]
+    assert res["num_key_value_heads"] == 4 and res["layout_problems"] == [], res
+    assert res["k_rows_and_scale_rows_per_device"] == [32, 1], res
+    assert ("model.layers.3.self_attn.k_proj.weight (64, 64): its KV heads, repeated 2 times, "
+            "have head_dim=32 rows, not whole 64-row blocks") in res["head_rows_error"], res
 
 
 @pytest.mark.slow
@@ -313,12 +327,12 @@ def test_fp8_weights_that_do_not_split_into_whole_blocks_are_refused(meshes):
     shard_params, init_params_sharded and load_checkpoint(quantize="fp8", mesh=)."""
     errors = meshes["fp8"]["errors"]
     for where in ("shard_params", "init_sharded"):
-        assert errors[where].startswith("cannot split 12 FP8 weights into whole (8, 8) scale "
-                                        "blocks on each of 8 'model' devices"), errors[where]
+        assert errors[where].startswith("cannot split 12 FP8 weights into whole scale blocks "
+                                        "on each of 8 'model' devices"), errors[where]
         assert ("model.layers.0.mlp.shared_expert.gate_proj.weight (40, 64): axis 0 (40) is "
                 "not a multiple of 8 x 8") in errors[where]
     load = meshes["fp8"]["checkpoint_quantize_128_error"]
-    assert "whole (128, 128) scale blocks" in load and "in_proj_qkv.weight (384, 64)" in load
+    assert "in_proj_qkv.weight (384, 64): axis 0 (384) is not a multiple of 8 x 128" in load
 
 
 @pytest.mark.slow

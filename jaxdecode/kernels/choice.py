@@ -132,9 +132,10 @@ def choose_kernels(config: Config, batch_size: int, *, dtype="bfloat16",
     With a mesh, shapes and batch are per device (rows over "data", heads over "model").
     ``batch_invariant``: one choice for every batch size (the attention kernels and the
     one-kernel DeltaNet core), with ``Kernels.batch_invariant`` set (what it guarantees: its
-    field comment); not on a mesh. The FP8 linear kernel: not batch-invariant, 16-bit models
-    (on a mesh, per device) (it applies to ``Fp8Linear`` weights only, so a bf16 model is unaffected);
-    a call it does not take (:func:`fp8_linear`) runs XLA's form without a warning.
+    field comment); not on a mesh. The FP8 linear kernel (per device on a mesh): not
+    batch-invariant, 16-bit models; it applies to ``Fp8Linear`` weights only, so a bf16 model
+    is unaffected; a call it does not take (:func:`fp8_linear`) runs XLA's form without a
+    warning.
     """
     device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
     cc = _compute_capability(device)
@@ -270,16 +271,17 @@ def fp8_linear(kernels: Kernels, x, w, *, out_dtype=None, row_parallel: bool = F
             return _fp8_linear_kernel(x, weight, scale_inv, block, interpret)
         if kernels.mesh is None:
             y = kernel(x.reshape(rows, k), w.weight, w.scale_inv)
-        elif row_parallel:
+        elif row_parallel and model > 1:
             y = _on_mesh(kernels, lambda *a: jax.lax.psum(kernel(*a), MODEL),
                          (P(DATA, MODEL), P(None, MODEL), P(None, MODEL)), P(DATA, None))(
                 x.reshape(rows, k), w.weight, w.scale_inv)
-        else:
+        else:  # column-parallel (or one "model" device: nothing to sum)
             y = _on_mesh(kernels, kernel, (P(DATA, None), P(MODEL, None), P(MODEL, None)),
                          P(DATA, MODEL))(x.reshape(rows, k), w.weight, w.scale_inv)
         return y.reshape(*lead, w.shape[0])
     # the 16-bit copy tied to x, so it is made when this call runs, not whenever XLA likes:
-    # else every layer's copy may be alive at once (a copy of the whole model, on the CPU)
+    # else every layer's copy may be alive at once (a copy of the whole model, on the CPU);
+    # the dot reads the barrier's x too (with the original x a little more stays alive)
     x, w = jax.lax.optimization_barrier((x, w))
     return jnp.einsum("...i,oi->...o", x, w.dequantize(x.dtype), preferred_element_type=out_dtype)
 
