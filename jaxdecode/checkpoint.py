@@ -31,8 +31,8 @@ from safetensors import safe_open
 from jaxdecode import quantization, sharding
 from jaxdecode.config import Config, model_dtype
 from jaxdecode.params import (CONV_CHANNEL_LEAVES, Params, checkpoint_specs, conv_channel_order,
-                              param_specs,
-                              hf_to_internal, leaf_dtype, params_from_flat, split_fused)
+                              hf_to_internal, leaf_dtype, param_specs, params_from_flat,
+                              split_fused)
 from jaxdecode.quantization import SCALE_SUFFIX, Fp8Linear
 
 TEXT_PREFIX = "model.language_model."

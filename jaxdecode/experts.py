@@ -132,10 +132,11 @@ def _rounds(k, x, pair_weights, order, starts, group_sizes, gate_up_proj, down_p
 
 
 def _after(x, gate_up_proj, down_proj):
-    """(gate_up_proj, down_proj) tied to ``x`` where one is block FP8: its dequantised copy (the rounds' batched
-    GEMMs read every expert) cannot then be computed before this layer's input exists, so one
-    layer's copy is alive at a time (else XLA hoists each layer's out of its loop and may hold
-    every layer's at once: 1.5 GiB a layer for the 35B-A3B, on the CPU backend)."""
+    """(gate_up_proj, down_proj) tied to ``x`` where one is block FP8: its dequantised copy (the
+    rounds' batched GEMMs read every expert) cannot then be computed before this layer's input
+    exists, so one layer's copy is alive at a time (else XLA hoists each layer's out of its
+    loop and may hold every layer's at once: 1.5 GiB a layer for the 35B-A3B, on the CPU
+    backend)."""
     if not any(isinstance(s, Fp8Linear) for s in (gate_up_proj, down_proj)):
         return gate_up_proj, down_proj
     return lax.optimization_barrier((x, gate_up_proj, down_proj))[1:]

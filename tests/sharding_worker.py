@@ -85,6 +85,17 @@ def greedy(params, state, tokens, prefill, decode_step):
     return all_logits, all_tokens, state
 
 
+def one_device_run(params, seed):
+    """Random prompts (``seed``) and their greedy run on one device: (prompts, each step's
+    logits, each step's tokens, max |logits| over the run: the scale of the sharded errors)."""
+    c = params.config
+    tokens = np.random.default_rng(seed).integers(0, c.vocab_size, (BATCH, 12))
+    ref_logits, ref_tokens, _ = greedy(params, jd.init_state(c, BATCH, MAX_LEN), tokens,
+                                       jd.prefill, jd.decode_step)
+    return tokens, ref_logits, ref_tokens, max(float(np.abs(np.asarray(x)).max())
+                                               for x in ref_logits)
+
+
 def sharded_greedy(params, mesh, tokens, ref_logits, ref_tokens, scale):
     """``params`` sharded on ``mesh``, then prefill + DECODE_STEPS steps fed the one-device run's
     tokens: (sharded params, final state, each step's max |logits - ref| / ``scale``, the
@@ -212,10 +223,7 @@ def check_repeated_kv_heads() -> dict:
     c = SHRUNK_397B
     key = jax.random.key(3)
     params = jd.init_params(c, key)
-    tokens = np.random.default_rng(4).integers(0, c.vocab_size, (BATCH, 12))
-    ref_logits, ref_tokens, _ = greedy(params, jd.init_state(c, BATCH, MAX_LEN), tokens,
-                                       jd.prefill, jd.decode_step)
-    scale = max(float(np.abs(np.asarray(x)).max()) for x in ref_logits)
+    tokens, ref_logits, ref_tokens, scale = one_device_run(params, 4)
     out = {}
     for shape in KV_MESHES:
         mesh = sharding.make_mesh(*shape)
@@ -241,10 +249,7 @@ def check_fp8() -> dict:
     from test_quantization import _write_fp8_checkpoint
     params = jd.init_params(FP8_CONFIG, jax.random.key(5))
     fp8 = jd.quantize_fp8(params, FP8_BLOCK)
-    tokens = np.random.default_rng(6).integers(0, FP8_CONFIG.vocab_size, (BATCH, 12))
-    ref_logits, ref_tokens, _ = greedy(fp8, jd.init_state(FP8_CONFIG, BATCH, MAX_LEN), tokens,
-                                       jd.prefill, jd.decode_step)
-    scale = max(float(np.abs(np.asarray(x)).max()) for x in ref_logits)
+    tokens, ref_logits, ref_tokens, scale = one_device_run(fp8, 6)
     out = {}
     for shape in FP8_MESHES:
         mesh = sharding.make_mesh(*shape)
@@ -287,10 +292,7 @@ def check_fp8_repeated_kv_heads() -> dict:
     config = dataclasses.replace(SHRUNK_397B, shared_expert_intermediate_size=128)
     params = jd.init_params(config, jax.random.key(9))
     fp8 = jd.quantize_fp8(params, (32, 8))
-    tokens = np.random.default_rng(10).integers(0, config.vocab_size, (BATCH, 12))
-    ref_logits, ref_tokens, _ = greedy(fp8, jd.init_state(config, BATCH, MAX_LEN), tokens,
-                                       jd.prefill, jd.decode_step)
-    scale = max(float(np.abs(np.asarray(x)).max()) for x in ref_logits)
+    tokens, ref_logits, ref_tokens, scale = one_device_run(fp8, 10)
     mesh = sharding.make_mesh(2, 4)
     sp, _, errors, _ = sharded_greedy(fp8, mesh, tokens, ref_logits, ref_tokens, scale)
     k = sp.layers[3].self_attn.k_proj
