@@ -72,13 +72,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
 
 import jaxdecode as jd  # noqa: E402
 from jaxdecode import experts, model, sharding  # noqa: E402
 from jaxdecode.activations import sigmoid, silu  # noqa: E402
-from jaxdecode.params import (MLPParams, MoEParams, params_from_flat,  # noqa: E402
-                              params_to_flat)
+from jaxdecode.params import MLPParams, MoEParams  # noqa: E402
 from jaxdecode.step import jit_decode_step  # noqa: E402
 from sharded_decode import collectives, describe  # noqa: E402
 
@@ -380,12 +378,12 @@ def part_mesh(config, mesh, batches, contexts, bw, compile_only=False, fp8=False
     key = jax.random.key(0)
     init = functools.partial(sharding.init_params_sharded, config, mesh, key, "bfloat16",
                              quantize="fp8" if fp8 else None)
-    if compile_only:  # eval_shape drops the shardings: each leaf gets its spec's back
+    if compile_only:  # eval_shape drops the shardings: param_shardings gives them back (an
+        # Fp8Linear's weight and scales both take its leaf's)
         shaped = jax.eval_shape(init)
-        params = params_from_flat(shaped.config, {
-            name: jax.tree.map(lambda x, n=name: jax.ShapeDtypeStruct(
-                x.shape, x.dtype, sharding=NamedSharding(mesh, sharding.param_partition_spec(n))),
-                leaf) for name, leaf in params_to_flat(shaped).items()})
+        params = jax.tree.map(lambda s, leaf: jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), leaf),
+            sharding.param_shardings(shaped.config, mesh), shaped)
     else:
         params = init()
     config = params.config

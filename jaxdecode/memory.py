@@ -110,13 +110,14 @@ class PrefillPlan:
 def plan_prefill(config: Config, batch_size: int, length: int, max_len: int, dtype, *,
                  budget: int | None = None, return_all_logits: bool = False,
                  device: jax.Device | None = None, flash: bool = False,
-                 logits_per_token: bool = False) -> PrefillPlan:
+                 logits_per_token: bool = False, weight_copy_bytes: int = 0) -> PrefillPlan:
     """The largest chunk (a power of two >= 64, or the whole T) and query block (a power of two
     in [16, 512]) whose activations fit ``budget`` bytes (None: :data:`BUDGET_FRACTION` of the
     device's free memory, :data:`HOST_BUDGET_BYTES` without statistics). ``flash``: the
     attention is the flash kernel, which holds no scores. ``logits_per_token``: every token's
     float32 logits are live per chunk (teacher-forced scoring), twice (the logits and their
-    exponent).
+    exponent). ``weight_copy_bytes``: held besides the activations (the 16-bit copies XLA
+    dequantises from block-FP8 weights, ``step.dequantized_copy_bytes``).
 
     Raises ValueError naming the bytes when even 64-token chunks and 16-query blocks do not fit,
     or ``return_all_logits``' [B, T, V] float32 output does not.
@@ -135,7 +136,7 @@ def plan_prefill(config: Config, batch_size: int, length: int, max_len: int, dty
         return 0 if flash else attention_scores_bytes(config, batch_size, block, max_len)
 
     def fits(chunk, block):
-        need = batch_size * chunk * per_token + scores(min(block, chunk))
+        need = batch_size * chunk * per_token + scores(min(block, chunk)) + weight_copy_bytes
         return need <= budget, need
 
     block = MAX_QUERY_BLOCK
@@ -151,7 +152,10 @@ def plan_prefill(config: Config, batch_size: int, length: int, max_len: int, dty
     if not ok:
         raise ValueError(
             f"a prefill of {batch_size} rows needs {_size(need)} of activations even in "
-            f"{MIN_CHUNK}-token chunks (max_len {max_len}), over the budget of {_size(budget)}"
+            f"{MIN_CHUNK}-token chunks (max_len {max_len})"
+            + (f", {_size(weight_copy_bytes)} of them 16-bit copies of FP8 weights"
+               if weight_copy_bytes else "")
+            + f", over the budget of {_size(budget)}"
             + ("" if free is None else f" ({_size(free)} free)")
             + "; use fewer rows or a larger budget")
     return PrefillPlan(prefill_chunk_size=chunk, query_block=block, bytes=need)

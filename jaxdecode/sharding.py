@@ -276,7 +276,11 @@ def _named(mesh: Mesh, specs):
 
 
 def param_shardings(config: Config, mesh: Mesh) -> Params:
-    """:func:`param_partition_specs` as ``NamedSharding`` on ``mesh`` (checked first)."""
+    """:func:`param_partition_specs` as ``NamedSharding`` on ``mesh`` (checked first): the
+    ``in_shardings`` / ``out_shardings`` of params on ``mesh`` for your own ``jax.jit``, pass
+    the params' own config (``config_on``'s, KV heads repeated). A pytree prefix of block-FP8
+    params too: an :class:`Fp8Linear`'s weight and block scales both take its leaf's
+    sharding."""
     check_mesh(config, mesh)
     return _named(mesh, param_partition_specs(config))
 
@@ -333,6 +337,7 @@ def init_params_sharded(config: Config, mesh: Mesh, key: jax.Array, dtype="float
     device's free memory."""
     if quantize not in (None, "fp8"):
         raise ValueError(f"quantize={quantize!r} must be None or 'fp8'")
+    block_size = quantization.check_block_size(block_size)
     on = config_on(config, mesh)
     check_mesh(on, mesh)
     dtype = model_dtype(dtype)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import types
 
 import jax
@@ -22,7 +23,8 @@ from jax.sharding import Mesh, NamedSharding
 from jaxdecode import memory, model, sharding
 from jaxdecode.config import Config
 from jaxdecode.kernels.choice import Kernels, choose_kernels
-from jaxdecode.params import Params
+from jaxdecode.params import MoEParams, Params
+from jaxdecode.quantization import Fp8Linear
 from jaxdecode.state import DecodeState, check_not_donated
 
 # XLA options of every program the library compiles (other backends ignore them). The dot merger
@@ -186,10 +188,32 @@ def plan_prefill(params: Params, batch_size: int, length: int, max_len: int, *,
     plan = memory.plan_prefill(params.config, rows, length, max_len, params.dtype,
                                budget=activation_budget, return_all_logits=return_all_logits,
                                device=device, flash=flash,
-                               logits_per_token=logits_per_token)
+                               logits_per_token=logits_per_token,
+                               weight_copy_bytes=dequantized_copy_bytes(params))
     if chunk is not None:
         plan = dataclasses.replace(plan, prefill_chunk_size=chunk if chunk < length else None)
     return plan
+
+
+def dequantized_copy_bytes(params: Params) -> int:
+    """Per device, the most bytes of 16-bit weight copies a prefill holds at once when XLA
+    dequantises block-FP8 weights (``choice.fp8_linear`` past the kernel's rows; the MoE rounds
+    form, ``experts._rounds``, which dequantises one layer's two expert stacks together): one
+    layer's expert stacks or the largest FP8 Linear, in ``params.dtype``; 0 without FP8."""
+    def copy(w):
+        if not isinstance(w, Fp8Linear):
+            return 0
+        sharded = getattr(w.weight, "sharding", None)
+        shape = w.shape if sharded is None else sharded.shard_shape(w.shape)
+        return math.prod(shape) * params.dtype.itemsize
+    most = 0
+    for layer in (*params.layers, *((params.mtp.layer,) if params.mtp is not None else ())):
+        weights = jax.tree.leaves(layer, is_leaf=lambda a: isinstance(a, Fp8Linear))
+        most = max([most, *(copy(w) for w in weights)])
+        if isinstance(layer.mlp, MoEParams):
+            most = max(most, copy(layer.mlp.experts_gate_up_proj)
+                       + copy(layer.mlp.experts_down_proj))
+    return most
 
 
 @functools.cache

@@ -254,8 +254,14 @@ def check_fp8() -> dict:
     for shape in FP8_MESHES:
         mesh = sharding.make_mesh(*shape)
         sp, _, errors, hlo = sharded_greedy(fp8, mesh, tokens, ref_logits, ref_tokens, scale)
-        out[f"{shape[0]},{shape[1]}"] = {"rel_errors": errors, "collectives": collectives(hlo),
-                                         "layout_problems": fp8_layout_problems(sp, mesh)}
+        shardings = sharding.param_shardings(sp.config, mesh)  # a prefix of the FP8 tree
+        through = jax.jit(lambda p: p, in_shardings=(shardings,), out_shardings=shardings)(sp)
+        out[f"{shape[0]},{shape[1]}"] = {
+            "rel_errors": errors, "collectives": collectives(hlo),
+            "layout_problems": fp8_layout_problems(sp, mesh),
+            "jit_param_shardings": [trees_equal(through, sp),
+                                    fp8_layout_problems(through, mesh)],
+            "copy_bytes": [step.dequantized_copy_bytes(fp8), step.dequantized_copy_bytes(sp)]}
     mesh = sharding.make_mesh(1, 8)
     import tempfile
     with tempfile.TemporaryDirectory() as tmp:

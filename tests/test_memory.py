@@ -90,3 +90,31 @@ def test_the_default_budget_is_half_of_what_is_free(monkeypatch):
     assert plan.bytes <= 10**9
     monkeypatch.setattr(memory, "free_bytes", lambda device=None: None)
     assert memory.plan_prefill(c, 8, 4096, 4096, "float32").bytes <= memory.HOST_BUDGET_BYTES
+
+
+def test_plan_prefill_holds_the_16_bit_copy_of_fp8_weights():
+    """XLA's FP8 forms dequantise one Linear at a time, and the MoE rounds form one layer's two
+    expert stacks together: a prefill's plan counts the largest such copy beside its
+    activations, and its error says how much of the total it is."""
+    from jaxdecode import step
+    dense = tiny(vocab_size=300)
+    h, e = dense.hidden_size, 4  # float32 copies
+    linears = {"mlp": dense.intermediate_size, "in_proj_qkv": dense.linear_conv_dim,
+               "in_proj_z": dense.linear_num_value_heads * dense.linear_value_head_dim,
+               "q_proj": 2 * dense.num_attention_heads * dense.head_dim,
+               "o_proj": dense.num_attention_heads * dense.head_dim}
+    moe = tiny(vocab_size=300, intermediate_size=0, num_experts=16, num_experts_per_tok=2,
+               moe_intermediate_size=64, shared_expert_intermediate_size=32)
+    for config, want in ((dense, max(linears.values()) * h * e),
+                         (moe, 16 * (2 * 64 * h + h * 64) * e)):  # > any Linear of moe's
+        params = jd.init_params(config, jax.random.key(0), "float32")
+        fp8 = jd.quantize_fp8(params, (32, 32))
+        assert step.dequantized_copy_bytes(params) == 0
+        assert step.dequantized_copy_bytes(fp8) == want
+        plain = step.plan_prefill(params, 2, 200, 256, activation_budget=2**40)
+        held = step.plan_prefill(fp8, 2, 200, 256, activation_budget=2**40)
+        assert held.bytes - plain.bytes == want
+        with pytest.raises(ValueError, match=r"a prefill of 2 rows needs .* even in 64-token "
+                                             r"chunks \(max_len 256\), [0-9.]+ [KM]iB of them "
+                                             r"16-bit copies of FP8 weights, over the budget"):
+            step.plan_prefill(fp8, 2, 200, 256, activation_budget=want)

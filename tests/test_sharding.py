@@ -279,6 +279,12 @@ def test_fp8_weights_on_a_mesh_equal_one_device(meshes, mesh):
     assert max(res["rel_errors"]) <= REL_TOL, res["rel_errors"]
     assert res["layout_problems"] == []
     assert res["collectives"] == {"all-reduce": 2 * 4 + 1}, res
+    # param_shardings serves as a jit's in/out shardings for FP8 params (a pytree prefix)
+    assert res["jit_param_shardings"] == [True, []], res
+    # a prefill's 16-bit copy of FP8 weights per device: every FP8 weight split over "model"
+    one_device, per_device = res["copy_bytes"]
+    model = int(mesh.split(",")[1])
+    assert per_device * model == one_device > 0, res
 
 
 @pytest.mark.slow
