@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxdecode.activations import silu
-from jaxdecode.quantization import Fp8Linear
+from jaxdecode.quantization import Fp8Linear, tie_to_input
 
 Array = jax.Array
 f32 = jnp.float32
@@ -131,17 +131,6 @@ def _rounds(k, x, pair_weights, order, starts, group_sizes, gate_up_proj, down_p
                        down_proj)[0]
 
 
-def _after(x, gate_up_proj, down_proj):
-    """(gate_up_proj, down_proj) tied to ``x`` where one is block FP8: its dequantised copy (the
-    rounds' batched GEMMs read every expert) cannot then be computed before this layer's input
-    exists, so one layer's copy is alive at a time (else XLA hoists each layer's out of its
-    loop and may hold every layer's at once: 1.5 GiB a layer for the 35B-A3B, on the CPU
-    backend)."""
-    if not any(isinstance(s, Fp8Linear) for s in (gate_up_proj, down_proj)):
-        return gate_up_proj, down_proj
-    return lax.optimization_barrier((x, gate_up_proj, down_proj))[1:]
-
-
 def _num_rounds(group_sizes, cap):
     return lax.div(jnp.max(group_sizes) + cap - 1, cap)
 
@@ -149,7 +138,7 @@ def _num_rounds(group_sizes, cap):
 def _rounds_fwd(k, x, pair_weights, order, starts, group_sizes, gate_up_proj, down_proj):
     e, p, h = gate_up_proj.shape[0], pair_weights.shape[0], x.shape[1]
     cap = capacity(p, e)
-    gate_up_proj, down_proj = _after(x, gate_up_proj, down_proj)
+    _, (gate_up_proj, down_proj) = tie_to_input(x, (gate_up_proj, down_proj))  # one layer's copy
 
     def body(r, out):
         pair, valid = _slots(r, order, starts, group_sizes, cap)
@@ -165,7 +154,7 @@ def _rounds_bwd(k, res, g):
     x, pair_weights, order, starts, group_sizes, gate_up_proj, down_proj = res
     e, p = gate_up_proj.shape[0], pair_weights.shape[0]
     cap = capacity(p, e)
-    gate_up_proj, down_proj = _after(g, gate_up_proj, down_proj)
+    _, (gate_up_proj, down_proj) = tie_to_input(g, (gate_up_proj, down_proj))
     # cotangents for x, the pair weights and the stacks that are not block FP8 (frozen: None)
     inputs = [a for a in (x, pair_weights, gate_up_proj, down_proj)
               if not isinstance(a, Fp8Linear)]

@@ -442,7 +442,8 @@ def quantize_fp8(params: Params, block_size=quantization.DEFAULT_BLOCK) -> Param
     """``params`` with the Linears the FP8 releases quantise (``quantization.QUANTIZED_LEAVES``)
     as block-FP8 :class:`Fp8Linear` (``quantization.quantize``; the MoE routed experts as
     stacks, each expert's [2·I, H] and [H, I] in its own blocks), the rest unchanged. Already
-    quantised leaves are kept."""
+    quantised leaves are kept. ValueError: ``block_size`` not two positive ints."""
+    block_size = quantization.check_block_size(block_size)
     flat = params_to_flat(params)
     for name, x in flat.items():
         if quantization.is_quantized_leaf(name) and not isinstance(x, Fp8Linear):

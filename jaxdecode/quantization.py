@@ -60,6 +60,16 @@ class Fp8Linear:
         return Fp8Linear(self.weight[index], self.scale_inv[index], self.block_size)
 
 
+def check_block_size(block_size) -> tuple[int, int]:
+    """``block_size`` as (rows, columns) of positive ints; ValueError for anything else."""
+    ok = (isinstance(block_size, (tuple, list)) and len(block_size) == 2
+          and all(isinstance(b, (int, np.integer)) and not isinstance(b, bool) and b > 0
+                  for b in block_size))
+    if not ok:
+        raise ValueError(f"block_size={block_size!r} must be two positive ints (rows, columns)")
+    return int(block_size[0]), int(block_size[1])
+
+
 def scale_shape(shape: tuple[int, ...], block_size: tuple[int, int]) -> tuple[int, ...]:
     """[..., ceil(out / b0), ceil(in / b1)]: the ``weight_scale_inv`` shape of an [..., out, in]
     weight (leading axes: a stack)."""
@@ -87,7 +97,8 @@ def quantize(w, block_size=DEFAULT_BLOCK):
     """An [..., out, in] float weight -> (float8_e4m3fn [..., out, in], float32 scales [..., R,
     C]): each block's scale its largest magnitude / 448 (1 for an all-zero block), the values
     ``w / scale`` rounded to nearest (the DeepSeek-V3 / Qwen block quantisation; numpy or jax;
-    leading axes: a stack, each quantised on its own)."""
+    leading axes: a stack, each quantised on its own). ValueError: a bad ``block_size``."""
+    block_size = check_block_size(block_size)
     xp = jnp if isinstance(w, jax.Array) else np
     w = w.astype(xp.float32)
     lead, (out, inp) = w.shape[:-2], w.shape[-2:]
@@ -100,6 +111,19 @@ def quantize(w, block_size=DEFAULT_BLOCK):
     scale = xp.where(amax > 0, amax * xp.float32(1 / FP8_MAX), 1.0).astype(xp.float32)
     q = xp.clip(w / _expand(scale, w.shape, block_size), -FP8_MAX, FP8_MAX)
     return q.astype(FP8), scale
+
+
+def tie_to_input(x, weights):
+    """``(x, weights)`` through one ``lax.optimization_barrier`` when ``weights`` (a pytree) holds
+    an :class:`Fp8Linear`, else unchanged: a 16-bit copy dequantised from the returned weights
+    cannot then be computed before ``x`` exists, so only the running layer's copy is alive
+    (else XLA may hoist every layer's dequantisation out of its loop and hold them all at once:
+    1.5 GiB a layer for the 35B-A3B's experts, a copy of the whole model for the Linears, on
+    the CPU backend). A barrier moves no data."""
+    leaves = jax.tree.leaves(weights, is_leaf=lambda a: isinstance(a, Fp8Linear))
+    if not any(isinstance(a, Fp8Linear) for a in leaves):
+        return x, weights
+    return jax.lax.optimization_barrier((x, weights))
 
 
 def is_quantized_leaf(name: str) -> bool:

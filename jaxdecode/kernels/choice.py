@@ -279,10 +279,9 @@ def fp8_linear(kernels: Kernels, x, w, *, out_dtype=None, row_parallel: bool = F
             y = _on_mesh(kernels, kernel, (P(DATA, None), P(MODEL, None), P(MODEL, None)),
                          P(DATA, MODEL))(x.reshape(rows, k), w.weight, w.scale_inv)
         return y.reshape(*lead, w.shape[0])
-    # the 16-bit copy tied to x, so it is made when this call runs, not whenever XLA likes:
-    # else every layer's copy may be alive at once (a copy of the whole model, on the CPU);
-    # the dot reads the barrier's x too (with the original x a little more stays alive)
-    x, w = jax.lax.optimization_barrier((x, w))
+    # the 16-bit copy made when this call runs; the dot reads the barrier's x too (with the
+    # original x a little more stays alive)
+    x, w = quantization.tie_to_input(x, w)
     return jnp.einsum("...i,oi->...o", x, w.dequantize(x.dtype), preferred_element_type=out_dtype)
 
 
