@@ -79,8 +79,10 @@ def canonical_name(name: str, mtp: bool = False) -> str | None:
 
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
 FP8_DTYPE = "F8_E4M3"  # block-FP8 weights, each with a ``weight_scale_inv`` (spec §9)
-_PER_EXPERT = re.compile(r"^((?:model|mtp)\.layers\.\d+\.mlp\.experts\.)(\d+)\."
-                         r"(gate|up|down)_proj\.weight$")
+# indices as HF writes them (no leading zeros): "experts.02" is not expert 2 (it would then be
+# stored twice, one copy silently dropped) but an unexpected tensor
+_PER_EXPERT = re.compile(r"^((?:model|mtp)\.layers\.(?:0|[1-9]\d*)\.mlp\.experts\.)"
+                         r"(0|[1-9]\d*)\.(gate|up|down)_proj\.weight$")
 
 
 def _fuse_experts(config: Config, found: dict, problems: list[str]) -> None:
@@ -332,23 +334,25 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
                          f"({len(problems)} problems):\n  " + "\n  ".join(sorted(problems)))
 
     stacks = _fp8_stacks(config, found, scales, block)
+    # {stored FP8 tensor: {leaf: its rows}} for those whose every leaf stays FP8
+    kept = {name: rows for name in scales.keys() & found.keys()  # (per-expert parts: stacks)
+            if (rows := _fp8_rows(config, name, found[name][2][0], block[0]))}
+    # the leaves held as block FP8: the loop below decides each by membership here alone
+    leaves = param_specs(config)
+    fp8_leaves = {name for name in leaves if quantization.is_quantized_leaf(name)
+                  and (quantize == "fp8" or name in stacks
+                       or any(name in rows for rows in kept.values()))}
     if mesh is not None:  # each FP8 leaf's blocks must split whole over "model"
-        sharding.check_fp8_split(config, mesh, {
-            name: (spec.shape, block) for name, spec in param_specs(config).items()
-            if quantization.is_quantized_leaf(name)
-            and (quantize == "fp8" or name in scales or name in stacks)})
+        sharding.check_fp8_split(config, mesh,
+                                 {name: (leaves[name].shape, block) for name in fp8_leaves})
     place = place or (lambda name, x: jnp.asarray(x))
     flat = {}
     for name, array in _iter_tensors(found, scales, block, stacks):
         if name in stacks:  # per-expert FP8 tensors stacked, kept FP8
             array, scale = array
-            if check_finite:  # name the first expert with a NaN or inf, and its file
-                for x, suffix in ((array, ""), (scale, SCALE_SUFFIX)):
-                    bad = ~np.isfinite(x.reshape(x.shape[0], -1)).all(axis=1)
-                    if bad.any():
-                        parts = found[name][1][int(np.argmax(bad))]
-                        _check_finite(x[int(np.argmax(bad))], " or ".join(
-                            stored + suffix for _, stored in parts), parts[0][0])
+            if check_finite:
+                _check_finite_stack(array, found[name][1])
+                _check_finite_stack(scale, found[name][1], SCALE_SUFFIX)
             flat[name] = Fp8Linear(place(name, array), place(name + SCALE_SUFFIX, scale), block)
             continue
         if name in scales:
@@ -356,19 +360,24 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
             for x, stored in ((array, found[name][1]), (scale, scales[name][1])):
                 if check_finite:
                     _check_finite(x, stored, found[name][0] if x is array else scales[name][0])
-            if quantization.is_quantized_leaf(name):
-                flat[name] = _fp8_leaf(config, name, array, scale, block, place)
+            if name in kept:
+                for leaf, rows in kept[name].items():
+                    w8, scale_rows = (array, scale) if rows is None else (
+                        array[rows], scale[rows[::block[0]] // block[0]])
+                    flat[leaf] = Fp8Linear(place(leaf, w8), place(leaf + SCALE_SUFFIX, scale_rows),
+                                           block)
                 continue
             array = quantization.dequantize(array, scale, block)
         array = array.astype(leaf_dtype(specs[name], dtype), copy=False)
         if check_finite:  # after the cast: overflow counts
             path, stored = found[name][:2]
             if path is None:  # stacked from per-expert tensors
-                path, stored = directory, f"{name} (stacked from its per-expert tensors)"
-            _check_finite(array, stored, path)
+                _check_finite_stack(array, stored)
+            else:
+                _check_finite(array, stored, path)
         for leaf, part in split_fused(config, name, array).items():
             part = hf_to_internal(config, leaf, part)
-            if quantize == "fp8" and quantization.is_quantized_leaf(leaf):
+            if leaf in fp8_leaves:  # quantize="fp8"
                 w8, scale = quantization.quantize(part, block)
                 flat[leaf] = Fp8Linear(place(leaf, w8), place(leaf + SCALE_SUFFIX, scale), block)
             else:
@@ -385,13 +394,34 @@ def _check_finite(array: np.ndarray, stored: str, path: str) -> None:
                          "check_finite=False loads it anyway")
 
 
-def _fp8_leaf(config: Config, name: str, w8: np.ndarray, scale: np.ndarray, block, place):
-    """A stored FP8 weight in jaxdecode's layout: rows regrouped as ``hf_to_internal`` does, the
-    scales' block rows with them (:func:`_pair_scales` checked the blocks stay whole)."""
-    if name.endswith(CONV_CHANNEL_LEAVES):
-        order = conv_channel_order(config)
-        w8, scale = w8[order], scale[order[::block[0]] // block[0]]
-    return Fp8Linear(place(name, w8), place(name + SCALE_SUFFIX, scale), block)
+def _check_finite_stack(stack: np.ndarray, experts: list, suffix: str = "") -> None:
+    """:func:`_check_finite` of a stack [E, rows, ...] built from per-expert tensors (``experts``:
+    each expert's (path, stored name) parts, concatenated along rows, equal in size), naming the
+    first expert's part that holds a NaN or inf (``stored + suffix``: its scales), and its
+    file."""
+    bad = ~np.isfinite(stack.reshape(stack.shape[0], -1)).all(axis=1)
+    if bad.any():
+        e = int(np.argmax(bad))
+        for (path, stored), part in zip(experts[e], np.split(stack[e], len(experts[e]))):
+            _check_finite(part, stored + suffix, path)
+
+
+def _fp8_rows(config: Config, name: str, rows: int, block_rows: int
+              ) -> dict[str, np.ndarray | None] | None:
+    """{leaf: the rows of stored FP8 tensor ``name`` it takes, in jaxdecode's order (None: all,
+    in order)} when each leaf that ``name`` loads as (``split_fused`` then ``hf_to_internal``:
+    Qwen3-Next's fused ``in_proj_qkvz`` split, conv channels regrouped per key head) is one the
+    releases quantise and takes whole blocks of ``block_rows`` rows: it stays FP8, its scale
+    rows picked alike. Else None (the tensor is dequantised at load)."""
+    out = {}
+    for leaf, order in split_fused(config, name, np.arange(rows)).items():
+        order = hf_to_internal(config, leaf, order)
+        identity = order.size == rows and (order == np.arange(rows)).all()
+        if not quantization.is_quantized_leaf(leaf) or not (
+                identity or _block_aligned(order, block_rows)):
+            return None
+        out[leaf] = None if identity else order
+    return out
 
 
 def _fp8_stacks(config: Config, found: dict, scales: dict, block) -> set[str]:

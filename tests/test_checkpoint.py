@@ -5,6 +5,7 @@ written with numpy/safetensors only (no jaxdecode code); HF-written ones are in 
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import numpy as np
@@ -236,17 +237,34 @@ def test_moe_checkpoint_problems_name_each_expert_tensor(tmp_path):
     tensors = {k: np.asarray(v, np.float32) for k, v in params_to_hf(params).items()}
     tensors = per_expert(tensors, MOE_CONFIG, drop={(1, 2, "up")}, bad_shape={(0, 3, "down")})
     tensors["model.layers.2.mlp.experts.4.gate_proj.weight"] = np.zeros((16, 64), np.float32)
+    # a second expert 1 under another spelling of its index: not silently one of the two
+    tensors["model.layers.2.mlp.experts.01.down_proj.weight"] = np.zeros((64, 16), np.float32)
     (tmp_path / "config.json").write_text(json.dumps(MOE_CONFIG.to_hf_config()))
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError) as err:
         load_checkpoint(tmp_path)
     msg = str(err.value)
-    assert "3 problems" in msg
+    assert "4 problems" in msg
+    assert "unexpected tensor model.layers.2.mlp.experts.01.down_proj.weight" in msg
     assert ("missing tensor model.layers.1.mlp.experts.2.up_proj.weight (expected shape "
             "(16, 64))") in msg
     assert ("tensor model.layers.0.mlp.experts.3.down_proj.weight has shape (63, 16), expected "
             "(64, 16)") in msg
     assert "unexpected tensor model.layers.2.mlp.experts.4.gate_proj.weight (num_experts=4)" in msg
+
+
+def test_a_nan_in_a_per_expert_tensor_names_that_expert(tmp_path):
+    params = jd.init_params(MOE_CONFIG, jax.random.key(3))
+    tensors = per_expert({k: np.asarray(v, np.float32) for k, v in params_to_hf(params).items()},
+                         MOE_CONFIG)
+    name = "model.layers.1.mlp.experts.2.up_proj.weight"  # rows [I, 2I) of expert 2's gate_up
+    tensors[name] = tensors[name].copy()
+    tensors[name][3, 5] = np.nan
+    (tmp_path / "config.json").write_text(json.dumps(MOE_CONFIG.to_hf_config()))
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"tensor {re.escape(name)} in .*model\.safetensors' "
+                                         r"has 1 NaN or inf values as float32"):
+        load_checkpoint(tmp_path, dtype="float32")
 
 
 # ----- Qwen3-Next: fused DeltaNet projections, dense layers, mtp.* skipped ---------------------

@@ -117,6 +117,19 @@ def test_fp8_model_equals_the_model_with_dequantised_weights():
                                                ).sum() + p.norm.sum())(params)
     assert not np.asarray(grads.layers[1].self_attn.o_proj.scale_inv).any()
     assert np.asarray(grads.norm).all()
+    # the README's optimizer for FP8 params: the Fp8Linear leaves set to zero, the rest trained
+    import optax
+    labels = jax.tree.map(lambda x: "frozen" if isinstance(x, jd.Fp8Linear) else "train",
+                          params, is_leaf=lambda x: isinstance(x, jd.Fp8Linear))
+    opt = optax.multi_transform({"train": optax.adamw(1e-3), "frozen": optax.set_to_zero()},
+                                labels)
+    updates, _ = opt.update(jax.tree.map(jnp.ones_like, params), opt.init(params), params)
+    new = optax.apply_updates(params, updates)
+    o_proj = new.layers[1].self_attn.o_proj
+    assert o_proj.weight.dtype == FP8 and np.array_equal(
+        np.asarray(o_proj.weight, np.float32),
+        np.asarray(params.layers[1].self_attn.o_proj.weight, np.float32))
+    assert np.abs(np.asarray(new.norm) - np.asarray(params.norm)).min() > 0
 
 
 def _save(path, tensors: dict):
@@ -273,14 +286,18 @@ NEXT_CONFIG = dataclasses.replace(MOE_CONFIG, model_type="qwen3_next", intermedi
 
 
 @pytest.mark.parametrize("config", [MOE_CONFIG, NEXT_CONFIG,
+                                    dataclasses.replace(NEXT_CONFIG, linear_key_head_dim=32),
                                     dataclasses.replace(MOE_CONFIG, moe_intermediate_size=128)],
-                         ids=["qwen3_5_moe", "qwen3_next", "qwen3_5_moe_whole_blocks"])
+                         ids=["qwen3_5_moe", "qwen3_next", "qwen3_next_split_blocks",
+                              "qwen3_5_moe_whole_blocks"])
 def test_fp8_moe_release_loads_its_experts(tmp_path, config):
     """The FP8 MoE releases' layout (experts per expert in F8_E4M3 with block scales; Qwen3-Next's
     fused in_proj_qkvz in F8_E4M3) loads: the experts as block-FP8 stacks (gate_up_proj where an
     expert's gate rows end on a block boundary, moe_intermediate_size 128 as every release; else
-    dequantised), their values the dequantised checkpoint's; the fused projection dequantised;
-    the other Linears FP8; the logits the dequantised checkpoint's."""
+    dequantised), their values the dequantised checkpoint's; the fused projection split into
+    FP8 in_proj_qkv and in_proj_z with their scale rows where its per-key-head row groups are
+    whole blocks (2·dk and r·dv multiples of 128, as Qwen3-Next-80B-A3B's), else dequantised; the
+    other Linears FP8; the logits the dequantised checkpoint's."""
     params = jd.init_params(config, jax.random.key(9))
     path = _write_fp8_checkpoint(tmp_path / "fp8", params)
     from safetensors import safe_open
@@ -302,13 +319,16 @@ def test_fp8_moe_release_loads_its_experts(tmp_path, config):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
     assert isinstance(loaded.layers[1].self_attn.o_proj, jd.Fp8Linear)
     assert isinstance(moe.shared_expert.down_proj, jd.Fp8Linear)
-    qkv = loaded.layers[0].linear_attn.in_proj_qkv
-    if config.model_type == "qwen3_next":  # split out of the fused FP8 tensor, dequantised
-        assert not isinstance(qkv, jd.Fp8Linear)
-        np.testing.assert_array_equal(np.asarray(qkv),
-                                      np.asarray(dense.layers[0].linear_attn.in_proj_qkv))
-    else:
-        assert isinstance(qkv, jd.Fp8Linear)
+    lin, lin_dense = loaded.layers[0].linear_attn, dense.layers[0].linear_attn
+    split_blocks = (2 * config.linear_key_head_dim) % 128 != 0
+    for got, ref in ((lin.in_proj_qkv, lin_dense.in_proj_qkv), (lin.in_proj_z, lin_dense.in_proj_z)):
+        if config.model_type == "qwen3_next" and split_blocks:  # split, dequantised
+            assert not isinstance(got, jd.Fp8Linear)
+        else:  # (Qwen3-Next: split out of the fused FP8 tensor, rows regrouped, kept FP8)
+            assert isinstance(got, jd.Fp8Linear) and got.weight.dtype == FP8
+            assert got.scale_inv.shape == quantization.scale_shape(ref.shape, (128, 128))
+            got = got.dequantize(jnp.float32)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
     rng = np.random.default_rng(10)
     tokens = rng.integers(0, config.vocab_size, (2, 9)).astype(np.int32)
     num_new = np.array([9, 4], np.int32)
@@ -346,6 +366,17 @@ def test_quantize_fp8_holds_the_moe_experts_as_fp8_stacks():
         num_new = np.full(rows, 7, np.int32)
         got, want = _run(params, tokens, num_new), _run(_dequantized(params), tokens, num_new)
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
+
+
+def test_a_bad_block_size_is_refused_by_name():
+    params = jd.init_params(MOE_CONFIG, jax.random.key(12))
+    for bad in ((0, 128), (128,), (128.0, 128), (-1, 128), (True, 128), 128, None):
+        with pytest.raises(ValueError, match=r"block_size=.* must be two positive ints"):
+            jd.quantize_fp8(params, bad)
+    with pytest.raises(ValueError, match=r"block_size=\(8, 0\) must be two positive ints"):
+        quantization.quantize(np.ones((8, 8), np.float32), (8, 0))
+    held = jd.quantize_fp8(params, [32, np.int64(32)])  # any two positive ints, held as a tuple
+    assert held.layers[0].mlp.experts_down_proj.block_size == (32, 32)
 
 
 def test_quantize_at_load_equals_quantize_fp8_of_the_loaded_params(tmp_path):
