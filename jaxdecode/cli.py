@@ -258,10 +258,7 @@ def _generate(args) -> int:
     run_s = time.perf_counter() - t
     if progress is not None:
         sys.stderr.write("\n")
-    for r, (ids, reason) in enumerate(zip(out.token_lists(), out.stop_reasons())):
-        _say(f"--- sample {r}: {len(ids)} tokens, stopped by {reason} ---\nids: {ids}")
-        if tokenizer is not None:
-            _say(f"text: {tokenizer.decode(ids)}")
+    _say_samples(out, tokenizer)
     total = int(np.sum(out.num_generated))
     _say("--- timing (wall clock, first run after compiling) ---\n"
          + _compile_line(compile_s, args.compile_cache))
@@ -269,6 +266,14 @@ def _generate(args) -> int:
          f"(prefill + decode in one on-device loop, {args.num_samples} row(s); --stream splits "
          f"prefill and decode)")
     return 0
+
+
+def _say_samples(out, tokenizer) -> None:
+    """Each row of a ``GenerateOutput``: its ids, why it stopped, and its text."""
+    for r, (ids, reason) in enumerate(zip(out.token_lists(), out.stop_reasons())):
+        _say(f"--- sample {r}: {len(ids)} tokens, stopped by {reason} ---\nids: {ids}")
+        if tokenizer is not None:
+            _say(f"text: {tokenizer.decode(ids)}")
 
 
 def _speculative(params, prompts, kwargs, args, tokenizer) -> int:
@@ -285,10 +290,7 @@ def _speculative(params, prompts, kwargs, args, tokenizer) -> int:
     t = time.perf_counter()
     out = jax.block_until_ready(generate(params, prompts, num_speculative_tokens=k, **kwargs))
     run_s = time.perf_counter() - t
-    for r, (ids, reason) in enumerate(zip(out.token_lists(), out.stop_reasons())):
-        _say(f"--- sample {r}: {len(ids)} tokens, stopped by {reason} ---\nids: {ids}")
-        if tokenizer is not None:
-            _say(f"text: {tokenizer.decode(ids)}")
+    _say_samples(out, tokenizer)
     total = int(np.sum(out.num_generated))
     _say("--- timing (wall clock, second run) ---\n"
          f"first run (compile + run): {compile_s:.2f} s\n"
