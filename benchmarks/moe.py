@@ -48,8 +48,8 @@ summed bandwidth), the bytes the expert form streams (every slot counted as a fu
 collectives of the compiled step (count and bytes per device) and its memory per device.
 ``--check-layers N``: the first N layers on the mesh, on one device and in float32 on one
 device (prefill + one decode step). ``--load-layers N``: N layers written as published to
-``--load-dir`` (page cache dropped), ``load_checkpoint(mesh=)`` timed, the rate applied to the
-whole model's bytes. ``--compile-only``: abstract params and state, nothing allocated: the
+``--load-dir`` (page cache dropped; with ``--fp8`` in the FP8 releases' layout, experts per
+expert), ``load_checkpoint(mesh=)`` timed, the rate applied to the whole model's bytes. ``--compile-only``: abstract params and state, nothing allocated: the
 collectives and memory of the full 397B step on 8 virtual CPU devices
 (``XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu``). ``--fp8``: the
 cells with block-FP8 Linears and experts (``init_params_sharded(quantize="fp8")``; the
@@ -458,33 +458,92 @@ def check_on_one_device(config, mesh, layers, prompt=64):
                 mesh_vs_one=rel(logits["mesh"], logits["one"]))
 
 
-def time_load(config, mesh, layers, directory):
-    """Writes the first ``layers`` layers' random bf16 weights in the published layout (a
-    ``model.safetensors.index.json`` and one file per layer, experts as fused 3-D tensors),
-    drops them from the page cache (fsync + ``POSIX_FADV_DONTNEED``), then times
-    ``jd.load_checkpoint(directory, "bfloat16", mesh=mesh)``; GB/s and that rate applied to the
-    whole model's bytes."""
+def save_safetensors(tensors: dict, path: str) -> None:
+    """numpy arrays (float8_e4m3fn included, which safetensors' numpy writer lacks) as one
+    safetensors file, written from the format's spec (8-byte header size, JSON header, data)."""
     import json  # noqa: PLC0415
 
-    from safetensors.numpy import save_file  # noqa: PLC0415
+    import ml_dtypes  # noqa: PLC0415
+    codes = {np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(np.float32): "F32",
+             np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3"}
+    header, offset = {}, 0
+    for name, x in tensors.items():
+        header[name] = {"dtype": codes[x.dtype], "shape": list(x.shape),
+                        "data_offsets": [offset, offset + x.nbytes]}
+        offset += x.nbytes
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        for x in tensors.values():
+            f.write(np.ascontiguousarray(x).tobytes())
+
+
+def release_tensors(hf: dict, names: list, config, fp8: bool) -> dict:
+    """``names`` of the HF tensors ``hf`` (popped) as a release stores them: bf16; with ``fp8``
+    the FP8 releases' layout (spec §9): the Linears they quantise as F8_E4M3 + bf16
+    ``weight_scale_inv`` in 128 x 128 blocks, the routed experts per expert."""
+    import ml_dtypes  # noqa: PLC0415
+
+    from jaxdecode import quantization  # noqa: PLC0415
+    out = {}
+    for name in names:
+        x = np.asarray(hf.pop(name))
+        if not (fp8 and quantization.is_quantized_leaf(name)):
+            out[name] = x
+            continue
+        w8, scale = quantization.quantize(x)
+        scale = scale.astype(ml_dtypes.bfloat16)
+        if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2I, H]: rows [0, I) gate
+            i = config.moe_intermediate_size
+            parts = {"gate_proj": (w8[:, :i], scale[:, :i // 128]),
+                     "up_proj": (w8[:, i:], scale[:, i // 128:])}
+        elif name.endswith("mlp.experts.down_proj"):
+            parts = {"down_proj": (w8, scale)}
+        else:
+            out[name], out[name + "_scale_inv"] = w8, scale
+            continue
+        prefix = name.rsplit(".", 1)[0]  # ...mlp.experts
+        for kind, (w, sc) in parts.items():
+            for e in range(w.shape[0]):
+                out[f"{prefix}.{e}.{kind}.weight"] = w[e]
+                out[f"{prefix}.{e}.{kind}.weight_scale_inv"] = sc[e]
+    return out
+
+
+def time_load(config, mesh, layers, directory, fp8=False):
+    """Writes the first ``layers`` layers' random weights as published (a
+    ``model.safetensors.index.json`` and one file per layer; bf16 with the experts as fused 3-D
+    tensors, or ``fp8`` the FP8 releases' layout: :func:`release_tensors`), drops them from the
+    page cache (fsync + ``POSIX_FADV_DONTNEED``), then times ``jd.load_checkpoint(directory,
+    "bfloat16", mesh=mesh)``; GB/s and that rate applied to the whole model's bytes (bf16, or
+    FP8 where the release quantises)."""
+    import json  # noqa: PLC0415
 
     from jaxdecode.params import param_specs, params_to_hf  # noqa: PLC0415
+    from jaxdecode.quantization import is_quantized_leaf  # noqa: PLC0415
     part = truncated(config, layers)
     os.makedirs(directory, exist_ok=True)
+    hf_config = part.to_hf_config()
+    if fp8:
+        hf_config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                            "activation_scheme": "dynamic",
+                                            "weight_block_size": [128, 128]}
     with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(part.to_hf_config(), f)
+        json.dump(hf_config, f)
     hf = params_to_hf(jd.init_params(part, jax.random.key(2), "bfloat16"))  # on the device
     files: dict[str, list] = {}
     for name in hf:
         layer = name.split(".")[2] if name.startswith("model.layers.") else "rest"
         files.setdefault(f"model-{layer}.safetensors", []).append(name)
-    weight_map, nbytes = {}, 0
+    weight_map, nbytes, count = {}, 0, 0
     for file, names in files.items():  # one file in host memory at a time
-        tensors = {name: np.asarray(hf.pop(name)) for name in names}
-        weight_map.update(dict.fromkeys(names, file))
+        tensors = release_tensors(hf, names, part, fp8)
+        weight_map.update(dict.fromkeys(tensors, file))
         path = os.path.join(directory, file)
-        save_file(tensors, path)
+        save_safetensors(tensors, path)
         nbytes += sum(t.nbytes for t in tensors.values())
+        count += len(tensors)
         del tensors
         fd = os.open(path, os.O_RDONLY)
         os.fsync(fd)
@@ -495,11 +554,12 @@ def time_load(config, mesh, layers, directory):
     t0 = time.perf_counter()
     params = jax.block_until_ready(jd.load_checkpoint(directory, "bfloat16", mesh=mesh))
     s = time.perf_counter() - t0
-    full = sum(int(np.prod(spec.shape)) * 2 for spec in param_specs(
-        dataclasses.replace(config, mtp_num_hidden_layers=0)).values())
+    full = sum(int(np.prod(spec.shape)) * (1 if fp8 and is_quantized_leaf(name) else 2)
+               for name, spec in param_specs(
+                   dataclasses.replace(config, mtp_num_hidden_layers=0)).items())
     del params
-    return dict(layers=layers, gib=nbytes / 2**30, s=s, gb_s=nbytes / s / 1e9,
-                full_model_s=full / (nbytes / s))
+    return dict(layers=layers, fp8=fp8, tensors=count, gib=nbytes / 2**30, s=s,
+                gb_s=nbytes / s / 1e9, full_model_s=full / (nbytes / s))
 
 
 def run_mesh(config, args, bw):
@@ -512,7 +572,7 @@ def run_mesh(config, args, bw):
         check = check_on_one_device(config, mesh, args.check_layers)
         print(check, flush=True)
     if args.load_layers:
-        load = time_load(config, mesh, args.load_layers, args.load_dir)
+        load = time_load(config, mesh, args.load_layers, args.load_dir, args.fp8)
         print(load, flush=True)
     rows = part_mesh(config, mesh, [int(b) for b in (args.decode or "1,8,64").split(",")],
                      [int(c) for c in args.contexts.split(",")], bw, args.compile_only,
@@ -542,8 +602,10 @@ def print_mesh(rows, check, load, args):
                            ("mesh_vs_one", f"on ({args.mesh}) vs on one device")):
             print(f"- {what}: {check[name][0]:.1e}, {check[name][1]:.1e}")
     if load:
-        print(f"\nload_checkpoint(mesh=) of {load['layers']} layers ({load['gib']:.1f} GiB, "
-              f"page cache dropped): {load['s']:.1f} s, {load['gb_s']:.2f} GB/s; the whole "
+        print(f"\nload_checkpoint(mesh=) of {load['layers']} layers ({load['gib']:.1f} GiB in "
+              f"{load['tensors']} tensors"
+              f"{', the FP8 release layout' if load['fp8'] else ''}, page cache dropped): "
+              f"{load['s']:.1f} s, {load['gb_s']:.2f} GB/s; the whole "
               f"model at that rate {load['full_model_s']:.0f} s")
 
 

@@ -216,14 +216,21 @@ def _block_aligned(order: np.ndarray, rows: int) -> bool:
                 and (blocks == blocks[:, :1] + np.arange(rows)).all())
 
 
-def _read_fp8(path: str, stored: str) -> np.ndarray:
-    """An F8_E4M3 tensor as float8_e4m3fn numpy (safetensors' numpy reader has no float8): its
-    bytes located from the file's header."""
+def _safetensors_header(path: str) -> tuple[int, dict]:
+    """(the byte where a safetensors file's data section starts, its JSON header)."""
     with open(path, "rb") as f:
         size = int.from_bytes(f.read(8), "little")
-        info = json.loads(f.read(size))[stored]
+        return 8 + size, json.loads(f.read(size))
+
+
+def _read_fp8(path: str, stored: str, header: tuple[int, dict]) -> np.ndarray:
+    """An F8_E4M3 tensor as float8_e4m3fn numpy (safetensors' numpy reader has no float8): its
+    bytes located from the file's ``header`` (:func:`_safetensors_header`, parsed once per file:
+    an FP8 MoE release holds thousands of tensors a file, each parse milliseconds)."""
+    start, entries = header
+    info = entries[stored]
     begin, end = info["data_offsets"]
-    data = np.fromfile(path, np.uint8, count=end - begin, offset=8 + size + begin)
+    data = np.fromfile(path, np.uint8, count=end - begin, offset=start + begin)
     if data.size != end - begin:
         raise ValueError(f"cannot read tensor {stored} from {path!r} (the file is truncated)")
     return data.view(quantization.FP8).reshape(info["shape"])
@@ -457,6 +464,13 @@ def _iter_tensors(found, scales=None, block=quantization.DEFAULT_BLOCK, stacks=f
                 raise ValueError(f"cannot read tensor {stored} from {path!r} "
                                  f"({type(e).__name__}: {e})") from None
 
+        headers = {}
+
+        def read_fp8(path, stored):
+            if path not in headers:
+                headers[path] = _safetensors_header(path)
+            return _read_fp8(path, stored, headers[path])
+
         def read_scale(stored):  # the block scales of FP8 weight ``stored``
             return read(*scales[canonical_name(stored, mtp=True)][:2])
 
@@ -464,17 +478,17 @@ def _iter_tensors(found, scales=None, block=quantization.DEFAULT_BLOCK, stacks=f
             scale = scales.get(canonical_name(stored, mtp=True))
             if scale is None:
                 return read(path, stored)
-            return quantization.dequantize(_read_fp8(path, stored),
+            return quantization.dequantize(read_fp8(path, stored),
                                            read(*scale[:2]).astype(np.float32), block)
 
         for name, (path, stored, _) in sorted(found.items(), key=lambda kv: str(kv[1][0])):
             if name in scales:
-                yield name, (_read_fp8(path, stored),
+                yield name, (read_fp8(path, stored),
                              read(*scales[name][:2]).astype(np.float32))
             elif path is not None:
                 yield name, read(path, stored)
             elif name in stacks:
-                yield name, (np.stack([np.concatenate([_read_fp8(*part) for part in expert])
+                yield name, (np.stack([np.concatenate([read_fp8(*part) for part in expert])
                                        for expert in stored]),
                              np.stack([np.concatenate([read_scale(part[1]) for part in expert])
                                        for expert in stored]).astype(np.float32))
