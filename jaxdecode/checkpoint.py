@@ -263,8 +263,9 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
         read (``sharding.checkpoint_placer``); with fewer KV heads than "model" devices each is
         repeated, and ``params.config`` says so (``sharding.config_on``). Not together with
         ``place``.
-      check_finite: raise if a tensor holds NaN or inf (one host pass over each tensor as read;
-        damaged data otherwise loads silently and decodes garbage).
+      check_finite: raise if a tensor holds NaN or inf, or FP8 block scales a negative value
+        (one host pass over each tensor as read; damaged data otherwise loads silently and
+        decodes garbage).
       quantize: None, or "fp8": the Linears of ``quantization.QUANTIZED_LEAVES`` quantised at
         load to block FP8 (``quantization.quantize``, 128 x 128 blocks), as the FP8 releases
         store them.
@@ -366,7 +367,8 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
             array, scale = array
             for x, stored in ((array, found[name][1]), (scale, scales[name][1])):
                 if check_finite:
-                    _check_finite(x, stored, found[name][0] if x is array else scales[name][0])
+                    _check_finite(x, stored, found[name][0] if x is array else scales[name][0],
+                                  scales=x is scale)
             if name in kept:
                 for leaf, rows in kept[name].items():
                     w8, scale_rows = (array, scale) if rows is None else (
@@ -394,23 +396,29 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
     return params_from_flat(config, flat)
 
 
-def _check_finite(array: np.ndarray, stored: str, path: str) -> None:
+def _check_finite(array: np.ndarray, stored: str, path: str, scales: bool = False) -> None:
+    """ValueError naming ``stored`` and ``path`` for NaN or inf values (``scales``: block scales,
+    negative ones too: a scale is a block's largest magnitude / 448)."""
     if not np.isfinite(array).all():
         raise ValueError(f"tensor {stored} in {path!r} has {int((~np.isfinite(array)).sum())} "
                          f"NaN or inf values as {array.dtype} (a damaged file?); "
                          "check_finite=False loads it anyway")
+    if scales and (array < 0).any():
+        raise ValueError(f"tensor {stored} in {path!r} has {int((array < 0).sum())} negative "
+                         "block scales (a damaged file?); check_finite=False loads it anyway")
 
 
 def _check_finite_stack(stack: np.ndarray, experts: list, suffix: str = "") -> None:
     """:func:`_check_finite` of a stack [E, rows, ...] built from per-expert tensors (``experts``:
     each expert's (path, stored name) parts, concatenated along rows, equal in size), naming the
-    first expert's part that holds a NaN or inf (``stored + suffix``: its scales), and its
-    file."""
-    bad = ~np.isfinite(stack.reshape(stack.shape[0], -1)).all(axis=1)
+    first expert's part that holds a NaN or inf (``stored + suffix``: its block scales, negative
+    ones too), and its file."""
+    flat = stack.reshape(stack.shape[0], -1)
+    bad = ~np.isfinite(flat).all(axis=1) | (bool(suffix) & (flat < 0).any(axis=1))
     if bad.any():
         e = int(np.argmax(bad))
         for (path, stored), part in zip(experts[e], np.split(stack[e], len(experts[e]))):
-            _check_finite(part, stored + suffix, path)
+            _check_finite(part, stored + suffix, path, scales=bool(suffix))
 
 
 def _fp8_rows(config: Config, name: str, rows: int, block_rows: int

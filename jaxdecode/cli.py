@@ -126,7 +126,7 @@ def generate_main(argv: list[str] | None = None, prog: str = "generate.py") -> i
 def _run_generate(args, prog: str) -> int:
     try:
         return _generate(args)
-    except (UsageError, ValueError, FileNotFoundError, NotADirectoryError) as e:
+    except (UsageError, ValueError, OSError) as e:  # OSError: a missing or unreadable file
         print(f"{prog}: error: {e}", file=sys.stderr)  # a checkpoint report keeps its lines
         return 2
 

@@ -231,6 +231,10 @@ class Config:
         (theta 10000, factor 0.25). ValueError naming every unsupported field (another model
         type, biases, non-SiLU activations, rope scaling, a Qwen3.5 sparse-step schedule) at
         once, or for a missing or mistyped field."""
+        if not isinstance(hf_config, Mapping) or not isinstance(
+                hf_config.get("text_config") or {}, Mapping):
+            raise ValueError(f"config.json must hold a JSON object (with a text_config object "
+                             f"where given), got {type(hf_config).__name__}")
         top = dict(hf_config)
         text = dict(top.get("text_config") or top)
         model_type = text.get("model_type", top.get("model_type"))
@@ -269,7 +273,11 @@ class Config:
                                                       else 10_000_000.0))
         partial = rope.get("partial_rotary_factor",
                            text.get("partial_rotary_factor", top.get("partial_rotary_factor", 0.25)))
-        num_layers = text["num_hidden_layers"]
+        num_layers = text.get("num_hidden_layers")  # read here: the default layer_types
+        if num_layers is None:
+            raise ValueError("config.json is missing the required field 'num_hidden_layers'")
+        if not isinstance(num_layers, int) or isinstance(num_layers, bool):
+            raise ValueError(f"config.json's num_hidden_layers={num_layers!r} must be an int")
         layer_types = text.get("layer_types")
         if layer_types is None:
             layer_types = _schedule(num_layers, text.get("full_attention_interval", 4))

@@ -57,9 +57,10 @@ def score_fn(params: Params, prompts: Array, prompt_lengths: Array, continuation
     ``jit`` or ``grad`` (a policy-gradient loss: ``examples/grpo.py``).
 
     prompts [B, T] and continuations [B, N] int32, right-padded (ids in the vocabulary);
-    prompt_lengths, num_tokens [B] int32 (each >= 1, sum <= max_len). Differentiable in "chunked"
-    mode with ``kernels=Kernels()`` (XLA; the Pallas kernels have no VJP); ``remat`` recomputes
-    each prefill chunk in the backward pass (``model.prefill_logprobs_fn``).
+    prompt_lengths, num_tokens [B] int32 (each >= 1, sum <= max_len; unchecked: a row that does
+    not fit gets NaN log-probabilities, not a truncation). Differentiable in "chunked" mode with
+    ``kernels=Kernels()`` (XLA; the Pallas kernels have no VJP); ``remat`` recomputes each
+    prefill chunk in the backward pass (``model.prefill_logprobs_fn``).
     """
     batch, n = continuations.shape
     state = init_state(params.config, batch, max_len, params.dtype, check_memory=False)

@@ -113,9 +113,11 @@ def make_mesh(data: int, model: int, *, devices: Sequence[jax.Device] | None = N
         raise ValueError(f"{data=} and {model=} must be positive ints")
     devices = list(jax.devices() if devices is None else devices)
     if data * model != len(devices):
+        hint = (f"pass devices=jax.devices()[:{data * model}]" if data * model < len(devices)
+                else "on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N before "
+                     "importing jax")
         raise ValueError(f"mesh data={data} x model={model} = {data * model} devices, but "
-                         f"{len(devices)} are available ({devices[0].platform}); on CPU set "
-                         f"XLA_FLAGS=--xla_force_host_platform_device_count=N before importing jax")
+                         f"{len(devices)} are available ({devices[0].platform}); {hint}")
     devices.sort(key=lambda d: (d.process_index, d.id))
     return Mesh(np.array(devices, dtype=object).reshape(data, model), AXIS_NAMES,
                 axis_types=(AxisType.Auto, AxisType.Auto))

@@ -116,10 +116,18 @@ def qwen35_tokenizer() -> Tokenizer:
 
 
 def _read_json(path: str) -> dict[str, Any] | None:
+    """The JSON object in ``path`` (None if there is no such file); ValueError naming the file
+    for one that is not a JSON object."""
     if not os.path.exists(path):
         return None
     with open(path, encoding="utf-8") as f:
-        return json.load(f)
+        try:
+            value = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"cannot read {path} ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return value
 
 
 def _token_text(value) -> str | None:
@@ -131,14 +139,17 @@ def _token_text(value) -> str | None:
 
 def hf_tokenizer(checkpoint_dir: str) -> Tokenizer:
     """The tokenizer of an HF checkpoint directory (``tokenizer.json``; FileNotFoundError if
-    missing), its chat template from ``chat_template.jinja`` or ``tokenizer_config.json`` (a string,
+    missing, ValueError naming a file that does not parse), its chat template from ``chat_template.jinja`` or ``tokenizer_config.json`` (a string,
     or a list of ``{"name", "template"}`` whose "default" is used)."""
     from tokenizers import Tokenizer as HFTok
 
     path = os.path.join(checkpoint_dir, "tokenizer.json")
     if not os.path.exists(path):
         raise FileNotFoundError(f"no tokenizer.json in {checkpoint_dir}")
-    tok = HFTok.from_file(path)
+    try:
+        tok = HFTok.from_file(path)
+    except Exception as e:  # noqa: BLE001 - the tokenizers library's parse errors: name the file
+        raise ValueError(f"cannot read {path} ({type(e).__name__}: {e})") from None
     cfg = _read_json(os.path.join(checkpoint_dir, "tokenizer_config.json")) or {}
     template = cfg.get("chat_template")
     if isinstance(template, list):

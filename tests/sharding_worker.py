@@ -465,6 +465,7 @@ def check_errors(params) -> dict:
         "shard_params": lambda: sharding.shard_params(jd.init_params(small, jax.random.key(0)),
                                                       sharding.make_mesh(1, 8)),
         "devices": lambda: sharding.make_mesh(3, 4),
+        "fewer_devices": lambda: sharding.make_mesh(1, 2),
         "experts": lambda: sharding.check_mesh(
             dataclasses.replace(MOE_CONFIG, num_experts=12), sharding.make_mesh(1, 8)),
         "explicit_mesh": lambda: sharding.check_mesh(CONFIG, jax.make_mesh((2, 4),

@@ -144,6 +144,9 @@ def test_version_and_usage(capsys):
         assert capsys.readouterr().out.strip() == f"jaxdecode{' generate' * (len(argv) == 2)} {jd.__version__}"
     assert cli.main([]) == 2
     assert "usage: jaxdecode" in capsys.readouterr().err
+    proc = subprocess.run([sys.executable, "-m", "jaxdecode", "--version"], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)  # python -m jaxdecode: the same
+    assert proc.returncode == 0 and proc.stdout.strip() == f"jaxdecode {jd.__version__}", proc
 
 
 def test_a_mismatched_checkpoint_report_keeps_one_line_per_problem(tmp_path, capsys):
@@ -261,6 +264,7 @@ def test_cli_draft_vocab(capsys, tmp_path):
         ids.write_text(text)
         status, _, err = _cli(capsys, "--max-new-tokens", "4", *args, "--draft-vocab", str(ids))
         assert status == 2 and err.count("\n") == 1 and re.search(message, err), err
-    status, _, err = _cli(capsys, "--max-new-tokens", "4", "--num-speculative-tokens", "2",
-                          "--draft-vocab", str(tmp_path / "missing.txt"))
-    assert status == 2 and "missing.txt" in err, err
+    for missing in (tmp_path / "missing.txt", tmp_path):  # no such file; a directory
+        status, _, err = _cli(capsys, "--max-new-tokens", "4", "--num-speculative-tokens", "2",
+                              "--draft-vocab", str(missing))
+        assert status == 2 and err.count("\n") == 1 and str(missing) in err, err

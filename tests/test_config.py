@@ -34,8 +34,14 @@ def test_config_errors():
         jd.Config.from_hf_config({**base, "hidden_act": "gelu"})
     with pytest.raises(ValueError, match=r"rope_type='yarn'"):
         jd.Config.from_hf_config({**base, "rope_parameters": {"rope_type": "yarn"}})
-    with pytest.raises(ValueError, match=r"missing the required field 'hidden_size'"):
-        jd.Config.from_hf_config({k: v for k, v in base.items() if k != "hidden_size"})
+    for field in ("hidden_size", "num_hidden_layers"):
+        with pytest.raises(ValueError, match=rf"missing the required field '{field}'"):
+            jd.Config.from_hf_config({k: v for k, v in base.items() if k != field})
+    with pytest.raises(ValueError, match=r"num_hidden_layers='4' must be an int"):
+        jd.Config.from_hf_config({**base, "num_hidden_layers": "4"})
+    for bad in ([1, 2], {**base, "text_config": [1]}):
+        with pytest.raises(ValueError, match=r"config.json must hold a JSON object"):
+            jd.Config.from_hf_config(bad)
     with pytest.raises(ValueError, match=r"num_attention_heads=8 must be divisible by "
                                          r"num_key_value_heads=3"):
         jd.Config.from_hf_config({**base, "num_key_value_heads": 3})

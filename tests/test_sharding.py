@@ -410,6 +410,8 @@ def test_errors_name_the_sizes(meshes):
     assert "linear_num_key_heads=4 must be divisible by the 'model' mesh axis size 8" in (
         errors["shard_params"]) and "num_key_value_heads" not in errors["shard_params"]
     assert "data=3 x model=4 = 12 devices, but 8 are available" in errors["devices"]
+    assert ("data=1 x model=2 = 2 devices, but 8 are available (cpu); pass "
+            "devices=jax.devices()[:2]") in errors["fewer_devices"]
     assert "AxisType.Auto" in errors["explicit_mesh"]
     assert "num_experts=12 must be divisible by the 'model' mesh axis size 8" in (
         errors["experts"])

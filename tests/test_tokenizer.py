@@ -78,6 +78,19 @@ def test_hf_tokenizer_directory(tmp_path, template_in):
         tok.apply_chat_template([{"role": "tool", "content": "x"}])
 
 
+def test_a_damaged_tokenizer_directory_names_the_file(tmp_path):
+    write_hf_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"tokenizer_config.json must hold a JSON object"):
+        tl.load_tokenizer(str(tmp_path), vocab_size=512)
+    (tmp_path / "tokenizer_config.json").write_text("{bad")
+    with pytest.raises(ValueError, match=r"cannot read .*tokenizer_config.json"):
+        tl.load_tokenizer(str(tmp_path), vocab_size=512)
+    (tmp_path / "tokenizer.json").write_text("{bad")
+    with pytest.raises(ValueError, match=r"cannot read .*tokenizer.json \(Exception: "):
+        tl.load_tokenizer(str(tmp_path), vocab_size=512)
+
+
 def test_load_tokenizer_fallbacks(tmp_path):
     assert tl.load_tokenizer(str(tmp_path), vocab_size=512) is None  # ids only
     qwen = tl.load_tokenizer(str(tmp_path), vocab_size=tl.QWEN35_VOCAB_SIZE)
