@@ -263,9 +263,9 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
         read (``sharding.checkpoint_placer``); with fewer KV heads than "model" devices each is
         repeated, and ``params.config`` says so (``sharding.config_on``). Not together with
         ``place``.
-      check_finite: raise if a tensor holds NaN or inf, or FP8 block scales a negative value
-        (one host pass over each tensor as read; damaged data otherwise loads silently and
-        decodes garbage).
+      check_finite: raise if a tensor holds NaN or inf, or an FP8 weight's block scales a
+        negative value (one host pass over each tensor as read; damaged data otherwise loads
+        silently and decodes garbage).
       quantize: None, or "fp8": the Linears of ``quantization.QUANTIZED_LEAVES`` quantised at
         load to block FP8 (``quantization.quantize``, 128 x 128 blocks), as the FP8 releases
         store them.

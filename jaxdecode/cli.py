@@ -62,7 +62,8 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
         "it generates this text's token ids (kept in the output; repeatable; needs a tokenizer)")
     arg("--stop-ids", action="append", default=[], metavar="IDS",
         help="a stop sequence as comma-separated token ids (repeatable)")
-    arg("--temperature", type=float, default=0.0, help="0 = greedy (default), > 0 samples")
+    arg("--temperature", type=float, default=0.0,
+        help="0 = greedy (default; so is anything below 1e-5), > 0 samples")
     arg("--top-k", type=_int_in(0), default=0, help="keep the k most likely (0 = off)")
     arg("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (1 = off)")
     arg("--top-p-keep-ties", action=argparse.BooleanOptionalAction, default=True,

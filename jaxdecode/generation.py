@@ -379,6 +379,10 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
 
     sampling = sampling_lib.greedy() if sampling is None else sampling
     firsts = {np.shape(x)[:1] for x in jax.tree.leaves(sampling)} - {()}
+    if not (firsts <= {(rows,)} or firsts <= {(num_prompts,)}):
+        raise ValueError(f"sampling leaves must be scalars and either [{num_prompts}] (one value "
+                         f"per prompt) or [{rows}] (one per output row: prompts x num_samples); "
+                         f"got lengths {sorted(f[0] for f in firsts)}")
     if firsts == {(rows,)} and rows != num_prompts:  # already one value per output row
         sampling = sampling.broadcast(rows)
     else:
@@ -660,7 +664,9 @@ def _generate_speculative(params: Params, prompts, max_new_tokens, sampling, key
         ("return_state", return_state),
         ("progress", progress is not None),
         ("executables", executables is not None),
-        ("a mesh", sharding.mesh_of(params) is not None)) if used]
+        ("a mesh", sharding.mesh_of(params) is not None),
+        # the verify step runs rows batched: a row's logits could depend on the batch
+        ("kernels.batch_invariant", kernels is not None and kernels.batch_invariant)) if used]
     if unsupported:
         raise ValueError(f"num_speculative_tokens does not yet work with {unsupported}")
     if draft_vocab is not None:

@@ -727,7 +727,8 @@ def prefill_logprobs_fn(params: Params, state: DecodeState, tokens: Array, num_n
     rejected request), never holding more than one chunk's [B, chunk, V] logits.
     Differentiable with ``kernels=Kernels()`` (XLA; the Pallas kernels have no VJP); ``remat``
     recomputes each chunk in the backward pass, so a gradient holds one chunk's activations
-    (plus the state at each chunk boundary)."""
+    (plus the state at each chunk boundary). ``kernels.batch_invariant`` is ignored: the rows
+    run batched (``jd.score`` refuses it)."""
     num_new = num_new.astype(jnp.int32)
     if kernels is None:
         kernels = choice.choose_kernels(params.config, tokens.shape[0], dtype=params.dtype)

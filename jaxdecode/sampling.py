@@ -10,7 +10,8 @@ Order of operations, as HF ``GenerationMixin._get_logits_processor`` (transforme
      prompt's tokens (``prompt_mask``, rows with ``penalize_prompt``, as HF and vLLM) and the
      generated ones (``token_counts``); then presence and frequency over the generated tokens
      only (OpenAI, vLLM: ``logit -= presence * (count > 0) + frequency * count``);
-  2. temperature (``logits / T``; ``T = 0``: argmax of the penalised logits);
+  2. temperature (``logits / T``; ``T < MIN_TEMPERATURE``, 0 included: argmax of the penalised
+     logits, as vLLM, where ``logits / T`` would overflow float32);
   3. top-k: keep the ``k`` largest logits;
   4. top-p (Holtzman et al. 2020): keep the most likely tokens whose probability (after 2-3)
      reaches ``p``: with ``top_p_keep_ties`` every token tied with the cut-off probability,
@@ -38,6 +39,14 @@ from jax.core import Tracer  # imported once: jax.core's module getattr is slow 
 
 Array = jax.Array
 
+MIN_TEMPERATURE = 1e-5  # below it a row is greedy (vLLM's _SAMPLING_EPS)
+
+
+def is_sampled(temperature):
+    """Which rows draw (numpy or jax): ``temperature >= MIN_TEMPERATURE``; the others take the
+    argmax of their penalised logits."""
+    return temperature >= MIN_TEMPERATURE
+
 _FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
            "frequency_penalty", "penalize_prompt", "top_p_keep_ties")
 _DTYPES = {"top_k": np.int32, "penalize_prompt": np.bool_, "top_p_keep_ties": np.bool_}
@@ -47,7 +56,7 @@ _DTYPES = {"top_k": np.int32, "penalize_prompt": np.bool_, "top_p_keep_ties": np
 class SamplingParams:
     """Per-row sampling settings; each leaf is ``[B]`` (or a scalar, broadcast to every row).
     Build with :meth:`create`, which validates; the raw constructor does not."""
-    temperature: Array  # float32 >= 0; 0 = greedy (argmax)
+    temperature: Array  # float32 >= 0; 0 (below MIN_TEMPERATURE) = greedy (argmax)
     top_k: Array  # int32 >= 0; 0 = off
     top_p: Array  # float32 in (0, 1]; 1 = off
     min_p: Array  # float32 in [0, 1]; 0 = off
@@ -159,7 +168,7 @@ class SamplingFeatures:
     """Which sampling steps at least one row uses (hashable: a ``jit`` static). Build with
     :func:`features_of`; :data:`ALL_FEATURES` (every step) is always correct."""
     penalties: bool = True  # some row has a repetition, presence or frequency penalty
-    sampled: bool = True  # some row has temperature > 0 (else every row takes the argmax)
+    sampled: bool = True  # some row is_sampled (else every row takes the argmax)
     top_k: bool = True  # some sampled row uses that filter (also top_p, min_p)
     top_p: bool = True
     min_p: bool = True
@@ -182,7 +191,7 @@ def features_of(params: SamplingParams) -> SamplingFeatures:
         v = {name: np.asarray(x) for name, x in values.items()}
     except jax.errors.TracerArrayConversionError:
         raise ValueError("features_of() needs concrete values, not traced ones") from None
-    sampled = np.broadcast_to(v["temperature"] > 0, np.broadcast_shapes(
+    sampled = np.broadcast_to(is_sampled(v["temperature"]), np.broadcast_shapes(
         *(x.shape for x in v.values())))
     return SamplingFeatures(
         penalties=bool(np.any(v["repetition_penalty"] != 1) | np.any(v["presence_penalty"] != 0)
@@ -338,7 +347,8 @@ def processed_logits(logits: Array, params: SamplingParams, token_counts: Array 
                      *, prompt_mask: Array | None = None,
                      features: SamplingFeatures | None = None) -> Array:
     """The [B, V] float32 logits each row draws from: steps 1-5 of the module docstring (rows with
-    temperature 0 get their penalised logits unscaled and unfiltered). Args as :func:`sample`."""
+    temperature 0, or below :data:`MIN_TEMPERATURE`, get their penalised logits unscaled and
+    unfiltered). Args as :func:`sample`."""
     logits = jnp.asarray(logits, jnp.float32)
     b = logits.shape[0]
     if features is None:  # before broadcast, which would trace closed-over device arrays
@@ -351,7 +361,7 @@ def processed_logits(logits: Array, params: SamplingParams, token_counts: Array 
                                  | jnp.any(jnp.asarray(p.frequency_penalty) != 0)),
                         lambda x: apply_penalties(x, token_counts, p, prompt_mask), logits)
     temperature = jnp.asarray(p.temperature, jnp.float32)
-    sampled = temperature > 0
+    sampled = is_sampled(temperature)
     x = logits / jnp.where(sampled, temperature, 1.0)[:, None]
     top_k = jnp.where(sampled, jnp.asarray(p.top_k, jnp.int32), 0)
     top_p = jnp.where(sampled, jnp.asarray(p.top_p, jnp.float32), 1.0)
@@ -388,9 +398,10 @@ def sample(logits: Array, key: Array, params: SamplingParams,
         every row). None: derived from concrete values, else each step runs under a ``lax.cond``
         (a device wait on a GPU): under ``jit`` pass ``features_of(host_params)``.
 
-    Returns [B] int32 ids: the argmax of the penalised logits where temperature is 0, else a
-    draw from ``softmax(processed_logits(...))``; -1 for a row with NaN logits (a decode step's
-    rejected row: full cache, id outside the vocabulary) or all -inf, which the next step rejects.
+    Returns [B] int32 ids: the argmax of the penalised logits where temperature is 0 (or below
+    :data:`MIN_TEMPERATURE`), else a draw from ``softmax(processed_logits(...))``; -1 for a row
+    with NaN logits (a decode step's rejected row: full cache, id outside the vocabulary) or all
+    -inf, which the next step rejects.
     With ``return_processed_logits``: (ids, the [B, V] float32 ``processed_logits``).
     """
     logits = jnp.asarray(logits, jnp.float32)
@@ -408,7 +419,7 @@ def sample(logits: Array, key: Array, params: SamplingParams,
         raise ValueError(f"need one key per row: {key.shape=} for {logits.shape=}")
     x = processed_logits(logits, p, token_counts, prompt_mask=prompt_mask, features=features)
     greedy_tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)
-    sampled = jnp.asarray(p.temperature) > 0
+    sampled = is_sampled(jnp.asarray(p.temperature, jnp.float32))
 
     def draw(x):
         drawn = jax.vmap(jax.random.categorical)(key, x).astype(jnp.int32)

@@ -41,7 +41,8 @@ from jaxdecode.kernels import choice
 from jaxdecode.kernels.choice import Kernels
 from jaxdecode.model import commit_fn, mtp_forward, prefill_hidden_fn, verify_fn
 from jaxdecode.params import Params
-from jaxdecode.sampling import Logprobs, SamplingFeatures, SamplingParams, processed_logits
+from jaxdecode.sampling import (Logprobs, SamplingFeatures, SamplingParams, is_sampled,
+                                processed_logits)
 from jaxdecode.state import DecodeState, KVCache
 
 Array = jax.Array
@@ -73,15 +74,15 @@ class SpeculativeLoop:
 
 def distribution(logits: Array, sampling: SamplingParams, features: SamplingFeatures) -> Array:
     """[..., V] float32 probabilities a row draws from: ``softmax(processed_logits)`` for
-    sampled rows, one-hot at the argmax for temperature-0 rows (``sampling`` leaves [R]; logits
-    [R, ..., V])."""
+    sampled rows, one-hot at the argmax for greedy ones (``sampling.is_sampled`` false);
+    ``sampling`` leaves [R], logits [R, ..., V]."""
     shape = logits.shape
     flat = logits.reshape(shape[0], -1, shape[-1])
 
     def one(x):  # [R, V] at one position
         x = processed_logits(x, sampling, features=features)
         greedy = jax.nn.one_hot(jnp.argmax(x, axis=-1), x.shape[-1], dtype=jnp.float32)
-        return jnp.where((jnp.asarray(sampling.temperature) > 0)[:, None],
+        return jnp.where(is_sampled(jnp.asarray(sampling.temperature, jnp.float32))[:, None],
                          jax.nn.softmax(x, axis=-1), greedy)
 
     return jax.vmap(one, in_axes=1, out_axes=1)(flat).reshape(shape)

@@ -14,6 +14,7 @@ import operator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax.core import Tracer  # imported once: jax.core's module getattr is slow per lookup
 
@@ -131,6 +132,8 @@ def check_not_donated(state: DecodeState) -> None:
 
 
 def _positive_int(name: str, value) -> int:
+    if isinstance(value, (bool, np.bool_)):  # an index (1), not a count
+        raise ValueError(f"{name}={value!r} must be a positive int")
     try:
         value = operator.index(value)  # accepts numpy integers, rejects floats
     except TypeError:

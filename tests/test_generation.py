@@ -284,6 +284,12 @@ def test_num_samples_with_sampling_gives_different_rows(params):
     rows = _greedy(params, num_samples=3, sampling=sp, key=jax.random.key(7)).token_lists()
     for p in range(3):
         assert len({tuple(r) for r in rows[3 * p:3 * p + 3]}) > 1
+    # per-prompt leaves ([3]) or per-row ones ([9]); another length, or both kinds, is named
+    for bad in (SamplingParams.create(temperature=[1.0, 0.5]),
+                SamplingParams(**{**vars(SamplingParams.create(3, temperature=1.0)),
+                                  "top_p": np.full(9, 0.9, np.float32)})):
+        with pytest.raises(ValueError, match=r"either \[3\] \(one value per prompt\) or \[9\]"):
+            _greedy(params, num_samples=3, sampling=bad)
 
 
 # ----- compilation reuse ---------------------------------------------------------------------------

@@ -305,6 +305,27 @@ def test_greedy_equals_argmax():
                                   x.argmax(-1))
 
 
+def test_a_temperature_below_min_temperature_is_greedy():
+    """logits / T overflows float32 for a tiny T (2e-38: +-inf, wrong tokens, NaN log-probs):
+    below sampling.MIN_TEMPERATURE a row takes the argmax, its processed logits unscaled; at
+    MIN_TEMPERATURE it samples."""
+    x = jnp.asarray([[40.0, 50.0, 0.0], [-50.0, -30.0, -40.0]])
+    for t in (2e-38, 1e-37, 1e-6):
+        sp = SamplingParams.create(2, temperature=t)
+        assert sampling.features_of(sp) == sampling.features_of(SamplingParams.create(2))
+        for features in (None, sampling.ALL_FEATURES):
+            toks, processed = sampling.sample(x, jax.random.key(0), sp, features=features,
+                                              return_processed_logits=True)
+            np.testing.assert_array_equal(np.asarray(toks), [1, 1])
+            np.testing.assert_array_equal(np.asarray(processed), np.asarray(x))
+            lp = sampling.token_logprobs(x, processed, toks).processed
+            assert np.isfinite(np.asarray(lp)).all()
+    sp = SamplingParams.create(2, temperature=sampling.MIN_TEMPERATURE)
+    assert sampling.features_of(sp).sampled
+    _, processed = sampling.sample(x, jax.random.key(0), sp, return_processed_logits=True)
+    np.testing.assert_allclose(np.asarray(processed), np.asarray(x) / np.float32(1e-5), rtol=1e-6)
+
+
 def test_greedy_with_penalties_is_argmax_of_penalised_logits():
     x = _random_logits(2, 20, seed=7)
     counts = np.zeros((2, 20), np.int32)

@@ -273,6 +273,9 @@ def test_speculative_errors(params):
                     num_speculative_tokens=2)
     with pytest.raises(ValueError, match="return_state"):
         jd.generate(params, [[1, 2]], 4, return_state=True, num_speculative_tokens=2)
+    invariant = jd.choose_kernels(params.config, 1, dtype=params.dtype, batch_invariant=True)
+    with pytest.raises(ValueError, match=r"does not yet work with \['kernels.batch_invariant'\]"):
+        jd.generate(params, [[1, 2]], 4, kernels=invariant, num_speculative_tokens=2)
     with pytest.raises(ValueError, match="stop_sequence 0 has token ids outside"):
         jd.generate(params, [[1, 2]], 4, stop_sequences=[[10**9]], num_speculative_tokens=2)
     with pytest.raises(ValueError, match="num_speculative_tokens=3 .* exceeds max_len=8"):

@@ -43,8 +43,9 @@ def test_fork_repeats_rows():
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(forked)):
         np.testing.assert_array_equal(np.repeat(np.asarray(a), 3, axis=0), np.asarray(b))
     assert not any(x.is_deleted() for x in jax.tree.leaves(state))  # not donated
-    with pytest.raises(ValueError, match=r"n=0 must be a positive int"):
-        jd.fork(state, 0)
+    for bad in (0, True):
+        with pytest.raises(ValueError, match=rf"n={bad} must be a positive int"):
+            jd.fork(state, bad)
 
 
 def test_init_state_errors():
