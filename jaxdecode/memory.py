@@ -45,6 +45,19 @@ def free_bytes(device: jax.Device | None = None) -> int | None:
     return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
 
 
+def host_available_bytes() -> int | None:
+    """The host's available memory (Linux ``/proc/meminfo`` MemAvailable), or None elsewhere:
+    what a CPU device's arrays can still take."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def state_bytes(config: Config, batch_size: int, max_len: int, dtype) -> int:
     """Bytes of ``init_state(config, batch_size, max_len, dtype)``'s buffers (exact)."""
     c, e = config, np.dtype(model_dtype(dtype)).itemsize
@@ -59,11 +72,13 @@ def state_bytes(config: Config, batch_size: int, max_len: int, dtype) -> int:
 def check_fits(what: str, needed: int, device: jax.Device | None = None,
                advice: str = "use fewer rows, a smaller max_len or a mesh") -> None:
     """ValueError (ending with ``advice``) if ``needed`` bytes exceed the device's free memory
-    (nothing where it keeps no statistics)."""
-    free = free_bytes(device)
+    (a CPU device: the host's available memory; nothing where neither is known)."""
+    device = device or jax.devices()[0]
+    free, where = free_bytes(device), f"the device ({device.device_kind})"
+    if free is None and device.platform == "cpu":
+        free, where = host_available_bytes(), "the host (cpu devices)"
     if free is not None and needed > free:
-        raise ValueError(f"{what} needs {_size(needed)} but the device "
-                         f"({(device or jax.devices()[0]).device_kind}) has {_size(free)} free; "
+        raise ValueError(f"{what} needs {_size(needed)} but {where} has {_size(free)} free; "
                          + advice)
 
 
@@ -122,6 +137,11 @@ def plan_prefill(config: Config, batch_size: int, length: int, max_len: int, dty
     Raises ValueError naming the bytes when even 64-token chunks and 16-query blocks do not fit,
     or ``return_all_logits``' [B, T, V] float32 output does not.
     """
+    for name, value in (("batch_size", batch_size), ("length", length)):
+        if value < 1:
+            raise ValueError(f"plan_prefill: {name}={value} must be >= 1")
+    if budget is not None and budget <= 0:
+        raise ValueError(f"plan_prefill: budget={budget} must be a positive number of bytes")
     free = free_bytes(device)
     if budget is None:
         budget = HOST_BUDGET_BYTES if free is None else int(BUDGET_FRACTION * free)
@@ -135,27 +155,40 @@ def plan_prefill(config: Config, batch_size: int, length: int, max_len: int, dty
     def scores(block):
         return 0 if flash else attention_scores_bytes(config, batch_size, block, max_len)
 
-    def fits(chunk, block):
-        need = batch_size * chunk * per_token + scores(min(block, chunk)) + weight_copy_bytes
-        return need <= budget, need
+    def need(chunk, block):
+        return batch_size * chunk * per_token + scores(min(block, chunk)) + weight_copy_bytes
 
-    block = MAX_QUERY_BLOCK
-    while block > MIN_QUERY_BLOCK and scores(block) > budget // 2:
-        block //= 2
-    ok, need = fits(length, block)
-    if ok:
-        return PrefillPlan(prefill_chunk_size=None, query_block=block, bytes=need)
-    chunk = 1 << max(length - 1, 1).bit_length()
-    while chunk > MIN_CHUNK and not fits(chunk, block)[0]:
-        chunk //= 2
-    ok, need = fits(chunk, block)
-    if not ok:
-        raise ValueError(
-            f"a prefill of {batch_size} rows needs {_size(need)} of activations even in "
-            f"{MIN_CHUNK}-token chunks (max_len {max_len})"
-            + (f", {_size(weight_copy_bytes)} of them 16-bit copies of FP8 weights"
-               if weight_copy_bytes else "")
-            + f", over the budget of {_size(budget)}"
-            + ("" if free is None else f" ({_size(free)} free)")
-            + "; use fewer rows or a larger budget")
-    return PrefillPlan(prefill_chunk_size=chunk, query_block=block, bytes=need)
+    # query blocks from the largest whose scores take at most half the budget down to the
+    # smallest; the plan: the largest chunk (the whole prompt first) over every such block, then
+    # the largest block (so a larger budget never gives a smaller chunk)
+    top = MAX_QUERY_BLOCK
+    while top > MIN_QUERY_BLOCK and scores(top) > budget // 2:
+        top //= 2
+    blocks = [top >> i for i in range(top.bit_length()) if top >> i >= MIN_QUERY_BLOCK]
+    for block in blocks:
+        if need(length, block) <= budget:
+            return PrefillPlan(prefill_chunk_size=None, query_block=block,
+                               bytes=need(length, block))
+    best = None
+    for block in blocks:
+        chunk = 1 << max(length - 1, 1).bit_length()
+        while chunk > MIN_CHUNK and need(chunk, block) > budget:
+            chunk //= 2
+        if need(chunk, block) <= budget and chunk < length and (
+                best is None or chunk > best.prefill_chunk_size):
+            best = PrefillPlan(prefill_chunk_size=chunk, query_block=block,
+                               bytes=need(chunk, block))
+    if best is not None:
+        return best
+    least = min(MIN_CHUNK, length)
+    raise ValueError(
+        f"a prefill of {batch_size} rows needs {_size(need(least, MIN_QUERY_BLOCK))} of "
+        "activations even in "
+        + (f"{MIN_CHUNK}-token chunks" if length > MIN_CHUNK else f"one call of its {length} "
+           "tokens")
+        + f" (max_len {max_len})"
+        + (f", {_size(weight_copy_bytes)} of them 16-bit copies of FP8 weights"
+           if weight_copy_bytes else "")
+        + f", over the budget of {_size(budget)}"
+        + ("" if free is None else f" ({_size(free)} free)")
+        + "; use fewer rows or a larger budget")

@@ -265,6 +265,16 @@ def _traced(params: Params, *xs) -> bool:
     return any(issubclass(t, Tracer) for t in set(map(type, leaves)))
 
 
+def _check_concrete(params: Params, state: DecodeState) -> None:
+    """ValueError for abstract params or state (``jax.ShapeDtypeStruct`` leaves, e.g. from
+    ``jax.eval_shape``), which the eager API cannot run on (one leaf each stands for all)."""
+    for what, leaf in (("params", params.embed_tokens), ("state", state.lengths)):
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            raise ValueError(f"the {what} are abstract (jax.ShapeDtypeStruct leaves): create "
+                             "real arrays, or call model.prefill_fn / decode_step_fn inside "
+                             "jax.jit or jax.eval_shape")
+
+
 def _batch_input(x, mesh: Mesh | None, dtype):
     if mesh is not None:
         return sharding.shard_batch(x, mesh, dtype)
@@ -303,6 +313,7 @@ def prefill(params: Params, state: DecodeState, tokens, num_new, *,
                                 prefill_chunk_size=prefill_chunk_size, kernels=kernels)
     if kernels is not None and not isinstance(kernels, Kernels):
         raise ValueError(f"kernels={kernels!r} must be a jaxdecode.Kernels (or None)")
+    _check_concrete(params, state)
     mesh = sharding.mesh_of(state)
     sharding.check_params_on(params, mesh)
     check_prefill(params, state, tokens, num_new)
@@ -374,6 +385,7 @@ def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
     if kernels is not None and not isinstance(kernels, Kernels):
         raise ValueError(f"kernels={kernels!r} must be a jaxdecode.Kernels (or None: "
                          "choose_kernels)")
+    _check_concrete(params, state)
     mesh = sharding.mesh_of(state)
     sharding.check_params_on(params, mesh)
     check_decode_step(params, state, tokens, active)

@@ -4,6 +4,7 @@ for requests that cannot fit (before any device work), on a device faked to have
 from __future__ import annotations
 
 import jax
+import numpy as np
 import pytest
 
 import jaxdecode as jd
@@ -118,3 +119,47 @@ def test_plan_prefill_holds_the_16_bit_copy_of_fp8_weights():
                                              r"chunks \(max_len 256\), [0-9.]+ [KM]iB of them "
                                              r"16-bit copies of FP8 weights, over the budget"):
             step.plan_prefill(fp8, 2, 200, 256, activation_budget=want)
+
+
+def test_a_larger_budget_never_gives_a_smaller_chunk_or_an_error():
+    """The query block and the chunk are chosen together: near the smallest budget a larger one
+    once doubled the block first and then found no chunk (3 rows x 300 tokens of TINY: a plan at
+    5.6 MiB, an error at 5.65)."""
+    for config, batch, length, max_len, flash in ((TINY, 3, 300, 320, False),
+                                                  (TINY, 2, 1000, 4096, False),
+                                                  (TINY, 2, 1000, 4096, True)):
+        last = None
+        for budget in np.geomspace(2**20, 2**32, 400).astype(np.int64):
+            try:
+                plan = memory.plan_prefill(config, batch, length, max_len, "float32",
+                                           budget=int(budget), flash=flash)
+            except ValueError:
+                assert last is None, (budget, last)  # no error once a smaller budget had a plan
+                continue
+            assert plan.bytes <= budget
+            chunk = plan.prefill_chunk_size or length
+            assert last is None or chunk >= last, (budget, chunk, last)
+            last = chunk
+        assert last == length
+    plan = memory.plan_prefill(TINY, 3, 300, 320, "float32", budget=int(5.65 * 2**20))
+    assert plan.prefill_chunk_size == 64
+
+
+def test_plan_prefill_refuses_nonsense():
+    for kw, message in ((dict(budget=0), "budget=0 must be a positive"),
+                        (dict(batch_size=0), "batch_size=0 must be >= 1"),
+                        (dict(length=0), "length=0 must be >= 1")):
+        args = dict(config=TINY, batch_size=2, length=100, max_len=128, dtype="float32") | kw
+        with pytest.raises(ValueError, match=message):
+            memory.plan_prefill(**args)
+    with pytest.raises(ValueError, match=r"even in one call of its 40 tokens \(max_len 64\)"):
+        memory.plan_prefill(TINY, 2, 40, 64, "float32", budget=1000)
+
+
+@pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the host check is the CPU's")
+def test_on_the_cpu_a_state_is_checked_against_the_hosts_available_memory(monkeypatch):
+    assert memory.free_bytes() is None and memory.host_available_bytes() > 0
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 2**20)
+    with pytest.raises(ValueError, match=r"needs [0-9.]+ MiB but the host \(cpu devices\) has "
+                                         r"1.0 MiB free"):
+        jd.init_state(TINY, batch_size=64, max_len=4096)

@@ -611,3 +611,18 @@ def test_float_token_ids_on_the_device_are_rejected(user_params):
         jd.decode_step(user_params, state, jnp.array([1.5, 2.0]))
     logits, state = jd.decode_step(user_params, state, jnp.array([1, 2]))  # not donated by the error
     assert logits.shape == (2, user_params.config.vocab_size)
+
+
+def test_abstract_params_or_state_are_refused_on_the_host(params):
+    state = jd.init_state(CONFIG, 2, 64)
+    abstract_params = jax.eval_shape(lambda: params)
+    abstract_state = jax.eval_shape(lambda: state)
+    tokens, num_new = np.ones((2, 3), np.int32), np.array([3, 2])
+    for p, s, what in ((abstract_params, state, "params"), (params, abstract_state, "state")):
+        with pytest.raises(ValueError, match=rf"the {what} are abstract"):
+            jd.prefill(p, s, tokens, num_new)
+        with pytest.raises(ValueError, match=rf"the {what} are abstract"):
+            jd.decode_step(p, s, np.ones(2, np.int32))
+    # inside eval_shape (tracers) both are the pure functions
+    logits, _ = jax.eval_shape(lambda p, s: jd.prefill(p, s, tokens, num_new), params, state)
+    assert logits.shape == (2, CONFIG.vocab_size)
