@@ -164,12 +164,15 @@ def quantization_block(directory: str) -> tuple[int, int]:
         "quantization_config")
     if not q:
         return quantization.DEFAULT_BLOCK
-    block = q.get("weight_block_size") or quantization.DEFAULT_BLOCK
-    if (q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3" or len(block) != 2
-            or not all(isinstance(b, int) and b > 0 for b in block)):
-        raise ValueError(f"unsupported quantization_config {q}: jaxdecode reads block FP8 "
-                         "(quant_method 'fp8', fmt 'e4m3', weight_block_size [b0, b1])")
-    return tuple(block)
+    why = f"unsupported quantization_config {q}: jaxdecode reads block FP8 (quant_method " \
+          "'fp8', fmt 'e4m3', weight_block_size [b0, b1])"
+    if q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(why)
+    try:
+        return quantization.check_block_size(q.get("weight_block_size")
+                                             or quantization.DEFAULT_BLOCK)
+    except ValueError:
+        raise ValueError(why) from None
 
 
 def _pair_scales(config: Config, found: dict, fp8: set[str], block, problems: list[str]):
@@ -396,16 +399,20 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
     return params_from_flat(config, flat)
 
 
+def _damaged(array: np.ndarray, scales: bool = False) -> np.ndarray:
+    """The values a file cannot have meant: NaN or inf (``scales``: block scales, negative ones
+    too: a scale is a block's largest magnitude / 448)."""
+    bad = ~np.isfinite(array)
+    return bad | (array < 0) if scales else bad
+
+
 def _check_finite(array: np.ndarray, stored: str, path: str, scales: bool = False) -> None:
-    """ValueError naming ``stored`` and ``path`` for NaN or inf values (``scales``: block scales,
-    negative ones too: a scale is a block's largest magnitude / 448)."""
-    if not np.isfinite(array).all():
-        raise ValueError(f"tensor {stored} in {path!r} has {int((~np.isfinite(array)).sum())} "
-                         f"NaN or inf values as {array.dtype} (a damaged file?); "
-                         "check_finite=False loads it anyway")
-    if scales and (array < 0).any():
-        raise ValueError(f"tensor {stored} in {path!r} has {int((array < 0).sum())} negative "
-                         "block scales (a damaged file?); check_finite=False loads it anyway")
+    """ValueError naming ``stored`` and ``path`` for :func:`_damaged` values."""
+    bad = _damaged(array, scales)
+    if bad.any():
+        what = "NaN, inf or negative block scale" if scales else "NaN or inf"
+        raise ValueError(f"tensor {stored} in {path!r} has {int(bad.sum())} {what} values as "
+                         f"{array.dtype} (a damaged file?); check_finite=False loads it anyway")
 
 
 def _check_finite_stack(stack: np.ndarray, experts: list, suffix: str = "") -> None:
@@ -413,8 +420,7 @@ def _check_finite_stack(stack: np.ndarray, experts: list, suffix: str = "") -> N
     each expert's (path, stored name) parts, concatenated along rows, equal in size), naming the
     first expert's part that holds a NaN or inf (``stored + suffix``: its block scales, negative
     ones too), and its file."""
-    flat = stack.reshape(stack.shape[0], -1)
-    bad = ~np.isfinite(flat).all(axis=1) | (bool(suffix) & (flat < 0).any(axis=1))
+    bad = _damaged(stack, scales=bool(suffix)).reshape(stack.shape[0], -1).any(axis=1)
     if bad.any():
         e = int(np.argmax(bad))
         for (path, stored), part in zip(experts[e], np.split(stack[e], len(experts[e]))):

@@ -174,8 +174,7 @@ def plan_prefill(config: Config, batch_size: int, length: int, max_len: int, dty
         chunk = 1 << max(length - 1, 1).bit_length()
         while chunk > MIN_CHUNK and need(chunk, block) > budget:
             chunk //= 2
-        if need(chunk, block) <= budget and chunk < length and (
-                best is None or chunk > best.prefill_chunk_size):
+        if need(chunk, block) <= budget and (best is None or chunk > best.prefill_chunk_size):
             best = PrefillPlan(prefill_chunk_size=chunk, query_block=block,
                                bytes=need(chunk, block))
     if best is not None:

@@ -139,8 +139,9 @@ def _token_text(value) -> str | None:
 
 def hf_tokenizer(checkpoint_dir: str) -> Tokenizer:
     """The tokenizer of an HF checkpoint directory (``tokenizer.json``; FileNotFoundError if
-    missing, ValueError naming a file that does not parse), its chat template from ``chat_template.jinja`` or ``tokenizer_config.json`` (a string,
-    or a list of ``{"name", "template"}`` whose "default" is used)."""
+    missing, ValueError naming a file that does not parse), its chat template from
+    ``chat_template.jinja`` or ``tokenizer_config.json`` (a string, or a list of ``{"name",
+    "template"}`` whose "default" is used)."""
     from tokenizers import Tokenizer as HFTok
 
     path = os.path.join(checkpoint_dir, "tokenizer.json")

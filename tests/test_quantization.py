@@ -270,10 +270,13 @@ def test_fp8_checkpoint_with_split_blocks_or_other_quantisation_is_refused(tmp_p
     with pytest.raises(ValueError, match="splits its FP8 blocks of 128 rows"):
         jd.load_checkpoint(path, dtype="float32")
     config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
-    (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="unsupported quantization_config"):
-        jd.load_checkpoint(path, dtype="float32")
+    for q in ({"quant_method": "gptq", "bits": 4},
+              {"quant_method": "fp8", "weight_block_size": [128, 0]},
+              {"quant_method": "fp8", "weight_block_size": [128]}):
+        config["quantization_config"] = q
+        (path / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match="unsupported quantization_config"):
+            jd.load_checkpoint(path, dtype="float32")
     with pytest.raises(ValueError, match="quantize='int4' must be None or 'fp8'"):
         jd.load_checkpoint(path / "dequantised", quantize="int4")
 
@@ -352,7 +355,7 @@ def test_fp8_moe_release_loads_its_experts(tmp_path, config):
         negative = _write_fp8_checkpoint(tmp_path / name, params, change={
             name: -np.ones((1, 1), np.float32)})
         with pytest.raises(ValueError, match=rf"tensor {name} in .*model.safetensors' has 1 "
-                                             r"negative block scales"):
+                                             r"NaN, inf or negative block scale values"):
             jd.load_checkpoint(negative, dtype="float32")
 
 
