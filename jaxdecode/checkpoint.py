@@ -30,9 +30,8 @@ from safetensors import safe_open
 
 from jaxdecode import quantization, sharding
 from jaxdecode.config import Config, model_dtype
-from jaxdecode.params import (CONV_CHANNEL_LEAVES, Params, checkpoint_specs, conv_channel_order,
-                              hf_to_internal, leaf_dtype, param_specs, params_from_flat,
-                              split_fused)
+from jaxdecode.params import (Params, checkpoint_specs, hf_to_internal, leaf_dtype, param_specs,
+                              params_from_flat, split_fused)
 from jaxdecode.quantization import SCALE_SUFFIX, Fp8Linear
 
 TEXT_PREFIX = "model.language_model."
@@ -178,8 +177,9 @@ def quantization_block(directory: str) -> tuple[int, int]:
 def _pair_scales(config: Config, found: dict, fp8: set[str], block, problems: list[str]):
     """Pops the ``weight_scale_inv`` entries out of ``found``; returns {weight name: scale
     entry}. Appends to ``problems`` an FP8 weight without its scale, a scale without an FP8
-    weight, a scale of the wrong shape, an FP8 tensor that is not 2-D (fused 3-D experts), and
-    an FP8 weight whose rows jaxdecode regroups across its blocks."""
+    weight, a scale of the wrong shape and an FP8 tensor that is not 2-D (fused 3-D experts).
+    (An FP8 weight whose rows jaxdecode regroups across its blocks is dequantised at load:
+    :func:`_fp8_rows`.)"""
     scales = {}
     for name in [n for n in found if n.endswith(SCALE_SUFFIX)]:
         entry = found.pop(name)
@@ -201,12 +201,6 @@ def _pair_scales(config: Config, found: dict, fp8: set[str], block, problems: li
             problems.append(f"tensor {scales[name][1]} has shape {scales[name][2]}, expected "
                             f"{quantization.scale_shape(shape, block)} (weight {shape}, "
                             f"blocks {list(block)})")
-        elif name.endswith(CONV_CHANNEL_LEAVES) and not _block_aligned(
-                conv_channel_order(config), block[0]):
-            problems.append(f"tensor {stored}: its rows are regrouped per key head "
-                            "(params.conv_channel_order), which splits its FP8 blocks of "
-                            f"{block[0]} rows (linear_key_head_dim and r·linear_value_head_dim "
-                            f"must be multiples of {block[0]})")
     return scales
 
 

@@ -264,11 +264,33 @@ def test_fp8_tensor_of_an_unquantised_leaf_is_dequantised_at_load(tmp_path):
     np.testing.assert_array_equal(np.asarray(got), quantization.dequantize(w8, scale))
 
 
-def test_fp8_checkpoint_with_split_blocks_or_other_quantisation_is_refused(tmp_path):
-    small = tiny(vocab_size=300)  # DeltaNet head dims 16 / 24: regrouping splits 128-row blocks
+def test_fp8_in_proj_qkv_whose_blocks_regrouping_splits_is_dequantised(tmp_path):
+    """DeltaNet head dims 16 / 24: regrouping in_proj_qkv's rows per key head splits its 128-row
+    blocks, so it loads dequantised (as Qwen3-Next's fused in_proj_qkvz does), its values the
+    dequantised checkpoint's; the other Linears stay FP8; the logits are the dequantised
+    checkpoint's."""
+    small = tiny(vocab_size=300)
     path = _write_fp8_checkpoint(tmp_path / "split", jd.init_params(small, jax.random.key(0)))
-    with pytest.raises(ValueError, match="splits its FP8 blocks of 128 rows"):
-        jd.load_checkpoint(path, dtype="float32")
+    loaded = jd.load_checkpoint(path, dtype="float32")
+    dense = jd.load_checkpoint(path / "dequantised", dtype="float32")
+    got, want = loaded.layers[0].linear_attn, dense.layers[0].linear_attn
+    assert not isinstance(got.in_proj_qkv, jd.Fp8Linear)
+    np.testing.assert_array_equal(np.asarray(got.in_proj_qkv), np.asarray(want.in_proj_qkv))
+    assert isinstance(got.out_proj, jd.Fp8Linear)
+    np.testing.assert_array_equal(np.asarray(got.out_proj.dequantize(jnp.float32)),
+                                  np.asarray(want.out_proj))
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, small.vocab_size, (2, 6)),
+                         jnp.int32)
+    logits = [jd.prefill(p, jd.init_state(small, 2, 16, dtype=p.dtype), tokens,
+                         jnp.array([6, 4]))[0]
+              for p in (loaded, dense)]
+    np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(logits[1]), rtol=0,
+                               atol=1e-6 * np.abs(np.asarray(logits[1])).max())
+
+
+def test_fp8_checkpoint_with_other_quantisation_is_refused(tmp_path):
+    small = tiny(vocab_size=300)
+    path = _write_fp8_checkpoint(tmp_path / "split", jd.init_params(small, jax.random.key(0)))
     config = json.loads((path / "config.json").read_text())
     for q in ({"quant_method": "gptq", "bits": 4},
               {"quant_method": "fp8", "weight_block_size": [128, 0]},
