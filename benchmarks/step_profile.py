@@ -2,6 +2,7 @@
 
     python benchmarks/step_profile.py [--cells 0.8b:1:1024,9b:1:1024] [--attention auto,reference]
         [--deltanet auto,reference] [--options ';name=value,...'] [--pdl on,off] [--fp8]
+        [--layers N]
 
 Per cell (model:batch:context) and variant (attention and DeltaNet implementations, XLA
 options): wall ms per step (the same timing as ``benchmarks/decode.py``), the sum of kernel
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import os
 import re
 import sys
@@ -140,6 +142,9 @@ def main():
     ap.add_argument("--dump-hlo", default=None, help="write each cell's optimised HLO here")
     ap.add_argument("--fp8", action="store_true",
                     help="the same weights as block-FP8 Linears (jd.quantize_fp8)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="each preset's first N layers only, at full width (a model that does "
+                         "not fit the card beside its FP8 copy); per-layer kernels unchanged")
     args = ap.parse_args()
     for flag, values in (("--attention", args.attention), ("--deltanet", args.deltanet)):
         unknown = [v for v in values.split(",") if v not in CHOICES]
@@ -156,6 +161,8 @@ def main():
         parse_options(opts)  # fail on a malformed option before any device work
     if set(args.pdl.split(",")) - {"on", "off"}:
         ap.error(f"--pdl takes on and/or off; got {args.pdl!r}")
+    if args.layers is not None and args.layers < 1:
+        ap.error(f"--layers must be >= 1; got {args.layers}")
     if args.sequence and not re.fullmatch(r"\d+:\d+", args.sequence):
         ap.error(f"--sequence must be start:stop, e.g. 0:120; got {args.sequence!r}")
     print(f"# {jax.devices()[0].device_kind}; jax {jax.__version__}; "
@@ -168,8 +175,11 @@ def main():
         preset = name if name == "tiny" else f"qwen3.5-{name}"
         if preset not in params_cache:
             params_cache.clear()
-            params_cache[preset] = jd.init_params(jd.Config.from_preset(preset),
-                                                  jax.random.key(0), "bfloat16")
+            config = jd.Config.from_preset(preset)
+            if args.layers:
+                config = dataclasses.replace(config, num_hidden_layers=args.layers,
+                                             layer_types=config.layer_types[:args.layers])
+            params_cache[preset] = jd.init_params(config, jax.random.key(0), "bfloat16")
             if args.fp8:
                 params_cache[preset] = jd.quantize_fp8(params_cache[preset])
         params = params_cache[preset]
