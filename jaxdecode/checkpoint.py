@@ -349,7 +349,8 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
                        or any(name in rows for rows in kept.values()))}
     if mesh is not None:  # each FP8 leaf's blocks must split whole over "model"
         sharding.check_fp8_split(config, mesh,
-                                 {name: (leaves[name].shape, block) for name in fp8_leaves})
+                                 {name: (leaves[name].shape, block) for name in fp8_leaves},
+                                 instead="quantize=None" if quantize and not scales else "")
     place = place or (lambda name, x: jnp.asarray(x))
     flat = {}
     for name, array in _iter_tensors(found, scales, block, stacks):
@@ -358,6 +359,8 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
             if check_finite:
                 _check_finite_stack(array, found[name][1])
                 _check_finite_stack(scale, found[name][1], SCALE_SUFFIX)
+                _check_dequantized(array, scale, block, dtype, lambda lead, row, e=found[name][1]:
+                                   _stack_part(e, lead, row, array.shape[1]))
             flat[name] = Fp8Linear(place(name, array), place(name + SCALE_SUFFIX, scale), block)
             continue
         if name in scales:
@@ -366,6 +369,9 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
                 if check_finite:
                     _check_finite(x, stored, found[name][0] if x is array else scales[name][0],
                                   scales=x is scale)
+            if name in kept and check_finite:  # (dequantised ones: checked after the cast)
+                _check_dequantized(array, scale, block, dtype,
+                                   lambda lead, row: (found[name][1], found[name][0]))
             if name in kept:
                 for leaf, rows in kept[name].items():
                     w8, scale_rows = (array, scale) if rows is None else (
@@ -407,6 +413,34 @@ def _check_finite(array: np.ndarray, stored: str, path: str, scales: bool = Fals
         what = "NaN, inf or negative block scale" if scales else "NaN or inf"
         raise ValueError(f"tensor {stored} in {path!r} has {int(bad.sum())} {what} values as "
                          f"{array.dtype} (a damaged file?); check_finite=False loads it anyway")
+
+
+def _check_dequantized(w8: np.ndarray, scale: np.ndarray, block, dtype, where) -> None:
+    """ValueError when a block of FP8 values [..., N, K] times its scale [..., R, C] exceeds
+    ``dtype``'s largest value (the step dequantises to it: inf), naming ``where(lead, row)``
+    (the (stored name, file) holding that block: ``lead`` its stack index, () for a Linear,
+    ``row`` its first row).
+    Only blocks whose scale allows it (scale · 448 above that value: none in a checkpoint
+    quantised from ``dtype``) are read."""
+    limit = float(jnp.finfo(dtype).max)
+    for idx in np.argwhere(scale.astype(np.float64) * quantization.FP8_MAX > limit):
+        *lead, r, c = (int(i) for i in idx)
+        part = w8[tuple(lead)][r * block[0]:(r + 1) * block[0], c * block[1]:(c + 1) * block[1]]
+        if float(np.abs(part.astype(np.float64)).max()) * float(scale[tuple(idx)]) > limit:
+            stored, path = where(tuple(lead), r * block[0])
+            raise ValueError(
+                f"tensor {stored} in {path!r}: its FP8 block {r, c} times its weight_scale_inv "
+                f"{float(scale[tuple(idx)]):.3g} exceeds {np.dtype(dtype).name}'s largest value "
+                "(a damaged file?); check_finite=False loads it anyway")
+
+
+def _stack_part(experts: list, lead: tuple, row: int, rows: int) -> tuple[str, str]:
+    """(stored name, file) of the per-expert tensor that holds row ``row`` of expert ``lead[0]``
+    in a stack [E, rows, ...] built from ``experts`` (each expert's (path, stored) parts,
+    concatenated along rows, equal in size)."""
+    parts = experts[lead[0]]
+    path, stored = parts[row // (rows // len(parts))]
+    return stored, path
 
 
 def _check_finite_stack(stack: np.ndarray, experts: list, suffix: str = "") -> None:

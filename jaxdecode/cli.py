@@ -138,7 +138,10 @@ def _say(text: str = "") -> None:
 
 def _ids(name: str, text: str) -> list[int]:
     try:
-        ids = [int(t) for t in text.replace(",", " ").split()]
+        pieces = [t.strip() for t in text.split(",")] if "," in text else text.split()
+        if "" in pieces:
+            raise ValueError
+        ids = [int(t) for t in pieces]
     except ValueError:
         raise UsageError(f"{name} {text!r} must be comma-separated integers") from None
     if not ids:

@@ -94,6 +94,10 @@ class Config:
                 continue  # checked below: a dense model's MoE sizes, an MoE's dense size
             if not isinstance(value, int) or value <= 0:
                 problems.append(f"{name}={value!r} must be a positive int")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                problems.append(f"{name}={value!r} must be a positive number")
         if not problems and self.num_experts:
             zero = [n for n in moe[1:] if not getattr(self, n)]
             if zero:

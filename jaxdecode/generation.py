@@ -42,8 +42,9 @@ STOP_RUNNING = 0  # not stopped yet (only seen in streamed chunks)
 STOP_EOS = 1  # emitted one of the EOS ids (included in the output)
 STOP_LENGTH = 2  # reached its token budget
 STOP_SEQUENCE = 3  # emitted the last token of a stop sequence (included in the output)
+STOP_INVALID = 4  # the logits were NaN or all -inf (sampling.invalid): emitted -1 and stopped
 STOP_REASONS = {STOP_RUNNING: "running", STOP_EOS: "eos", STOP_LENGTH: "length",
-                STOP_SEQUENCE: "stop"}
+                STOP_SEQUENCE: "stop", STOP_INVALID: "invalid"}
 
 MAX_EOS_IDS = 8  # EOS id arrays are padded to this many entries (-1 never matches)
 MAX_STOP = 8  # stop sequences: padded to >= 8 rows of >= 8 ids, right-aligned, -1 before
@@ -54,7 +55,7 @@ class GenerateOutput:
     """Result of :func:`generate` (R = prompts × num_samples rows, N >= the largest budget)."""
     tokens: Array  # [R, N] int32 generated ids, pad_id after each row's last token
     num_generated: Array  # [R] int32 tokens generated per row (EOS and stop tokens count)
-    stop_reason: Array  # [R] int32, STOP_EOS, STOP_SEQUENCE or STOP_LENGTH
+    stop_reason: Array  # [R] int32, STOP_EOS, STOP_SEQUENCE, STOP_LENGTH or STOP_INVALID
     state: DecodeState | None = None  # R rows: prompt + all generated (state= or return_state)
     logprobs: Logprobs | None = None  # [R, N] leaves (top ones [R, N, n]): return_logprobs
 
@@ -64,7 +65,8 @@ class GenerateOutput:
         return [tokens[r, :counts[r]].tolist() for r in range(tokens.shape[0])]
 
     def stop_reasons(self) -> list[str]:
-        """Each row's stop reason as text ("eos", "stop" or "length")."""
+        """Each row's stop reason as text ("eos", "stop", "length" or "invalid": the model's
+        logits were NaN or all -inf, the row's last token is -1)."""
         return [STOP_REASONS[int(s)] for s in np.asarray(self.stop_reason)]
 
 
@@ -98,7 +100,8 @@ def _record(loop: LoopState, state: DecodeState, token: Array, active: Array,
             pad_id: int) -> tuple[LoopState, Array]:
     """Books one sampled token per active row; returns the new carry and the emitted ids."""
     num_generated = loop.num_generated + active.astype(jnp.int32)
-    is_eos = active & jnp.any(token[:, None] == eos_token_ids[None, :], axis=-1)
+    is_invalid = active & (token < 0)  # sample's -1 (the EOS ids' padding is -1 too)
+    is_eos = active & ~is_invalid & jnp.any(token[:, None] == eos_token_ids[None, :], axis=-1)
     is_stop, recent = jnp.zeros_like(active), loop.recent
     if stop_sequences is not None:  # [S, L], right-aligned; -1 matches anything
         window = jnp.concatenate([recent, token[:, None]], axis=1)  # [R, L], -1 before the first
@@ -106,14 +109,15 @@ def _record(loop: LoopState, state: DecodeState, token: Array, active: Array,
         is_stop = active & jnp.any(hit & jnp.any(stop_sequences >= 0, axis=-1), axis=-1)
         recent = jnp.where(active[:, None], window[:, 1:], recent)
     spent = active & (num_generated >= loop.budgets)
-    reason = jnp.select([is_eos, is_stop, spent], [STOP_EOS, STOP_SEQUENCE, STOP_LENGTH],
-                        loop.stop_reason)
+    reason = jnp.select([is_invalid, is_eos, is_stop, spent],
+                        [STOP_INVALID, STOP_EOS, STOP_SEQUENCE, STOP_LENGTH], loop.stop_reason)
     counts = loop.token_counts
     if counts is not None:
         counted = active & (token >= 0)  # sample gives -1 for a NaN row
         counts = counts.at[jnp.arange(token.shape[0]), jnp.where(counted, token, 0)].add(counted)
     new = loop.replace(state=state, last_token=jnp.where(active, token, loop.last_token),
-                       num_generated=num_generated, done=loop.done | is_eos | is_stop | spent,
+                       num_generated=num_generated,
+                       done=loop.done | is_invalid | is_eos | is_stop | spent,
                        stop_reason=reason.astype(jnp.int32), token_counts=counts, recent=recent)
     return new, jnp.where(active, token, pad_id).astype(jnp.int32)
 
@@ -336,7 +340,7 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
     if not np.issubdtype(budgets.dtype, np.integer) or budgets.shape not in ((), (num_prompts,)):
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int or one value per "
                          f"prompt ({num_prompts})")
-    budgets = np.broadcast_to(budgets, (num_prompts,)).astype(np.int32)
+    budgets = np.broadcast_to(budgets, (num_prompts,)).astype(np.int64)  # int32 once in range
     if (budgets < 1).any():
         raise ValueError(f"max_new_tokens must be >= 1; got {budgets.tolist()}")
     prompt_lengths = np.array([len(p) for p in prompt_list], np.int32)
@@ -369,6 +373,7 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
             raise ValueError(f"prompt {i}: {pre}{prompt_lengths[i]} prompt tokens + "
                              f"max_new_tokens={budgets[i]}{f' + {why}' if extra else ''} "
                              f"exceeds {what}={cap}")
+    budgets = budgets.astype(np.int32)  # <= max_position_embeddings (checked above)
     t_bucket = bucket(int(prompt_lengths.max()), MIN_PROMPT_BUCKET)
     n_bucket = bucket(int(budgets.max()), MIN_TOKEN_BUCKET)
     if max_len is None:  # a multiple of the decode kernel's block, so it never pads the cache
@@ -378,6 +383,9 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
         padded[i, :len(p)] = p
 
     sampling = sampling_lib.greedy() if sampling is None else sampling
+    if not isinstance(sampling, SamplingParams):
+        raise ValueError(f"sampling must be a jaxdecode.SamplingParams (or None: greedy); got "
+                         f"{type(sampling).__name__}")
     firsts = {np.shape(x)[:1] for x in jax.tree.leaves(sampling)} - {()}
     if not (firsts <= {(rows,)} or firsts <= {(num_prompts,)}):
         raise ValueError(f"sampling leaves must be scalars and either [{num_prompts}] (one value "
@@ -399,11 +407,17 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
         raise ValueError(f"features={features} leaves out {left_out}, which the sampling values "
                          "use (pass jaxdecode.sampling.ALL_FEATURES or None)")
 
-    eos = np.atleast_1d(np.asarray(config.eos_token_id if eos_token_ids is None
-                                   else eos_token_ids, np.int64)).ravel()  # int or sequence
-    bad = eos[(eos < 0) | (eos >= vocab)]
+    raw = config.eos_token_id if eos_token_ids is None else eos_token_ids  # int or sequence
+    try:
+        eos = np.atleast_1d(np.asarray(raw)).ravel()
+    except ValueError:  # ragged nesting
+        eos = np.asarray([raw], object)
+    if eos.size and not np.issubdtype(eos.dtype, np.integer):
+        raise ValueError(f"eos_token_ids={eos_token_ids!r} must be an int or a sequence of ints")
+    bad = eos[(eos < 0) | (eos >= vocab)] if eos.size else eos
     if bad.size:
         raise ValueError(f"eos_token_ids {bad.tolist()} are outside [0, vocab_size={vocab})")
+    eos = eos.astype(np.int64)
     eos_padded = np.full((max(MAX_EOS_IDS, bucket(eos.size, 1)),), -1, np.int32)
     eos_padded[:eos.size] = eos
     stops = token_lists(() if stop_sequences is None else stop_sequences, "stop_sequences",

@@ -42,6 +42,13 @@ Array = jax.Array
 MIN_TEMPERATURE = 1e-5  # below it a row is greedy (vLLM's _SAMPLING_EPS)
 
 
+def invalid(logits: Array) -> Array:
+    """[..., V] -> [...] bool: logits holding a NaN or all -inf (a decode step's rejected row:
+    full cache, id outside the vocabulary; or non-finite weights): :func:`sample` gives such a
+    row the id -1 and generation stops it ("invalid")."""
+    return jnp.isnan(logits).any(-1) | (logits == -jnp.inf).all(-1)
+
+
 def is_sampled(temperature):
     """Which rows draw (numpy or jax): ``temperature >= MIN_TEMPERATURE``; the others take the
     argmax of their penalised logits."""
@@ -429,7 +436,7 @@ def sample(logits: Array, key: Array, params: SamplingParams,
         tokens = lax.cond(jnp.any(sampled), draw, lambda x: greedy_tokens, x)
     else:
         tokens = draw(x) if features.sampled else greedy_tokens
-    tokens = jnp.where(jnp.isnan(logits).any(-1) | (logits == -jnp.inf).all(-1), -1, tokens)
+    tokens = jnp.where(invalid(logits), -1, tokens)
     return (tokens, x) if return_processed_logits else tokens
 
 

@@ -221,13 +221,13 @@ def fp8_split_problem(name: str, shape: Sequence[int], block_size: Sequence[int]
     return None
 
 
-def check_fp8_split(config: Config, mesh: Mesh, weights: dict) -> None:
+def check_fp8_split(config: Config, mesh: Mesh, weights: dict, instead: str = "") -> None:
     """Raises ValueError naming each block-FP8 weight ``name: (shape, block_size)`` of
     ``config``'s params (shapes in ``config``'s layout) that cannot be split over ``mesh``:
     :func:`fp8_split_problem` on its shape as :func:`config_on` lays it out (K/V rows repeated),
     or K/V heads to repeat whose rows do not hold whole scale blocks. What
     :func:`shard_params`, :func:`init_params_sharded` and ``load_checkpoint`` check before any
-    device work."""
+    device work; ``instead``: the caller's other way out, beside fewer "model" devices."""
     r = config_on(config, mesh).num_key_value_heads // config.num_key_value_heads
     problems = []
     for name, (shape, block) in sorted(weights.items()):
@@ -245,7 +245,7 @@ def check_fp8_split(config: Config, mesh: Mesh, weights: dict) -> None:
                                             if len(problems) > 6 else "")
         raise ValueError(f"cannot split {len(problems)} FP8 weights into whole scale blocks on "
                          f"each of {mesh.shape[MODEL]} 'model' devices (use fewer 'model' "
-                         f"devices, or load them unquantised): {shown}")
+                         f"devices{', or ' + instead if instead else ''}): {shown}")
 
 
 def param_partition_specs(config: Config) -> Params:
@@ -307,12 +307,13 @@ def shard_params(params: Params, mesh: Mesh) -> Params:
     stay repeated when resharded to a smaller mesh or saved by ``params_to_hf``: the same model
     with more KV heads). A block-FP8 weight (:class:`Fp8Linear`) keeps its spec, its block
     scales split with it. Raises ValueError: see :func:`check_mesh` and
-    :func:`check_fp8_mesh`."""
+    :func:`check_fp8_split`."""
     config = config_on(params.config, mesh)
     check_mesh(config, mesh)
     check_fp8_split(params.config, mesh, {
         name: (x.shape, x.block_size) for name, x in params_to_flat(params).items()
-        if isinstance(x, Fp8Linear)})
+        if isinstance(x, Fp8Linear)}, instead="dequantise those weights first "
+                                          "(Fp8Linear.dequantize)")
     flat = {name: repeat_kv_heads(name, x, params.config, config)
             for name, x in params_to_flat(params).items()}
     return params_from_flat(config, {name: _place(name, x, mesh) for name, x in flat.items()})
@@ -345,7 +346,8 @@ def init_params_sharded(config: Config, mesh: Mesh, key: jax.Array, dtype="float
     dtype = model_dtype(dtype)
     specs = param_specs(config)
     fp8 = {name for name in specs if quantize and quantization.is_quantized_leaf(name)}
-    check_fp8_split(config, mesh, {name: (specs[name].shape, block_size) for name in fp8})
+    check_fp8_split(config, mesh, {name: (specs[name].shape, block_size) for name in fp8},
+                    instead="quantize=None")
     fns = {name: _init_leaf_jit(dataclasses.replace(spec, name=_LAYER_PREFIX.sub("", name)),
                                 dtype, config, on, NamedSharding(mesh, param_partition_spec(name)),
                                 tuple(block_size) if name in fp8 else None)

@@ -50,7 +50,7 @@ Array = jax.Array
 # grow with it), and a draft's acceptance falls with its distance from the verified token.
 MAX_SPECULATIVE_TOKENS = 16
 
-STOP_EOS, STOP_LENGTH, STOP_SEQUENCE = 1, 2, 3  # generation's STOP_* (same values)
+STOP_EOS, STOP_LENGTH, STOP_SEQUENCE, STOP_INVALID = 1, 2, 3, 4  # generation's STOP_*
 
 
 @struct.dataclass
@@ -185,7 +185,9 @@ def _emit(loop: SpeculativeLoop, new: Array, count: Array, eos_ids: Array, budge
     j = jnp.arange(width, dtype=jnp.int32)[None, :]
     running = loop.stop_reason == 0
     offered = j < count[:, None]
-    is_eos = jnp.any(new[:, :, None] == eos_ids[None, None, :], axis=-1) & offered
+    is_invalid = (new < 0) & offered  # the -1 of a row whose logits were NaN or all -inf
+    first_invalid = jnp.min(jnp.where(is_invalid, j, width), axis=1)
+    is_eos = jnp.any(new[:, :, None] == eos_ids[None, None, :], axis=-1) & offered & ~is_invalid
     first_eos = jnp.min(jnp.where(is_eos, j, width), axis=1)
     span = stop_sequences.shape[1]
     emitted = jnp.concatenate([loop.recent, new], axis=1)  # [R, L - 1 + W]
@@ -194,7 +196,8 @@ def _emit(loop: SpeculativeLoop, new: Array, count: Array, eos_ids: Array, budge
     is_stop = jnp.any(hit & jnp.any(stop_sequences >= 0, axis=-1), axis=-1) & offered
     first_stop = jnp.min(jnp.where(is_stop, j, width), axis=1)
     room = budgets - loop.num_generated
-    took = jnp.minimum(jnp.minimum(count, jnp.minimum(first_eos, first_stop) + 1), room)
+    first_end = jnp.minimum(first_invalid, jnp.minimum(first_eos, first_stop))
+    took = jnp.minimum(jnp.minimum(count, first_end + 1), room)
     took = jnp.where(running, took, 0)
     slots = jnp.where(j < took[:, None], loop.num_generated[:, None] + j, loop.tokens.shape[1])
     put = jax.vmap(lambda row, s, v: row.at[s].set(v, mode="drop"))
@@ -203,8 +206,9 @@ def _emit(loop: SpeculativeLoop, new: Array, count: Array, eos_ids: Array, budge
         loop = loop.replace(logprobs=jax.tree.map(lambda old, v: put(old, slots, v),
                                                   loop.logprobs, new_logprobs))
     num_generated = loop.num_generated + took
-    stop = jnp.select([first_eos < took, first_stop < took, num_generated >= budgets],
-                      [STOP_EOS, STOP_SEQUENCE, STOP_LENGTH], 0)
+    stop = jnp.select([first_invalid < took, first_eos < took, first_stop < took,
+                       num_generated >= budgets],
+                      [STOP_INVALID, STOP_EOS, STOP_SEQUENCE, STOP_LENGTH], 0)
     # the last L - 1 emitted tokens: emitted[took : took + L - 1] per row
     recent = jax.vmap(lambda row, t: lax.dynamic_slice(row, (t,), (span - 1,)))(emitted, took)
     return loop.replace(tokens=tokens, num_generated=num_generated, recent=recent,
@@ -265,6 +269,7 @@ def speculative_generate_fn(params: Params, state: DecodeState, prompts: Array,
     last_prompt = jnp.take_along_axis(prompts, (prompt_lengths - 1)[:, None], axis=1)
     logits, hidden, pending, traces = verify_fn(params, state, last_prompt, one, kernels)
     first, _ = choose(logits[:, 0], jax.vmap(jax.random.fold_in)(keys, 0 * one))
+    first = jnp.where(sampling_lib.invalid(logits[:, 0]), -1, first)  # as sample's -1
     pad = lambda x: jnp.pad(x, ((0, 0), (0, k)) + ((0, 0),) * (x.ndim - 2))  # noqa: E731
     loop = SpeculativeLoop(
         state=commit_fn(pending, traces, one), mtp_cache=cache, last=first,
@@ -320,11 +325,13 @@ def speculative_generate_fn(params: Params, state: DecodeState, prompts: Array,
                                                     kernels)
         if greedy:
             target = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [R, k + 1]
+            target = jnp.where(sampling_lib.invalid(logits), -1, target)  # a draft never matches
             match = jnp.cumprod((drafts == target[:, :k]).astype(jnp.int32), axis=1)
             emitted, count = target, jnp.sum(match, axis=1) + 1
         else:
             emitted, count = accept_drafts(distribution(logits, sampling, features),
                                            jnp.stack(qs, axis=1), drafts, step_keys[:, k])
+            emitted = jnp.where(sampling_lib.invalid(logits), -1, emitted)
         loop = loop.replace(mtp_cache=cache)
         loop, took = _emit(loop, emitted, count, eos_ids, budgets, stop_sequences,
                            logprobs_of(logits, emitted))

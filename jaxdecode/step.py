@@ -138,6 +138,9 @@ def check_decode_step(params: Params, state: DecodeState, tokens, active=None) -
                          f"size); got shape {np.shape(tokens)}")
     if active is not None and tuple(np.shape(active)) != (state.batch_size,):
         raise ValueError(f"active must be [B] like tokens; got shape {np.shape(active)}")
+    if active is not None and (active.dtype if isinstance(active, jax.Array)
+                               else np.asarray(active).dtype) != np.bool_:
+        raise ValueError("active must be a [B] bool array (True: the row takes its token)")
     dtype = tokens.dtype if isinstance(tokens, jax.Array) else np.asarray(tokens).dtype
     if not np.issubdtype(dtype, np.integer):  # a device array's dtype: no device read
         raise ValueError(f"token ids must be integers, got dtype {dtype}")

@@ -208,6 +208,7 @@ def test_cli_quantize_fp8_generates_on_the_embedded_default(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--stop-ids", "1,x"], "--stop-ids '1,x' must be comma-separated integers"),
+    (["--stop-ids", "1,,3,"], "--stop-ids '1,,3,' must be comma-separated integers"),
     (["--stop-ids", ""], "--stop-ids is empty"),
     (["--stop", ""], "--stop is empty"),
     (["--stop-ids", "999999999"], "stop_sequence 0 has token ids outside"),

@@ -131,6 +131,8 @@ def test_qwen3_next_config_errors():
         jd.Config.from_hf_config({**base, "mlp_only_layers": [4, 1, -1]})
     with pytest.raises(ValueError, match=r"decoder_sparse_step=0 must be a positive int"):
         jd.Config.from_hf_config({**base, "decoder_sparse_step": 0})
+    with pytest.raises(ValueError, match=r"rms_norm_eps=-1.0 must be a positive number"):
+        jd.Config.from_hf_config({**base, "rms_norm_eps": -1})
     with pytest.raises(ValueError, match=r"intermediate_size=0 must be a positive int \(layers "
                                          r"\[1\] have a dense MLP\)"):
         dataclasses.replace(NEXT, intermediate_size=0, mlp_only_layers=(1,))

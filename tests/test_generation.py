@@ -430,8 +430,14 @@ def test_progress_callback_sees_the_counts(params):
     (dict(max_new_tokens=510), "max_position_embeddings=512"),
     (dict(max_new_tokens=8, max_len=10), "exceeds max_len=10"),
     (dict(max_len=1024), "exceeds the model's max_position_embeddings"),
+    (dict(max_new_tokens=2**32 + 2), "max_new_tokens=4294967298 exceeds"),  # not wrapped
     (dict(eos_token_ids=(VOCAB,)), "eos_token_ids"),
+    (dict(eos_token_ids=[226.9]), "must be an int or a sequence of ints"),
+    (dict(eos_token_ids="226"), "must be an int or a sequence of ints"),
+    (dict(eos_token_ids=True), "must be an int or a sequence of ints"),
+    (dict(eos_token_ids=[2**64]), "must be an int or a sequence of ints"),
     (dict(num_samples=0), "num_samples"),
+    (dict(sampling={"temperature": 1.0}), "sampling must be"),
 ])
 def test_invalid_inputs_raise_before_device_work(params, kwargs, message):
     call = dict(prompts=[[1, 2, 3]], max_new_tokens=4)

@@ -379,6 +379,18 @@ def test_fp8_moe_release_loads_its_experts(tmp_path, config):
         with pytest.raises(ValueError, match=rf"tensor {name} in .*model.safetensors' has 1 "
                                              r"NaN, inf or negative block scale values"):
             jd.load_checkpoint(negative, dtype="float32")
+    # a finite scale whose block overflows the model dtype once multiplied out (kept FP8: the
+    # step would dequantise it to inf), of a stack (named by its expert's tensor) and a Linear
+    for name in ("model.layers.0.mlp.experts.2.down_proj.weight",
+                 "model.layers.1.self_attn.o_proj.weight"):
+        huge = _write_fp8_checkpoint(tmp_path / ("huge" + name), params, change={
+            name + "_scale_inv": np.full((1, 1), 1e37, np.float32)})
+        for dtype in ("float32", "bfloat16"):
+            with pytest.raises(ValueError, match=rf"tensor {name} in .*model.safetensors': its "
+                               rf"FP8 block \(0, 0\) times its weight_scale_inv 1e\+37 exceeds "
+                               rf"{dtype}'s largest value"):
+                jd.load_checkpoint(huge, dtype=dtype)
+        jd.load_checkpoint(huge, dtype="float32", check_finite=False)
 
 
 def test_an_fp8_release_parses_each_file_header_once(tmp_path, monkeypatch):

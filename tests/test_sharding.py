@@ -339,6 +339,11 @@ def test_fp8_weights_that_do_not_split_into_whole_blocks_are_refused(meshes):
                 "not a multiple of 8 x 8") in errors[where]
     load = meshes["fp8"]["checkpoint_quantize_128_error"]
     assert "in_proj_qkv.weight (384, 64): axis 0 (384) is not a multiple of 8 x 128" in load
+    # each names a way out that its caller has
+    assert "(use fewer 'model' devices, or dequantise those weights first" in errors[
+        "shard_params"]
+    for message in (errors["init_sharded"], load):
+        assert "(use fewer 'model' devices, or quantize=None)" in message
 
 
 @pytest.mark.slow

@@ -586,3 +586,28 @@ def test_moe_mtp_layer_loads_per_expert_and_drafts(tmp_path):
     got = jd.generate(loaded, [[3, 1, 4, 1, 5]], 6, eos_token_ids=[], num_speculative_tokens=2)
     want = jd.generate(loaded, [[3, 1, 4, 1, 5]], 6, eos_token_ids=[])
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+
+
+def test_a_row_whose_logits_turn_nan_stops_invalid_in_both_loops(params):
+    """A token whose embedding is NaN: the row that emits it gets NaN logits on the next step,
+    emits -1 and stops with "invalid" (not "eos", though the EOS ids' padding is -1 too, and not
+    a valid-looking id), in plain and speculative decoding alike; the other rows run on."""
+    rng = np.random.default_rng(11)
+    prompts = [list(rng.integers(0, CONFIG.vocab_size, n)) for n in (4, 7, 3)]
+    clean = np.asarray(jd.generate(params, prompts, 10, eos_token_ids=[]).token_lists())
+    t = int(clean[0, 3])
+    bad = params.replace(embed_tokens=params.embed_tokens.at[t].set(jnp.nan))
+    hit = [int(np.argmax(row == t)) if (row == t).any() else None for row in clean]
+    unused = [i for i in range(CONFIG.vocab_size) if i not in clean][:8]
+    for eos in ([], unused):  # no EOS ids; every padded slot filled
+        plain = jd.generate(bad, prompts, 10, eos_token_ids=eos)
+        spec = jd.generate(bad, prompts, 10, eos_token_ids=eos, num_speculative_tokens=2)
+        for out in (plain, spec):
+            for r, row in enumerate(out.token_lists()):
+                if hit[r] is None:
+                    assert out.stop_reasons()[r] == "length" and row == clean[r].tolist()
+                else:
+                    assert row == clean[r, :hit[r] + 1].tolist() + [-1]
+                    assert out.stop_reasons()[r] == "invalid"
+        np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(plain.tokens))
+    assert generation.STOP_INVALID == speculative.STOP_INVALID

@@ -384,6 +384,8 @@ def test_decode_rejects_host_token_ids_and_shapes(params):
         jd.decode_step(params, state, np.array([[0, 1]]))
     with pytest.raises(ValueError, match=r"active must be \[B\] like tokens"):
         jd.decode_step(params, state, np.array([0, 1]), active=np.array([True]))
+    with pytest.raises(ValueError, match=r"active must be a \[B\] bool array"):
+        jd.decode_step(params, state, np.array([0, 1]), active=np.array([0.5, 0]))
     assert not any(x.is_deleted() for x in jax.tree.leaves(state))  # raised before donating
     # an inactive row's id is padding: not checked
     _, state = jd.decode_step(params, state, np.array([300, 1]), active=np.array([False, True]))
