@@ -75,6 +75,8 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
         help="the repetition penalty also counts the prompt's tokens, as Hugging Face and vLLM "
         "(default); --no-penalize-prompt: generated tokens only")
     arg("--presence-penalty", type=float, default=0.0, help="OpenAI presence penalty (0 = off)")
+    arg("--frequency-penalty", type=float, default=0.0,
+        help="OpenAI frequency penalty (0 = off)")
     arg("--seed", type=_int_in(0, 2**63 - 1), default=0, help="sampling PRNG seed (default: 0)")
     arg("--num-samples", type=_int_in(1), default=1, metavar="N",
         help="continuations of the prompt (the state is forked after the prefill)")
@@ -177,7 +179,8 @@ def _generate(args) -> int:
     sampling = jd.SamplingParams.create(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-        penalize_prompt=args.penalize_prompt, top_p_keep_ties=args.top_p_keep_ties)
+        frequency_penalty=args.frequency_penalty, penalize_prompt=args.penalize_prompt,
+        top_p_keep_ties=args.top_p_keep_ties)
     if args.compile_cache:  # every executable: on CPU init_params' small ones add up to seconds
         jax.config.update("jax_compilation_cache_dir", args.compile_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -192,9 +195,10 @@ def _generate(args) -> int:
     speculative = args.num_speculative_tokens > 0
     if speculative and args.stream:
         raise UsageError("--num-speculative-tokens does not yet work with --stream")
-    if speculative and (args.repetition_penalty != 1 or args.presence_penalty != 0):
-        raise UsageError("--num-speculative-tokens does not yet apply --repetition-penalty or "
-                         "--presence-penalty")
+    if speculative and (args.repetition_penalty != 1 or args.presence_penalty != 0
+                        or args.frequency_penalty != 0):
+        raise UsageError("--num-speculative-tokens does not yet apply --repetition-penalty, "
+                         "--presence-penalty or --frequency-penalty")
     draft_vocab = None
     if args.draft_vocab is not None:
         if not speculative:

@@ -115,6 +115,8 @@ def test_sampling_semantics_flags():
     assert default.penalize_prompt is True and default.top_p_keep_ties is True
     other = parse("--no-penalize-prompt", "--no-top-p-keep-ties")
     assert other.penalize_prompt is False and other.top_p_keep_ties is False
+    assert default.frequency_penalty == 0
+    assert parse("--frequency-penalty", "0.5").frequency_penalty == 0.5
 
 
 def test_bad_token_ids_exit_with_one_line(capsys):
