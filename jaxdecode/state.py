@@ -10,6 +10,7 @@ writes in place the one slot its own window does not read (:func:`conv_window`).
 
 from __future__ import annotations
 
+import math
 import operator
 
 import jax
@@ -115,9 +116,18 @@ def conv_window(conv_state: Array, lengths: Array) -> Array:
 def fork(state: DecodeState, n: int) -> DecodeState:
     """Repeats each row ``n`` times (parallel sampling, best-of-n, rollouts: prefill once, fork,
     decode). Returns a new state of batch ``B * n``, rows ``b*n .. b*n + n - 1`` copies of row
-    ``b``; ``state`` stays valid. Raises ValueError if ``n`` is not a positive integer."""
+    ``b``; ``state`` stays valid. Raises ValueError if ``n`` is not a positive integer, or if
+    the new state cannot fit in the free memory of the device (per device for a sharded state).
+    """
     n = _positive_int("n", n)
     check_not_donated(state)
+    leaves = jax.tree.leaves(state)
+    if all(isinstance(x, jax.Array) and not isinstance(x, Tracer) for x in leaves):
+        need = n * sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+                       for x in leaves)
+        memory.check_fits(f"fork's state of {state.batch_size * n} rows x {state.max_len} "
+                          "positions", need, next(iter(leaves[0].sharding.device_set)),
+                          advice="fork fewer copies, or from a state with a smaller max_len")
     return jax.tree.map(lambda x: jnp.repeat(x, n, axis=0), state)
 
 

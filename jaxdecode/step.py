@@ -183,7 +183,7 @@ def plan_prefill(params: Params, batch_size: int, length: int, max_len: int, *,
                               or chunk <= 0 or chunk % memory.MIN_CHUNK):
         raise ValueError(f"prefill_chunk_size={chunk!r} must be a positive multiple of "
                          f"{memory.MIN_CHUNK}")
-    rows = batch_size // (1 if mesh is None else mesh.shape[sharding.DATA])
+    rows = -(-batch_size // (1 if mesh is None else mesh.shape[sharding.DATA]))  # the most a device holds
     device = None if mesh is None else mesh.devices.flat[0]
     if kernels is not None and kernels.batch_invariant:  # one row, fixed chunks
         rows, length = 1, model.INVARIANT_CHUNK

@@ -3,13 +3,15 @@ for requests that cannot fit (before any device work), on a device faked to have
 
 from __future__ import annotations
 
+import types
+
 import jax
 import numpy as np
 import pytest
 
 import jaxdecode as jd
 from conftest import TINY, tiny
-from jaxdecode import memory, sharding
+from jaxdecode import memory, sharding, step
 
 
 def test_state_bytes_is_what_init_state_allocates():
@@ -51,6 +53,18 @@ def test_a_sharded_state_is_checked_per_device(monkeypatch):
     monkeypatch.setattr(memory, "free_bytes", lambda device=None: need - 1)
     with pytest.raises(ValueError, match="a state shard of 4 rows x 512 positions over 1 devices"):
         sharding.init_state_sharded(TINY, mesh, 4, 512)
+
+
+def test_a_prefill_over_data_devices_plans_the_most_rows_one_device_holds():
+    """B rows over a "data" axis of 8: a device holds up to ceil(B / 8) of them (3 prompts: 1,
+    not 0, which plan_prefill refused; 9: 2). A stand-in mesh: plan_prefill reads only its
+    shape and first device."""
+    params = jd.init_params(TINY, jax.random.key(0))
+    mesh = types.SimpleNamespace(shape={sharding.DATA: 8, sharding.MODEL: 1},
+                                 devices=np.array(jax.devices()[:1]))
+    for batch, per_device in ((3, 1), (8, 1), (9, 2)):
+        assert (step.plan_prefill(params, batch, 256, 512, mesh=mesh)
+                == step.plan_prefill(params, per_device, 256, 512)), batch
 
 
 def test_generate_checks_its_state_and_prefill_before_device_work(small_device):
@@ -163,3 +177,12 @@ def test_on_the_cpu_a_state_is_checked_against_the_hosts_available_memory(monkey
     with pytest.raises(ValueError, match=r"needs [0-9.]+ MiB but the host \(cpu devices\) has "
                                          r"1.0 MiB free"):
         jd.init_state(TINY, batch_size=64, max_len=4096)
+
+
+def test_fork_checks_the_new_state_before_allocating(monkeypatch):
+    state = jd.init_state(TINY, 2, 512)
+    need = 10 * memory.state_bytes(TINY, 2, 512, "float32")
+    monkeypatch.setattr(memory, "free_bytes", lambda device=None: need - 1)
+    with pytest.raises(ValueError, match=r"fork's state of 20 rows x 512 positions needs"):
+        jd.fork(state, 10)
+    assert jd.fork(state, 9).batch_size == 18
