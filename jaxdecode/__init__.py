@@ -9,9 +9,9 @@
 Layers, each importing only those above it: ``config`` -> ``memory`` (bytes, the prefill's
 chunk plan) -> ``params``, ``state`` -> ``kernels`` (each kernel beside its reference;
 ``kernels.choice`` decides which runs) -> ``model`` (pure functions) -> ``sharding`` (layouts)
--> ``step`` (the jitted, donated entry points), ``inputs`` (host checks of token lists) ->
-``speculative`` (MTP drafts, verify, commit) -> ``generation`` (sampling loops), ``scoring`` (teacher-forced log-probs) -> ``checkpoint`` ->
-``cli``.
+-> ``step`` (the jitted, donated entry points), ``inputs`` (host checks of token lists),
+``stopping`` (why a row stops) -> ``speculative`` (MTP drafts, verify, commit) -> ``generation``
+(sampling loops), ``scoring`` (teacher-forced log-probs) -> ``checkpoint`` -> ``cli``.
 """
 
 __version__ = "0.2.0"

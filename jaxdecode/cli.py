@@ -332,7 +332,8 @@ def _fp8_note(params) -> str:
 
 
 def _stream(params, prompts, kwargs, tokenizer, cache) -> int:
-    from jaxdecode.generation import STOP_REASONS, generate_stream, precompile
+    from jaxdecode.generation import generate_stream, precompile
+    from jaxdecode.stopping import STOP_REASONS
     from jaxdecode.tokenizer import StreamDecoder
 
     t = time.perf_counter()

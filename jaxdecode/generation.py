@@ -34,17 +34,11 @@ from jaxdecode.model import decode_step_fn, prefill_fn
 from jaxdecode.params import Params
 from jaxdecode.sampling import Logprobs, SamplingFeatures, SamplingParams
 from jaxdecode.state import DecodeState, fork, init_state
+from jaxdecode.stopping import STOP_REASONS, STOP_RUNNING, stop_reason, token_ends
 from jaxdecode.step import COMPILER_OPTIONS, check_state, plan_prefill
 
 Array = jax.Array
 
-STOP_RUNNING = 0  # not stopped yet (only seen in streamed chunks)
-STOP_EOS = 1  # emitted one of the EOS ids (included in the output)
-STOP_LENGTH = 2  # reached its token budget
-STOP_SEQUENCE = 3  # emitted the last token of a stop sequence (included in the output)
-STOP_INVALID = 4  # the logits were NaN or all -inf (sampling.invalid): emitted -1 and stopped
-STOP_REASONS = {STOP_RUNNING: "running", STOP_EOS: "eos", STOP_LENGTH: "length",
-                STOP_SEQUENCE: "stop", STOP_INVALID: "invalid"}
 
 MAX_EOS_IDS = 8  # EOS id arrays are padded to this many entries (-1 never matches)
 MAX_STOP = 8  # stop sequences: padded to >= 8 rows of >= 8 ids, right-aligned, -1 before
@@ -100,17 +94,14 @@ def _record(loop: LoopState, state: DecodeState, token: Array, active: Array,
             pad_id: int) -> tuple[LoopState, Array]:
     """Books one sampled token per active row; returns the new carry and the emitted ids."""
     num_generated = loop.num_generated + active.astype(jnp.int32)
-    is_invalid = active & (token < 0)  # sample's -1 (the EOS ids' padding is -1 too)
-    is_eos = active & ~is_invalid & jnp.any(token[:, None] == eos_token_ids[None, :], axis=-1)
-    is_stop, recent = jnp.zeros_like(active), loop.recent
-    if stop_sequences is not None:  # [S, L], right-aligned; -1 matches anything
-        window = jnp.concatenate([recent, token[:, None]], axis=1)  # [R, L], -1 before the first
-        hit = jnp.all((stop_sequences < 0) | (window[:, None] == stop_sequences[None]), axis=-1)
-        is_stop = active & jnp.any(hit & jnp.any(stop_sequences >= 0, axis=-1), axis=-1)
-        recent = jnp.where(active[:, None], window[:, 1:], recent)
+    ends = token_ends(token[:, None], loop.recent, eos_token_ids, stop_sequences)
+    is_invalid, is_eos, is_stop = (active & e[:, 0] for e in ends)
+    recent = loop.recent
+    if stop_sequences is not None:
+        recent = jnp.where(active[:, None], jnp.concatenate([recent, token[:, None]], 1)[:, 1:],
+                           recent)
     spent = active & (num_generated >= loop.budgets)
-    reason = jnp.select([is_invalid, is_eos, is_stop, spent],
-                        [STOP_INVALID, STOP_EOS, STOP_SEQUENCE, STOP_LENGTH], loop.stop_reason)
+    reason = stop_reason(is_invalid, is_eos, is_stop, spent, loop.stop_reason)
     counts = loop.token_counts
     if counts is not None:
         counted = active & (token >= 0)  # sample gives -1 for a NaN row
@@ -118,7 +109,7 @@ def _record(loop: LoopState, state: DecodeState, token: Array, active: Array,
     new = loop.replace(state=state, last_token=jnp.where(active, token, loop.last_token),
                        num_generated=num_generated,
                        done=loop.done | is_invalid | is_eos | is_stop | spent,
-                       stop_reason=reason.astype(jnp.int32), token_counts=counts, recent=recent)
+                       stop_reason=reason, token_counts=counts, recent=recent)
     return new, jnp.where(active, token, pad_id).astype(jnp.int32)
 
 

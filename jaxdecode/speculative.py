@@ -44,13 +44,13 @@ from jaxdecode.params import Params
 from jaxdecode.sampling import (Logprobs, SamplingFeatures, SamplingParams, is_sampled,
                                 processed_logits)
 from jaxdecode.state import DecodeState, KVCache
+from jaxdecode.stopping import STOP_RUNNING, stop_reason, token_ends
 
 Array = jax.Array
 # The most drafts per step: the loop unrolls one MTP pass per draft (compile time and memory
 # grow with it), and a draft's acceptance falls with its distance from the verified token.
 MAX_SPECULATIVE_TOKENS = 16
 
-STOP_EOS, STOP_LENGTH, STOP_SEQUENCE, STOP_INVALID = 1, 2, 3, 4  # generation's STOP_*
 
 
 @struct.dataclass
@@ -176,25 +176,20 @@ def _emit(loop: SpeculativeLoop, new: Array, count: Array, eos_ids: Array, budge
           stop_sequences: Array, new_logprobs: Logprobs | None = None
           ) -> tuple[SpeculativeLoop, Array]:
     """Appends each running row's first ``count`` of ``new`` [R, W] to its output, cut after an
-    EOS id, after the last token of a stop sequence ([S, L] right-aligned, -1 matching anything,
-    as ``generation._record``; matched against the emitted tokens only) or at its budget; the
-    reason in that order when several fall on one token; ``new_logprobs`` ([R, W] leaves) into
+    EOS id, after the last token of a stop sequence ([S, L], ``stopping.token_ends``; matched
+    against the emitted tokens only) or at its budget; the reason in ``stopping``'s order when
+    several fall on one token; ``new_logprobs`` ([R, W] leaves) into
     ``loop.logprobs`` at the same places. Returns (loop with tokens/num_generated/stop_reason/
     recent/logprobs updated, the number of tokens each row took)."""
     width = new.shape[1]
     j = jnp.arange(width, dtype=jnp.int32)[None, :]
-    running = loop.stop_reason == 0
+    running = loop.stop_reason == STOP_RUNNING
     offered = j < count[:, None]
-    is_invalid = (new < 0) & offered  # the -1 of a row whose logits were NaN or all -inf
-    first_invalid = jnp.min(jnp.where(is_invalid, j, width), axis=1)
-    is_eos = jnp.any(new[:, :, None] == eos_ids[None, None, :], axis=-1) & offered & ~is_invalid
-    first_eos = jnp.min(jnp.where(is_eos, j, width), axis=1)
+    first_invalid, first_eos, first_stop = (
+        jnp.min(jnp.where(ends & offered, j, width), axis=1)
+        for ends in token_ends(new, loop.recent, eos_ids, stop_sequences))
     span = stop_sequences.shape[1]
     emitted = jnp.concatenate([loop.recent, new], axis=1)  # [R, L - 1 + W]
-    windows = jnp.stack([emitted[:, i:i + span] for i in range(width)], axis=1)  # [R, W, L]
-    hit = jnp.all((stop_sequences < 0) | (windows[:, :, None] == stop_sequences), axis=-1)
-    is_stop = jnp.any(hit & jnp.any(stop_sequences >= 0, axis=-1), axis=-1) & offered
-    first_stop = jnp.min(jnp.where(is_stop, j, width), axis=1)
     room = budgets - loop.num_generated
     first_end = jnp.minimum(first_invalid, jnp.minimum(first_eos, first_stop))
     took = jnp.minimum(jnp.minimum(count, first_end + 1), room)
@@ -206,9 +201,8 @@ def _emit(loop: SpeculativeLoop, new: Array, count: Array, eos_ids: Array, budge
         loop = loop.replace(logprobs=jax.tree.map(lambda old, v: put(old, slots, v),
                                                   loop.logprobs, new_logprobs))
     num_generated = loop.num_generated + took
-    stop = jnp.select([first_invalid < took, first_eos < took, first_stop < took,
-                       num_generated >= budgets],
-                      [STOP_INVALID, STOP_EOS, STOP_SEQUENCE, STOP_LENGTH], 0)
+    stop = stop_reason(first_invalid < took, first_eos < took, first_stop < took,
+                       num_generated >= budgets)
     # the last L - 1 emitted tokens: emitted[took : took + L - 1] per row
     recent = jax.vmap(lambda row, t: lax.dynamic_slice(row, (t,), (span - 1,)))(emitted, took)
     return loop.replace(tokens=tokens, num_generated=num_generated, recent=recent,
@@ -294,7 +288,7 @@ def speculative_generate_fn(params: Params, state: DecodeState, prompts: Array,
                     logprobs_of(logits[:, :1], first[:, None]))
 
     def body(loop: SpeculativeLoop) -> SpeculativeLoop:
-        running = loop.stop_reason == 0
+        running = loop.stop_reason == STOP_RUNNING
         live = running.astype(jnp.int32)
         # The last step's pairs (target hidden states, emitted tokens) into the MTP cache, the
         # last of them drafting the first token; then k - 1 drafts on the MTP's own output.
@@ -349,7 +343,7 @@ def speculative_generate_fn(params: Params, state: DecodeState, prompts: Array,
             accepted=loop.accepted + jnp.sum(jnp.where(moved, took - 1, 0)),
             iterations=loop.iterations + 1)
 
-    return lax.while_loop(lambda loop: jnp.any(loop.stop_reason == 0), body, loop)
+    return lax.while_loop(lambda loop: jnp.any(loop.stop_reason == STOP_RUNNING), body, loop)
 
 
 def _prefill(params: Params, state: DecodeState, cache: KVCache, prompts: Array,

@@ -16,6 +16,7 @@ from jaxdecode import generation as gen
 from jaxdecode import sampling as sampling_lib
 from jaxdecode.kernels import choice
 from jaxdecode.sampling import SamplingParams
+from jaxdecode.stopping import STOP_REASONS
 
 from conftest import FULL, GPU_ONLY, HERE, LIN, hf_python, hf_text_config, host_stop, tiny
 
@@ -723,7 +724,7 @@ def test_stop_sequences_stop_where_a_host_scan_of_the_free_output_does(params, n
                                       **kw))
     streamed = np.concatenate([c.tokens for c in chunks], axis=1)
     assert [r[r != -1].tolist() for r in streamed] == out.token_lists()
-    assert [gen.STOP_REASONS[int(s)] for s in chunks[-1].stop_reason] == out.stop_reasons()
+    assert [STOP_REASONS[int(s)] for s in chunks[-1].stop_reason] == out.stop_reasons()
 
 
 @pytest.mark.slow

@@ -610,4 +610,3 @@ def test_a_row_whose_logits_turn_nan_stops_invalid_in_both_loops(params):
                     assert row == clean[r, :hit[r] + 1].tolist() + [-1]
                     assert out.stop_reasons()[r] == "invalid"
         np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(plain.tokens))
-    assert generation.STOP_INVALID == speculative.STOP_INVALID
