@@ -360,7 +360,7 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
                 _check_finite_stack(array, found[name][1])
                 _check_finite_stack(scale, found[name][1], SCALE_SUFFIX)
                 _check_dequantized(array, scale, block, dtype, lambda lead, row, e=found[name][1]:
-                                   _stack_part(e, lead, row, array.shape[1]))
+                                   _stack_part(e, lead[0], row, array.shape[1])[:2])
             flat[name] = Fp8Linear(place(name, array), place(name + SCALE_SUFFIX, scale), block)
             continue
         if name in scales:
@@ -371,7 +371,7 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
                                   scales=x is scale)
             if name in kept and check_finite:  # (dequantised ones: checked after the cast)
                 _check_dequantized(array, scale, block, dtype,
-                                   lambda lead, row: (found[name][1], found[name][0]))
+                                   lambda lead, row: found[name][:2])
             if name in kept:
                 for leaf, rows in kept[name].items():
                     w8, scale_rows = (array, scale) if rows is None else (
@@ -418,7 +418,7 @@ def _check_finite(array: np.ndarray, stored: str, path: str, scales: bool = Fals
 def _check_dequantized(w8: np.ndarray, scale: np.ndarray, block, dtype, where) -> None:
     """ValueError when a block of FP8 values [..., N, K] times its scale [..., R, C] exceeds
     ``dtype``'s largest value (the step dequantises to it: inf), naming ``where(lead, row)``
-    (the (stored name, file) holding that block: ``lead`` its stack index, () for a Linear,
+    (the (file, stored name) holding that block: ``lead`` its stack index, () for a Linear,
     ``row`` its first row).
     Only blocks whose scale allows it (scale · 448 above that value: none in a checkpoint
     quantised from ``dtype``) are read."""
@@ -427,32 +427,32 @@ def _check_dequantized(w8: np.ndarray, scale: np.ndarray, block, dtype, where) -
         *lead, r, c = (int(i) for i in idx)
         part = w8[tuple(lead)][r * block[0]:(r + 1) * block[0], c * block[1]:(c + 1) * block[1]]
         if float(np.abs(part.astype(np.float64)).max()) * float(scale[tuple(idx)]) > limit:
-            stored, path = where(tuple(lead), r * block[0])
+            path, stored = where(tuple(lead), r * block[0])
             raise ValueError(
                 f"tensor {stored} in {path!r}: its FP8 block {r, c} times its weight_scale_inv "
                 f"{float(scale[tuple(idx)]):.3g} exceeds {np.dtype(dtype).name}'s largest value "
                 "(a damaged file?); check_finite=False loads it anyway")
 
 
-def _stack_part(experts: list, lead: tuple, row: int, rows: int) -> tuple[str, str]:
-    """(stored name, file) of the per-expert tensor that holds row ``row`` of expert ``lead[0]``
-    in a stack [E, rows, ...] built from ``experts`` (each expert's (path, stored) parts,
-    concatenated along rows, equal in size)."""
-    parts = experts[lead[0]]
-    path, stored = parts[row // (rows // len(parts))]
-    return stored, path
+def _stack_part(experts: list, expert: int, row: int, rows: int) -> tuple[str, str, slice]:
+    """(file, stored name, its rows) of the per-expert tensor that holds row ``row`` of expert
+    ``expert`` in a stack [E, rows, ...] built from ``experts`` (each expert's (path, stored)
+    parts, concatenated along rows, equal in size)."""
+    parts = experts[expert]
+    size = rows // len(parts)
+    i = row // size
+    return *parts[i], slice(i * size, (i + 1) * size)
 
 
 def _check_finite_stack(stack: np.ndarray, experts: list, suffix: str = "") -> None:
-    """:func:`_check_finite` of a stack [E, rows, ...] built from per-expert tensors (``experts``:
-    each expert's (path, stored name) parts, concatenated along rows, equal in size), naming the
-    first expert's part that holds a NaN or inf (``stored + suffix``: its block scales, negative
-    ones too), and its file."""
-    bad = _damaged(stack, scales=bool(suffix)).reshape(stack.shape[0], -1).any(axis=1)
+    """:func:`_check_finite` of a stack [E, rows, ...] built from per-expert tensors (``experts``
+    as :func:`_stack_part`'s), naming the first part that holds a NaN or inf (``stored +
+    suffix``: its block scales, negative ones too), and its file."""
+    bad = _damaged(stack, scales=bool(suffix)).reshape(*stack.shape[:2], -1).any(axis=2)
     if bad.any():
-        e = int(np.argmax(bad))
-        for (path, stored), part in zip(experts[e], np.split(stack[e], len(experts[e]))):
-            _check_finite(part, stored + suffix, path, scales=bool(suffix))
+        e, row = (int(i) for i in np.argwhere(bad)[0])
+        path, stored, rows = _stack_part(experts, e, row, stack.shape[1])
+        _check_finite(stack[e, rows], stored + suffix, path, scales=bool(suffix))
 
 
 def _fp8_rows(config: Config, name: str, rows: int, block_rows: int

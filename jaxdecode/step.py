@@ -136,17 +136,19 @@ def check_decode_step(params: Params, state: DecodeState, tokens, active=None) -
     if tuple(np.shape(tokens)) != (state.batch_size,):
         raise ValueError(f"tokens must be [B] with B = {state.batch_size} (the state's batch "
                          f"size); got shape {np.shape(tokens)}")
-    if active is not None and tuple(np.shape(active)) != (state.batch_size,):
-        raise ValueError(f"active must be [B] like tokens; got shape {np.shape(active)}")
-    if active is not None and (active.dtype if isinstance(active, jax.Array)
-                               else np.asarray(active).dtype) != np.bool_:
-        raise ValueError("active must be a [B] bool array (True: the row takes its token)")
+    real = np.ones(state.batch_size, bool)  # the rows whose host ids are checked
+    if active is not None:
+        if tuple(np.shape(active)) != (state.batch_size,):
+            raise ValueError(f"active must be [B] like tokens; got shape {np.shape(active)}")
+        if not isinstance(active, jax.Array):  # host values: reading them costs no device sync
+            active = np.asarray(active)
+            real = active
+        if active.dtype != np.bool_:
+            raise ValueError("active must be a [B] bool array (True: the row takes its token)")
     dtype = tokens.dtype if isinstance(tokens, jax.Array) else np.asarray(tokens).dtype
     if not np.issubdtype(dtype, np.integer):  # a device array's dtype: no device read
         raise ValueError(f"token ids must be integers, got dtype {dtype}")
-    if not isinstance(tokens, jax.Array):  # host values: reading them costs no device sync
-        real = (np.asarray(active, bool) if active is not None
-                and not isinstance(active, jax.Array) else np.ones(state.batch_size, bool))
+    if not isinstance(tokens, jax.Array):
         _check_token_ids(params.config, np.asarray(tokens), real)
 
 
