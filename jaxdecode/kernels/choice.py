@@ -18,6 +18,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -306,6 +307,49 @@ def _fp8_linear_kernel_bwd(block_size, interpret, residuals, g):
 _fp8_linear_kernel.defvjp(_fp8_linear_kernel_fwd, _fp8_linear_kernel_bwd)
 
 
+def _fp8_grouped(kernels: Kernels):
+    """The MoE pairs form's block-FP8 expert GEMVs for ``experts.routed_experts``:
+    ``grouped(x [S, K], stack, ids [S]) -> [S, N]``, row s through expert ``ids[s]`` of the
+    ``Fp8Linear`` stack [E, N, K]. ``kernels.fp8_linear == "pallas"``: the grouped kernel
+    (``fp8_linear.fp8_linear_pallas(ids=...)``: the FP8 bytes read once) where it takes the
+    call, else the experts gathered and dequantised for XLA's dot; "xla": None (the experts'
+    own XLA form)."""
+    if kernels.fp8_linear != "pallas":
+        return None
+    interpret = _interpret(kernels)
+
+    def grouped(x, stack, ids):
+        if fp8_kernel.check_supported(x.shape, stack.weight.shape[1:], x.dtype,
+                                      stack.weight.dtype, stack.block_size) is None:
+            return _fp8_grouped_kernel(x, stack.weight, stack.scale_inv, ids, stack.block_size,
+                                       interpret)
+        return jnp.einsum("si,soi->so", x, stack.take(ids).dequantize(x.dtype))
+    return grouped
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fp8_grouped_kernel(x, weight, scale_inv, ids, block_size, interpret):
+    """The grouped kernel with a VJP: x's cotangent through the gathered, dequantised experts
+    (XLA), none into the frozen FP8 stack or the ids."""
+    return _fp8_linear_pallas(x, weight, scale_inv, block_size, ids=ids, interpret=interpret)
+
+
+def _fp8_grouped_kernel_fwd(x, weight, scale_inv, ids, block_size, interpret):
+    out = _fp8_grouped_kernel(x, weight, scale_inv, ids, block_size, interpret)
+    return out, (weight, scale_inv, ids)
+
+
+def _fp8_grouped_kernel_bwd(block_size, interpret, residuals, g):
+    weight, scale_inv, ids = residuals
+    w = quantization.dequantize(weight[ids], scale_inv[ids], block_size, g.dtype)
+    dx = jnp.einsum("so,soi->si", g, w, preferred_element_type=jnp.float32).astype(g.dtype)
+    return (dx, jnp.zeros_like(weight), jnp.zeros_like(scale_inv),
+            np.zeros(ids.shape, jax.dtypes.float0))
+
+
+_fp8_grouped_kernel.defvjp(_fp8_grouped_kernel_fwd, _fp8_grouped_kernel_bwd)
+
+
 def top_k(kernels: Kernels, x, k: int):
     """``jax.lax.top_k`` over x [N, E]'s last axis (the MoE router), per "data" shard on a
     mesh: the SPMD partitioner all-gathers a row-sharded operand of TopK (one collective per
@@ -325,14 +369,16 @@ def routed_experts(kernels: Kernels, x, weights, chosen, gate_up_proj, down_proj
     routing (no token moves, no weight moves); one float32 psum over "model" adds the devices'
     parts (GShard's expert parallelism, Lepikhin et al., 2020, with the all-to-alls replaced by
     the all-reduce tensor parallelism already ends each block with)."""
+    grouped = _fp8_grouped(kernels)
     if kernels.mesh is None:
-        return experts.routed_experts(x, weights, chosen, gate_up_proj, down_proj)
+        return experts.routed_experts(x, weights, chosen, gate_up_proj, down_proj,
+                                      grouped=grouped)
 
     def local(x, weights, chosen, gate_up_proj, down_proj):
         first = jax.lax.axis_index(MODEL) * gate_up_proj.shape[0]
         out = experts.routed_experts(x, weights, chosen - first, gate_up_proj, down_proj,
                                      out_dtype=jnp.float32,
-                                     expert_parallel=kernels.mesh.shape[MODEL])
+                                     expert_parallel=kernels.mesh.shape[MODEL], grouped=grouped)
         if kernels.mesh.shape[MODEL] > 1:  # (a psum over one device still launches)
             out = jax.lax.psum(out, MODEL)
         return out.astype(x.dtype)

@@ -110,11 +110,15 @@ def check_supported(x_shape, w_shape, x_dtype, w_dtype, block_size) -> str | Non
     return None
 
 
-def _kernel(x_gmem, w_gmem, s_gmem, o_gmem, scoped, *, steps_per_split, col_blocks, num_stages,
-            dtype, interpret):
+def _kernel(x_gmem, w_gmem, s_gmem, ids_gmem, o_gmem, scoped, *, steps_per_split, col_blocks,
+            num_stages, dtype, interpret):
     wait_for_inputs(interpret)
     (w_smem, x_smem, o_smem2, w_tmp2), (w_barriers, x_barriers), consumed = scoped
     row_block, split, wg = lax.axis_index("n"), lax.axis_index("s"), lax.axis_index("wg")
+    if ids_gmem is not None:  # grouped: program g's weight is stack entry ids[g]
+        g = lax.axis_index("g")
+        expert = ids_gmem[g]
+        w_gmem, s_gmem, o_gmem = w_gmem.at[expert], s_gmem.at[expert], o_gmem.at[g]
     first = split * steps_per_split  # this program's first column block
     steps = jnp.minimum(col_blocks - first, steps_per_split)
 
@@ -167,20 +171,29 @@ def _kernel(x_gmem, w_gmem, s_gmem, o_gmem, scoped, *, steps_per_split, col_bloc
                       lambda slot: plgpu.barrier_wait(consumed.at[slot]))
 
 
-def fp8_linear_pallas(x, weight, scale_inv, block_size=DEFAULT_BLOCK, *,
+def fp8_linear_pallas(x, weight, scale_inv, block_size=DEFAULT_BLOCK, *, ids=None,
                       config: Fp8LinearConfig | None = None, interpret: bool = False):
     """``x @ dequantize(weight, scale_inv).T`` as a Pallas Mosaic GPU kernel (Hopper); shapes as
-    the module docstring, [M, N] in x's dtype. ValueError for what :func:`check_supported`
-    refuses, for a scale of the wrong shape, and for a ``config`` whose buffers exceed
+    the module docstring, [M, N] in x's dtype. Grouped (``ids`` [M] int32, the MoE experts' pairs
+    form): ``weight`` [E, N, K] and ``scale_inv`` [E, N/128, K/128] a stack, row m of the result
+    is ``x[m] @ dequantize(weight[ids[m]]).T`` (each program reads one stack entry; ids outside
+    [0, E): undefined, the caller clips). ValueError for what :func:`check_supported` refuses,
+    for a scale of the wrong shape, and for a ``config`` whose buffers exceed
     :data:`SMEM_LIMIT_BYTES`. ``config``: None picks :func:`choose_config`; ``interpret``: the
     Mosaic GPU interpreter (CPU). Not differentiable (``choice.fp8_linear`` adds the VJP)."""
-    if (why := check_supported(x.shape, weight.shape, x.dtype, weight.dtype, block_size)):
+    grouped = ids is not None
+    w_shape = weight.shape[1:] if grouped else weight.shape
+    if grouped and (weight.ndim != 3 or ids.shape != (x.shape[0],)):
+        raise ValueError(f"grouped: weight {weight.shape} must be [E, N, K] and ids {ids.shape} "
+                         f"[M] for x {x.shape}")
+    if (why := check_supported(x.shape, w_shape, x.dtype, weight.dtype, block_size)):
         raise ValueError(f"fp8_linear_pallas does not take {why}")
     m, k = x.shape
-    n = weight.shape[0]
-    if scale_inv.shape != (n // BLOCK, k // BLOCK):
+    n = w_shape[0]
+    if scale_inv.shape != weight.shape[:-2] + (n // BLOCK, k // BLOCK):
         raise ValueError(f"{scale_inv.shape=} does not match {weight.shape=} in {BLOCK}-blocks")
-    chosen = choose_config(n, k, m)
+    groups = m if grouped else 1
+    chosen = choose_config(groups * n, k, m)
     stages = (config and config.num_stages) or chosen.num_stages
     splits = (config and config.splits) or chosen.splits
     col_blocks = k // BLOCK
@@ -196,29 +209,42 @@ def fp8_linear_pallas(x, weight, scale_inv, block_size=DEFAULT_BLOCK, *,
     body = functools.partial(_kernel, steps_per_split=steps_per_split, col_blocks=col_blocks,
                              num_stages=stages, dtype=dtype, interpret=interpret)
 
-    def entry(x_gmem, w_gmem, s_gmem, o_gmem):
+    def entry(x_gmem, w_gmem, s_gmem, *rest):
+        ids_gmem, o_gmem = rest if grouped else (None, *rest)
         smem = (_smem_tile((stages, BLOCK, BLOCK), FP8),
                 _smem_tile((stages, mp, BLOCK), dtype),
                 plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, mp), jnp.float32),
                 _smem_tile((COMPUTE_WGS, ROWS_PER_WG, BLOCK), dtype) if interpret else None)
         pl.run_scoped(
-            lambda *scoped: body(x_gmem, w_gmem, s_gmem, o_gmem, scoped),
+            lambda *scoped: body(x_gmem, w_gmem, s_gmem, ids_gmem, o_gmem, scoped),
             smem,
             (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)),
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
             collective_axes="wg")
 
+    grid, names = (n // BLOCK, splits), ("n", "s")
+    out_shape, operands = (splits, n, mp), (xp, weight, scale_inv.astype(jnp.float32))
+    if grouped:  # one program per (row m, row block, split); row m's output: column m
+        grid, names = (m, *grid), ("g", *names)
+        out_shape, operands = (m, *out_shape), (*operands, ids.astype(jnp.int32))
     partial = plgpu.kernel(
-        entry, out_type=jax.ShapeDtypeStruct((splits, n, mp), jnp.float32),
-        grid=(n // BLOCK, splits), grid_names=("n", "s"),
+        entry, out_type=jax.ShapeDtypeStruct(out_shape, jnp.float32),
+        grid=grid, grid_names=names,
         num_threads=COMPUTE_WGS + 1, thread_name="wg",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(xp, weight, scale_inv.astype(jnp.float32))
+    )(*operands)
+    if grouped:  # [M, splits, N, Mp]: row m's own column
+        rows = jnp.arange(m)
+        return partial.sum(1)[rows, :, rows].astype(dtype)
     return partial.sum(0).T[:m].astype(dtype)
 
 
-def fp8_linear_reference(x, weight, scale_inv, block_size=DEFAULT_BLOCK):
+def fp8_linear_reference(x, weight, scale_inv, block_size=DEFAULT_BLOCK, *, ids=None):
     """``x @ dequantize(weight, scale_inv, block_size, x.dtype).T``, float32 accumulation, in
-    x's dtype (what ``model.linear`` computes for an ``Fp8Linear``). x [..., K]."""
+    x's dtype (what ``model.linear`` computes for an ``Fp8Linear``). x [..., K]. Grouped
+    (``ids`` [M]): x [M, K], row m through stack entry ``ids[m]`` (``experts``' pairs form)."""
+    if ids is not None:
+        w = dequantize(weight[ids], scale_inv[ids], block_size, x.dtype)
+        return jnp.einsum("mi,moi->mo", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
     w = dequantize(weight, scale_inv, block_size, x.dtype)
     return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
