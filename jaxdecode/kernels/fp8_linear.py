@@ -21,6 +21,10 @@ hopper_mixed_type_matmul_mgpu.py``; Marlin, Frantar et al., 2024, for the weight
 * A few rows cannot fill the GPU with one program per 128 rows (k_proj: 8 programs), so the
   column blocks are split over ``splits`` programs (split-K); each writes its float32 partial
   [N, M] and XLA adds the splits, transposes and casts (one small fusion).
+* Grouped (``ids``: the MoE experts' pairs form): a grid axis over x's rows; the program of row
+  m streams stack entry ``ids[m]``'s blocks and computes all M rows against them (the B operand
+  is x's whole slice), of which XLA keeps row m's column: the FP8 bytes of each chosen expert
+  are read once per row that chose it, as the 16-bit gather they replace.
 """
 
 from __future__ import annotations
