@@ -181,6 +181,8 @@ def test_kernels_refuse_fp8_pallas_where_it_does_not_run():
         choice.Kernels(fp8_linear="pallas", batch_invariant=True)
     with pytest.raises(ValueError, match="fp8_linear"):
         choice.Kernels(fp8_linear="mosaic")
+    with pytest.raises(ValueError, match="fp8_experts"):
+        choice.Kernels(fp8_experts="pallas", batch_invariant=True)
 
 
 def test_choice_runs_the_kernel_up_to_64_rows_and_xla_above():
@@ -253,7 +255,8 @@ def test_fp8_moe_decode_step_with_the_grouped_kernel_matches_xla(mode, monkeypat
     assert isinstance(params.layers[0].mlp.experts_gate_up_proj, jd.Fp8Linear)
     rng = np.random.default_rng(5)
     tokens = jnp.asarray(rng.integers(0, MOE.vocab_size, (3, 5)), jnp.int32)
-    kernel = choice.Kernels(fp8_linear="pallas", interpret=mode == "interpret")
+    kernel = choice.Kernels(fp8_linear="pallas", fp8_experts="pallas",
+                            interpret=mode == "interpret")
     out = {}
     for name, kernels in (("xla", choice.XLA), ("kernel", kernel)):
         state = jd.init_state(MOE, 3, 16, dtype=params.dtype)
@@ -286,7 +289,7 @@ def test_gradient_through_the_grouped_kernel_equals_xla_form():
                                    mlp.experts_down_proj, grouped=grouped).astype(f32)
         return (y * jnp.arange(y.size, dtype=f32).reshape(y.shape) / y.size).sum()
 
-    grouped = choice._fp8_grouped(choice.Kernels(fp8_linear="pallas", interpret=True))
+    grouped = choice._fp8_grouped(choice.Kernels(fp8_experts="pallas", interpret=True))
     got, want = jax.grad(loss)(x, grouped), jax.grad(loss)(x, None)
     assert_rel_close(np.asarray(got, np.float32), np.asarray(want, np.float32), 2e-2,
                      "x's gradient")

@@ -54,6 +54,9 @@ class Kernels:
     prefill_attention: str = "xla"  # the flash prefill attention kernel, or its reference
     prefill_delta_rule: str = "xla"  # the chunked delta rule's recurrence in one kernel, or XLA
     fp8_linear: str = "xla"  # block-FP8 Linears of up to 64 rows: the kernel, or dequantise + dot
+    # block-FP8 MoE experts in the pairs form (decode): the grouped FP8 kernel, or XLA's gather
+    # + dequantise + dot
+    fp8_experts: str = "xla"
     # a speculative verify step's delta rule over a few tokens keeping every state: one kernel
     # (the state read once), or XLA's unrolled token-by-token form
     verify_delta_rule: str = "xla"
@@ -73,7 +76,7 @@ class Kernels:
 
     def __post_init__(self):
         for name in ("attention", "deltanet", "delta_rule", "prefill_attention",
-                     "prefill_delta_rule", "fp8_linear", "verify_delta_rule",
+                     "prefill_delta_rule", "fp8_linear", "fp8_experts", "verify_delta_rule",
                      "verify_attention"):
             if getattr(self, name) not in CHOICES:
                 raise ValueError(f"Kernels.{name}={getattr(self, name)!r} must be one of "
@@ -87,9 +90,10 @@ class Kernels:
             raise ValueError("Kernels(verify_attention='pallas') is not batch-invariant (its "
                              "split count follows the batch); leave it 'xla' with "
                              "batch_invariant")
-        if self.fp8_linear == "pallas" and self.batch_invariant:
-            raise ValueError("Kernels(fp8_linear='pallas') does not run with batch_invariant "
-                             "(its row independence is untested)")
+        for name in ("fp8_linear", "fp8_experts"):
+            if getattr(self, name) == "pallas" and self.batch_invariant:
+                raise ValueError(f"Kernels({name}='pallas') does not run with batch_invariant "
+                                 "(its row independence is untested)")
 
 
 XLA = Kernels()  # every op in XLA: the reference path, any backend
@@ -178,7 +182,8 @@ def choose_kernels(config: Config, batch_size: int, *, dtype="bfloat16",
     pick = lambda use: "pallas" if use else "xla"  # noqa: E731
     return Kernels(attention=pick(attention), deltanet=pick(core), delta_rule=pick(rule),
                    prefill_attention=pick(prefill), prefill_delta_rule=pick(chunk_rule),
-                   fp8_linear=pick(fp8), verify_delta_rule=pick(verify_rule),
+                   fp8_linear=pick(fp8), fp8_experts=pick(fp8),
+                   verify_delta_rule=pick(verify_rule),
                    verify_attention=pick(verify_attention), interpret=False, mesh=mesh,
                    batch_invariant=batch_invariant)
 
@@ -310,17 +315,18 @@ _fp8_linear_kernel.defvjp(_fp8_linear_kernel_fwd, _fp8_linear_kernel_bwd)
 def _fp8_grouped(kernels: Kernels):
     """The MoE pairs form's block-FP8 expert GEMVs for ``experts.routed_experts``:
     ``grouped(x [S, K], stack, ids [S]) -> [S, N]``, row s through expert ``ids[s]`` of the
-    ``Fp8Linear`` stack [E, N, K]. ``kernels.fp8_linear == "pallas"``: the grouped kernel
+    ``Fp8Linear`` stack [E, N, K]. ``kernels.fp8_experts == "pallas"``: the grouped kernel
     (``fp8_linear.fp8_linear_pallas(ids=...)``: the FP8 bytes read once) where it takes the
-    call, else the experts gathered and dequantised for XLA's dot; "xla": None (the experts'
-    own XLA form)."""
-    if kernels.fp8_linear != "pallas":
+    call (up to ``fp8_linear.GROUPED_MAX_ROWS`` pairs), else the experts gathered and dequantised
+    for XLA's dot; "xla": None (the experts' own XLA form)."""
+    if kernels.fp8_experts != "pallas":
         return None
     interpret = _interpret(kernels)
 
     def grouped(x, stack, ids):
-        if fp8_kernel.check_supported(x.shape, stack.weight.shape[1:], x.dtype,
-                                      stack.weight.dtype, stack.block_size) is None:
+        if x.shape[0] <= fp8_kernel.GROUPED_MAX_ROWS and fp8_kernel.check_supported(
+                x.shape, stack.weight.shape[1:], x.dtype, stack.weight.dtype,
+                stack.block_size) is None:
             return _fp8_grouped_kernel(x, stack.weight, stack.scale_inv, ids, stack.block_size,
                                        interpret)
         return jnp.einsum("si,soi->so", x, stack.take(ids).dequantize(x.dtype))

@@ -46,6 +46,9 @@ BLOCK = 128  # weight rows per program (one scale row) and columns per step (one
 ROWS_PER_WG = 64  # one wgmma M tile
 COMPUTE_WGS = BLOCK // ROWS_PER_WG
 MAX_ROWS = 64  # x rows the kernel takes (the accumulator [64, M] float32 stays in registers)
+# grouped: rows up to which choice runs it; each program writes its tile's [N, Mp] float32
+# partial for all Mp rows (only row m's is kept), Mp/16 KB of it per 128 x 128 weight block
+GROUPED_MAX_ROWS = 16
 SMEM_BUDGET_BYTES = 200 * 1024  # the pipeline's buffers (choose_config's stages)
 SMEM_LIMIT_BYTES = 227 * 1024  # what a Hopper CTA may use: the check on a config override
 SMEM_PER_SM = 226 * 1024  # what two co-resident programs may use together (1 KiB each reserved)
