@@ -333,8 +333,7 @@ def main():
             fp8 = jd.quantize_fp8(params)
             variants.append((f"{name} fp8", fp8, {}))
             if args.fp8_xla:
-                variants.append((f"{name} fp8 xla-form", fp8, dict(fp8_linear="xla",
-                                                                       fp8_experts="xla")))
+                variants.append((f"{name} fp8 xla-form", fp8, dict(fp8_linear="xla")))
         for (label, weights, overrides), (batch, context) in [(v, c) for v in variants
                                                               for c in cells]:
             state = jd.init_state(config, batch, context + 256, dtype="bfloat16")

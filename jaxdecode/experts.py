@@ -19,8 +19,7 @@ Two static-shape forms, picked by the number of pairs P = N·k (:func:`use_pairs
 
 Expert parallel (``expert_parallel`` m > 1: the stack is one device's E/m experts): a device's
 own pairs gathered into a few slots (:func:`expert_parallel_capacity`) run the pairs form, the
-full form only where they overflow. Block-FP8 stacks (``Fp8Linear``) are dequantised as read
-(XLA), or in the pairs form run through a grouped FP8 kernel the caller passes.
+full form only where they overflow. Block-FP8 stacks (``Fp8Linear``) are dequantised as read.
 
 Why not ``jax.lax.ragged_dot``: XLA's GPU compiler rewrites it to a dense dot over every
 expert (``RaggedDotRewriter``: an [E, P, H] masked operand), reading all E experts at batch 1
@@ -85,25 +84,19 @@ def _swiglu(x, gate_up, down, *, subscripts):
     return jnp.einsum(subscripts[1], silu(gu[..., :ie]) * gu[..., ie:], down)
 
 
-def _gathered(xs, ids, w, gate_up_proj, down_proj, grouped=None):
-    """[S, H]: row s of ``xs`` through expert ``ids[s]`` (its weights gathered, batched GEMVs;
-    block-FP8 stacks through ``grouped(x, stack, ids)`` where given), times ``w`` flattened to
-    [S] (model dtype)."""
-    if grouped is not None and isinstance(gate_up_proj, Fp8Linear):
-        ie = down_proj.shape[-1]
-        gu = grouped(xs, gate_up_proj, ids)
-        out = grouped(silu(gu[:, :ie]) * gu[:, ie:], down_proj, ids)
-    else:
-        out = _swiglu(xs, _take(gate_up_proj, ids, xs.dtype), _take(down_proj, ids, xs.dtype),
-                      subscripts=("ph,pih->pi", "pi,phi->ph"))
+def _gathered(xs, ids, w, gate_up_proj, down_proj):
+    """[S, H]: row s of ``xs`` through expert ``ids[s]`` (its weights gathered, batched GEMVs),
+    times ``w`` flattened to [S] (model dtype)."""
+    out = _swiglu(xs, _take(gate_up_proj, ids, xs.dtype), _take(down_proj, ids, xs.dtype),
+                  subscripts=("ph,pih->pi", "pi,phi->ph"))
     return out * w.reshape(-1)[:, None]
 
 
-def _pairs(x, weights, experts, gate_up_proj, down_proj, grouped=None):
+def _pairs(x, weights, experts, gate_up_proj, down_proj):
     """[P, H]: each pair's weighted expert output (model dtype), pair p = token p // k."""
     ids = experts.reshape(-1)
     return _gathered(jnp.repeat(x, experts.shape[1], axis=0), ids, weights, gate_up_proj,
-                     down_proj, grouped)
+                     down_proj)
 
 
 def _slots(r, order, starts, group_sizes, cap):
@@ -226,7 +219,7 @@ def plan(num_pairs: int, num_experts: int, expert_bytes: int, expert_parallel: i
     return form, num_pairs
 
 
-def _local_pairs(x, weights, experts, here, gate_up_proj, down_proj, cap, grouped=None):
+def _local_pairs(x, weights, experts, here, gate_up_proj, down_proj, cap):
     """[P, H] as :func:`_pairs` (weights already 0 where not ``here``), computing ``cap`` slots:
     the pairs of this device's experts in order, then empty slots that read the first slot's
     expert again with weight 0 (the weights other devices' pairs would stream stay unread).
@@ -241,16 +234,16 @@ def _local_pairs(x, weights, experts, here, gate_up_proj, down_proj, cap, groupe
     ids = jnp.clip(experts.reshape(-1)[slot_pair], 0, e - 1)
     ids = jnp.where(valid, ids, ids[0])
     w = jnp.where(valid, weights.reshape(-1)[slot_pair], 0)
-    out = _gathered(x[slot_pair // k], ids, w, gate_up_proj, down_proj, grouped)
+    out = _gathered(x[slot_pair // k], ids, w, gate_up_proj, down_proj)
     return jnp.zeros((p, x.shape[1]), out.dtype).at[jnp.where(valid, slot_pair, p)].set(
         out, mode="drop")
 
 
-def _by_form(form, x, weights, experts, here, gate_up_proj, down_proj, grouped=None):
+def _by_form(form, x, weights, experts, here, gate_up_proj, down_proj):
     """[P, H] of one form; ``weights`` already 0 where not ``here``."""
     k, e = experts.shape[1], gate_up_proj.shape[0]
     if form == "pairs":  # another device's pair reads an expert of this one, times 0
-        return _pairs(x, weights, jnp.clip(experts, 0, e - 1), gate_up_proj, down_proj, grouped)
+        return _pairs(x, weights, jnp.clip(experts, 0, e - 1), gate_up_proj, down_proj)
     if form == "rounds":  # another device's pair sorts last, in no expert's group
         order, starts, group_sizes = _routing(jnp.where(here, experts, e), e)
         return _rounds(k, x, weights.reshape(-1), order, starts, group_sizes, gate_up_proj,
@@ -260,7 +253,7 @@ def _by_form(form, x, weights, experts, here, gate_up_proj, down_proj, grouped=N
 
 def routed_experts(x: Array, weights: Array, experts: Array, gate_up_proj: Array | Fp8Linear,
                    down_proj: Array | Fp8Linear, *, form: str | None = None, out_dtype=None,
-                   expert_parallel: int = 1, grouped=None) -> Array:
+                   expert_parallel: int = 1) -> Array:
     """The routed experts' output [N, H] in ``out_dtype`` (default x's dtype; shapes and math:
     module docstring; HF ``Qwen3_5MoeExperts.forward``); ``form`` "pairs" | "rounds" | None
     (:func:`use_pairs` decides). A pair whose expert id is outside [0, E) adds nothing (expert
@@ -270,9 +263,7 @@ def routed_experts(x: Array, weights: Array, experts: Array, gate_up_proj: Array
     where they fit (a ``lax.cond``; else the form for all N·k pairs), so a device streams about
     its own share of the chosen experts instead of k per token. Block-FP8 stacks
     (:class:`Fp8Linear`, weight [E, 2·I, H] / [E, H, I]) are dequantised to x's dtype as read
-    (the rounds form: inside each round; frozen, no cotangent), or in the pairs form through
-    ``grouped(x [S, K], stack, ids [S]) -> [S, N]`` where given (``kernels.fp8_linear``'s grouped
-    kernel: reads the FP8 bytes once, no 16-bit copy). Raises ValueError for any other
+    (the rounds form: inside each round; frozen, no cotangent). Raises ValueError for any other
     ``form``."""
     n, k = experts.shape
     e, two_i, h = gate_up_proj.shape
@@ -284,9 +275,8 @@ def routed_experts(x: Array, weights: Array, experts: Array, gate_up_proj: Array
                          expert_parallel)
     args = (x, weights, experts, here, gate_up_proj, down_proj)
     if cap < n * k:
-        out = lax.cond(jnp.sum(here) <= cap,
-                       functools.partial(_local_pairs, cap=cap, grouped=grouped),
-                       functools.partial(_by_form, form, grouped=grouped), *args)
+        out = lax.cond(jnp.sum(here) <= cap, functools.partial(_local_pairs, cap=cap),
+                       functools.partial(_by_form, form), *args)
     else:
-        out = _by_form(form, *args, grouped=grouped)
+        out = _by_form(form, *args)
     return jnp.sum(out.astype(f32).reshape(n, k, h), axis=1).astype(out_dtype or x.dtype)

@@ -52,16 +52,14 @@ def fake_mesh(data: int, model: int) -> Mesh:
 
 def kernels(attention="xla", deltanet="xla", delta_rule="xla", mesh=None,
             prefill_attention=None, prefill_delta_rule=None, batch_invariant=False,
-            fp8_linear="xla", verify_delta_rule="xla", verify_attention=None, fp8_experts=None):
+            fp8_linear="xla", verify_delta_rule="xla", verify_attention=None):
     """What choose_kernels returns: interpret=False (it compiles for the GPU it found); the
     prefill kernels where the decode attention kernel is (None), unless given; the few-query
-    attention kernel too, unless batch-invariant; the grouped FP8 experts' kernel where the
-    FP8 linear's is (None), unless given."""
+    attention kernel too, unless batch-invariant."""
     return choice.Kernels(attention=attention, deltanet=deltanet, delta_rule=delta_rule,
                           prefill_attention=prefill_attention or attention,
                           prefill_delta_rule=prefill_delta_rule or attention, interpret=False,
                           mesh=mesh, batch_invariant=batch_invariant, fp8_linear=fp8_linear,
-                          fp8_experts=fp8_experts or fp8_linear,
                           verify_delta_rule=verify_delta_rule,
                           verify_attention=verify_attention or (
                               "xla" if batch_invariant else attention))

@@ -73,44 +73,6 @@ def test_kernel_against_float64(mode, case):
     assert_rel_close(np.asarray(ref, np.float32), want, 8e-3, f"{case} reference")
 
 
-# (experts, m, n, k, config): ids with repeats; 8 pairs of 35B-A3B's routing (k = 8) in small
-GROUPED_CASES = {
-    "e5-m3": (5, 3, 256, 384, None),
-    "e6-m8-splits2": (6, 8, 128, 512, fl.Fp8LinearConfig(num_stages=2, splits=2)),
-}
-
-
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("case", list(GROUPED_CASES))
-def test_grouped_kernel_against_float64(mode, case):
-    """Row m through stack entry ids[m] (the MoE pairs form): each row against float64 numpy
-    of its own expert's dequantised weight; the reference's grouped form too."""
-    e, m, n, k, config = GROUPED_CASES[case]
-    seed = 20 + list(GROUPED_CASES).index(case)
-    stack = [inputs(seed + i, m, n, k) for i in range(e)]
-    x = stack[0][0]
-    w8 = jnp.stack([w for _, w, _ in stack])
-    scale = jnp.stack([s for _, _, s in stack])
-    ids = jnp.asarray(np.random.default_rng(seed).integers(0, e, m), jnp.int32)
-    got = jax.jit(lambda *a: fl.fp8_linear_pallas(*a[:3], ids=a[3], config=config,
-                                                  interpret=mode == "interpret"))(
-        x, w8, scale, ids)
-    assert got.shape == (m, n) and got.dtype == bf16
-    want = np.stack([reference_f64(x[i:i + 1], w8[j], scale[j], bf16)[0]
-                     for i, j in enumerate(np.asarray(ids))])
-    assert_rel_close(np.asarray(got, np.float32), want, 8e-3, f"{case} grouped kernel")
-    ref = fl.fp8_linear_reference(x, w8, scale, ids=ids)
-    assert_rel_close(np.asarray(ref, np.float32), want, 8e-3, f"{case} grouped reference")
-
-
-def test_grouped_kernel_lowers_for_cuda():
-    specs = [jax.ShapeDtypeStruct((8, 2048), bf16), jax.ShapeDtypeStruct((256, 1024, 2048), FP8),
-             jax.ShapeDtypeStruct((256, 8, 16), f32), jax.ShapeDtypeStruct((8,), jnp.int32)]
-    text = lower_for_cuda_text(lambda x, w, s, ids: fl.fp8_linear_pallas(x, w, s, ids=ids),
-                               *specs)
-    assert "mosaic_gpu" in text
-
-
 def test_reference_is_what_model_linear_computed_for_fp8():
     """The reference is ``dequantize`` to x's dtype then the dot (float32 here: exact)."""
     x, w8, scale = inputs(3, 4, 256, 384, f32)
@@ -181,8 +143,6 @@ def test_kernels_refuse_fp8_pallas_where_it_does_not_run():
         choice.Kernels(fp8_linear="pallas", batch_invariant=True)
     with pytest.raises(ValueError, match="fp8_linear"):
         choice.Kernels(fp8_linear="mosaic")
-    with pytest.raises(ValueError, match="fp8_experts"):
-        choice.Kernels(fp8_experts="pallas", batch_invariant=True)
 
 
 def test_choice_runs_the_kernel_up_to_64_rows_and_xla_above():
@@ -234,66 +194,6 @@ def test_fp8_decode_step_with_the_kernel_matches_xla(mode):
             steps.append(np.asarray(logits, np.float32))
         out[name] = np.stack(steps)
     assert_rel_close(out["kernel"], out["xla"], 2e-2, "decode logits, kernel vs XLA")
-
-
-MOE = tiny(vocab_size=300, hidden_size=128, intermediate_size=0, num_attention_heads=2,
-           num_key_value_heads=1, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
-           linear_key_head_dim=128, linear_value_head_dim=128, num_hidden_layers=2,
-           layer_types=(LIN, FULL), num_experts=8, num_experts_per_tok=2,
-           moe_intermediate_size=128, shared_expert_intermediate_size=128)
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_fp8_moe_decode_step_with_the_grouped_kernel_matches_xla(mode, monkeypatch):
-    """An FP8 MoE model's decode steps with the kernels (the experts' pairs form, 6 pairs over
-    8 experts, through the grouped kernel) against the same steps with XLA's forms."""
-    calls = []
-    kernel_fn = choice._fp8_grouped_kernel
-    monkeypatch.setattr(choice, "_fp8_grouped_kernel",
-                        lambda *a: calls.append(a[0].shape) or kernel_fn(*a))
-    params = jd.quantize_fp8(jd.init_params(MOE, jax.random.key(2), "bfloat16"))
-    assert isinstance(params.layers[0].mlp.experts_gate_up_proj, jd.Fp8Linear)
-    rng = np.random.default_rng(5)
-    tokens = jnp.asarray(rng.integers(0, MOE.vocab_size, (3, 5)), jnp.int32)
-    kernel = choice.Kernels(fp8_linear="pallas", fp8_experts="pallas",
-                            interpret=mode == "interpret")
-    out = {}
-    for name, kernels in (("xla", choice.XLA), ("kernel", kernel)):
-        state = jd.init_state(MOE, 3, 16, dtype=params.dtype)
-        logits, state = jd.model.prefill_fn(params, state, tokens, jnp.array([5, 2, 4]),
-                                            kernels=choice.XLA)
-        steps = []
-        for _ in range(2):
-            logits, state = jax.jit(functools.partial(jd.model.decode_step_fn, kernels=kernels))(
-                params, state, jnp.argmax(logits, -1).astype(jnp.int32))
-            steps.append(np.asarray(logits, np.float32))
-        out[name] = np.stack(steps)
-    assert calls == [(6, 128)] * 8  # 2 steps (each traced) x 2 layers x (gate_up, down)
-    assert_rel_close(out["kernel"], out["xla"], 2e-2, "MoE decode logits, kernel vs XLA")
-
-
-@pytest.mark.slow
-def test_gradient_through_the_grouped_kernel_equals_xla_form():
-    """Reverse mode through the experts' grouped kernel (interpreter): x's gradient as XLA's
-    form gives it."""
-    from jaxdecode import experts
-    params = jd.quantize_fp8(jd.init_params(MOE, jax.random.key(3), "bfloat16"))
-    mlp = params.layers[0].mlp
-    rng = np.random.default_rng(6)
-    x = jnp.asarray(rng.standard_normal((2, 128)), bf16)
-    chosen = jnp.asarray([[0, 4], [4, 7]], jnp.int32)
-    weights = jnp.asarray(rng.uniform(0.1, 1, (2, 2)), bf16)
-
-    def loss(x, grouped):
-        y = experts.routed_experts(x, weights, chosen, mlp.experts_gate_up_proj,
-                                   mlp.experts_down_proj, grouped=grouped).astype(f32)
-        return (y * jnp.arange(y.size, dtype=f32).reshape(y.shape) / y.size).sum()
-
-    grouped = choice._fp8_grouped(choice.Kernels(fp8_experts="pallas", interpret=True))
-    got, want = jax.grad(loss)(x, grouped), jax.grad(loss)(x, None)
-    assert_rel_close(np.asarray(got, np.float32), np.asarray(want, np.float32), 2e-2,
-                     "x's gradient")
-    assert_rel_close(np.asarray(loss(x, grouped)), np.asarray(loss(x, None)), 1e-2, "loss")
 
 
 @pytest.mark.slow

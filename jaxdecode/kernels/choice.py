@@ -18,7 +18,6 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -54,9 +53,6 @@ class Kernels:
     prefill_attention: str = "xla"  # the flash prefill attention kernel, or its reference
     prefill_delta_rule: str = "xla"  # the chunked delta rule's recurrence in one kernel, or XLA
     fp8_linear: str = "xla"  # block-FP8 Linears of up to 64 rows: the kernel, or dequantise + dot
-    # block-FP8 MoE experts in the pairs form (decode): the grouped FP8 kernel, or XLA's gather
-    # + dequantise + dot
-    fp8_experts: str = "xla"
     # a speculative verify step's delta rule over a few tokens keeping every state: one kernel
     # (the state read once), or XLA's unrolled token-by-token form
     verify_delta_rule: str = "xla"
@@ -76,7 +72,7 @@ class Kernels:
 
     def __post_init__(self):
         for name in ("attention", "deltanet", "delta_rule", "prefill_attention",
-                     "prefill_delta_rule", "fp8_linear", "fp8_experts", "verify_delta_rule",
+                     "prefill_delta_rule", "fp8_linear", "verify_delta_rule",
                      "verify_attention"):
             if getattr(self, name) not in CHOICES:
                 raise ValueError(f"Kernels.{name}={getattr(self, name)!r} must be one of "
@@ -90,10 +86,9 @@ class Kernels:
             raise ValueError("Kernels(verify_attention='pallas') is not batch-invariant (its "
                              "split count follows the batch); leave it 'xla' with "
                              "batch_invariant")
-        for name in ("fp8_linear", "fp8_experts"):
-            if getattr(self, name) == "pallas" and self.batch_invariant:
-                raise ValueError(f"Kernels({name}='pallas') does not run with batch_invariant "
-                                 "(its row independence is untested)")
+        if self.fp8_linear == "pallas" and self.batch_invariant:
+            raise ValueError("Kernels(fp8_linear='pallas') does not run with batch_invariant "
+                             "(its row independence is untested)")
 
 
 XLA = Kernels()  # every op in XLA: the reference path, any backend
@@ -182,8 +177,7 @@ def choose_kernels(config: Config, batch_size: int, *, dtype="bfloat16",
     pick = lambda use: "pallas" if use else "xla"  # noqa: E731
     return Kernels(attention=pick(attention), deltanet=pick(core), delta_rule=pick(rule),
                    prefill_attention=pick(prefill), prefill_delta_rule=pick(chunk_rule),
-                   fp8_linear=pick(fp8), fp8_experts=pick(fp8),
-                   verify_delta_rule=pick(verify_rule),
+                   fp8_linear=pick(fp8), verify_delta_rule=pick(verify_rule),
                    verify_attention=pick(verify_attention), interpret=False, mesh=mesh,
                    batch_invariant=batch_invariant)
 
@@ -312,50 +306,6 @@ def _fp8_linear_kernel_bwd(block_size, interpret, residuals, g):
 _fp8_linear_kernel.defvjp(_fp8_linear_kernel_fwd, _fp8_linear_kernel_bwd)
 
 
-def _fp8_grouped(kernels: Kernels):
-    """The MoE pairs form's block-FP8 expert GEMVs for ``experts.routed_experts``:
-    ``grouped(x [S, K], stack, ids [S]) -> [S, N]``, row s through expert ``ids[s]`` of the
-    ``Fp8Linear`` stack [E, N, K]. ``kernels.fp8_experts == "pallas"``: the grouped kernel
-    (``fp8_linear.fp8_linear_pallas(ids=...)``: the FP8 bytes read once) where it takes the
-    call (up to ``fp8_linear.GROUPED_MAX_ROWS`` pairs), else the experts gathered and dequantised
-    for XLA's dot; "xla": None (the experts' own XLA form)."""
-    if kernels.fp8_experts != "pallas":
-        return None
-    interpret = _interpret(kernels)
-
-    def grouped(x, stack, ids):
-        if x.shape[0] <= fp8_kernel.GROUPED_MAX_ROWS and fp8_kernel.check_supported(
-                x.shape, stack.weight.shape[1:], x.dtype, stack.weight.dtype,
-                stack.block_size) is None:
-            return _fp8_grouped_kernel(x, stack.weight, stack.scale_inv, ids, stack.block_size,
-                                       interpret)
-        return jnp.einsum("si,soi->so", x, stack.take(ids).dequantize(x.dtype))
-    return grouped
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _fp8_grouped_kernel(x, weight, scale_inv, ids, block_size, interpret):
-    """The grouped kernel with a VJP: x's cotangent through the gathered, dequantised experts
-    (XLA), none into the frozen FP8 stack or the ids."""
-    return _fp8_linear_pallas(x, weight, scale_inv, block_size, ids=ids, interpret=interpret)
-
-
-def _fp8_grouped_kernel_fwd(x, weight, scale_inv, ids, block_size, interpret):
-    out = _fp8_grouped_kernel(x, weight, scale_inv, ids, block_size, interpret)
-    return out, (weight, scale_inv, ids)
-
-
-def _fp8_grouped_kernel_bwd(block_size, interpret, residuals, g):
-    weight, scale_inv, ids = residuals
-    w = quantization.dequantize(weight[ids], scale_inv[ids], block_size, g.dtype)
-    dx = jnp.einsum("so,soi->si", g, w, preferred_element_type=jnp.float32).astype(g.dtype)
-    return (dx, jnp.zeros_like(weight), jnp.zeros_like(scale_inv),
-            np.zeros(ids.shape, jax.dtypes.float0))
-
-
-_fp8_grouped_kernel.defvjp(_fp8_grouped_kernel_fwd, _fp8_grouped_kernel_bwd)
-
-
 def top_k(kernels: Kernels, x, k: int):
     """``jax.lax.top_k`` over x [N, E]'s last axis (the MoE router), per "data" shard on a
     mesh: the SPMD partitioner all-gathers a row-sharded operand of TopK (one collective per
@@ -375,16 +325,14 @@ def routed_experts(kernels: Kernels, x, weights, chosen, gate_up_proj, down_proj
     routing (no token moves, no weight moves); one float32 psum over "model" adds the devices'
     parts (GShard's expert parallelism, Lepikhin et al., 2020, with the all-to-alls replaced by
     the all-reduce tensor parallelism already ends each block with)."""
-    grouped = _fp8_grouped(kernels)
     if kernels.mesh is None:
-        return experts.routed_experts(x, weights, chosen, gate_up_proj, down_proj,
-                                      grouped=grouped)
+        return experts.routed_experts(x, weights, chosen, gate_up_proj, down_proj)
 
     def local(x, weights, chosen, gate_up_proj, down_proj):
         first = jax.lax.axis_index(MODEL) * gate_up_proj.shape[0]
         out = experts.routed_experts(x, weights, chosen - first, gate_up_proj, down_proj,
                                      out_dtype=jnp.float32,
-                                     expert_parallel=kernels.mesh.shape[MODEL], grouped=grouped)
+                                     expert_parallel=kernels.mesh.shape[MODEL])
         if kernels.mesh.shape[MODEL] > 1:  # (a psum over one device still launches)
             out = jax.lax.psum(out, MODEL)
         return out.astype(x.dtype)

@@ -21,10 +21,6 @@ hopper_mixed_type_matmul_mgpu.py``; Marlin, Frantar et al., 2024, for the weight
 * A few rows cannot fill the GPU with one program per 128 rows (k_proj: 8 programs), so the
   column blocks are split over ``splits`` programs (split-K); each writes its float32 partial
   [N, M] and XLA adds the splits, transposes and casts (one small fusion).
-* Grouped (``ids``: the MoE experts' pairs form): a grid axis over x's rows; the program of row
-  m streams stack entry ``ids[m]``'s blocks and computes all M rows against them (the B operand
-  is x's whole slice), of which XLA keeps row m's column: the FP8 bytes of each chosen expert
-  are read once per row that chose it, as the 16-bit gather they replace.
 """
 
 from __future__ import annotations
@@ -46,9 +42,6 @@ BLOCK = 128  # weight rows per program (one scale row) and columns per step (one
 ROWS_PER_WG = 64  # one wgmma M tile
 COMPUTE_WGS = BLOCK // ROWS_PER_WG
 MAX_ROWS = 64  # x rows the kernel takes (the accumulator [64, M] float32 stays in registers)
-# grouped: rows up to which choice runs it; each program writes its tile's [N, Mp] float32
-# partial for all Mp rows (only row m's is kept), Mp/16 KB of it per 128 x 128 weight block
-GROUPED_MAX_ROWS = 16
 SMEM_BUDGET_BYTES = 200 * 1024  # the pipeline's buffers (choose_config's stages)
 SMEM_LIMIT_BYTES = 227 * 1024  # what a Hopper CTA may use: the check on a config override
 SMEM_PER_SM = 226 * 1024  # what two co-resident programs may use together (1 KiB each reserved)
@@ -117,15 +110,11 @@ def check_supported(x_shape, w_shape, x_dtype, w_dtype, block_size) -> str | Non
     return None
 
 
-def _kernel(x_gmem, w_gmem, s_gmem, ids_gmem, o_gmem, scoped, *, steps_per_split, col_blocks,
-            num_stages, dtype, interpret):
+def _kernel(x_gmem, w_gmem, s_gmem, o_gmem, scoped, *, steps_per_split, col_blocks, num_stages,
+            dtype, interpret):
     wait_for_inputs(interpret)
     (w_smem, x_smem, o_smem2, w_tmp2), (w_barriers, x_barriers), consumed = scoped
     row_block, split, wg = lax.axis_index("n"), lax.axis_index("s"), lax.axis_index("wg")
-    if ids_gmem is not None:  # grouped: program g's weight is stack entry ids[g]
-        g = lax.axis_index("g")
-        expert = ids_gmem[g]
-        w_gmem, s_gmem, o_gmem = w_gmem.at[expert], s_gmem.at[expert], o_gmem.at[g]
     first = split * steps_per_split  # this program's first column block
     steps = jnp.minimum(col_blocks - first, steps_per_split)
 
@@ -178,29 +167,20 @@ def _kernel(x_gmem, w_gmem, s_gmem, ids_gmem, o_gmem, scoped, *, steps_per_split
                       lambda slot: plgpu.barrier_wait(consumed.at[slot]))
 
 
-def fp8_linear_pallas(x, weight, scale_inv, block_size=DEFAULT_BLOCK, *, ids=None,
+def fp8_linear_pallas(x, weight, scale_inv, block_size=DEFAULT_BLOCK, *,
                       config: Fp8LinearConfig | None = None, interpret: bool = False):
     """``x @ dequantize(weight, scale_inv).T`` as a Pallas Mosaic GPU kernel (Hopper); shapes as
-    the module docstring, [M, N] in x's dtype. Grouped (``ids`` [M] int32, the MoE experts' pairs
-    form): ``weight`` [E, N, K] and ``scale_inv`` [E, N/128, K/128] a stack, row m of the result
-    is ``x[m] @ dequantize(weight[ids[m]]).T`` (each program reads one stack entry; ids outside
-    [0, E): undefined, the caller clips). ValueError for what :func:`check_supported` refuses,
-    for a scale of the wrong shape, and for a ``config`` whose buffers exceed
+    the module docstring, [M, N] in x's dtype. ValueError for what :func:`check_supported`
+    refuses, for a scale of the wrong shape, and for a ``config`` whose buffers exceed
     :data:`SMEM_LIMIT_BYTES`. ``config``: None picks :func:`choose_config`; ``interpret``: the
     Mosaic GPU interpreter (CPU). Not differentiable (``choice.fp8_linear`` adds the VJP)."""
-    grouped = ids is not None
-    w_shape = weight.shape[1:] if grouped else weight.shape
-    if grouped and (weight.ndim != 3 or ids.shape != (x.shape[0],)):
-        raise ValueError(f"grouped: weight {weight.shape} must be [E, N, K] and ids {ids.shape} "
-                         f"[M] for x {x.shape}")
-    if (why := check_supported(x.shape, w_shape, x.dtype, weight.dtype, block_size)):
+    if (why := check_supported(x.shape, weight.shape, x.dtype, weight.dtype, block_size)):
         raise ValueError(f"fp8_linear_pallas does not take {why}")
     m, k = x.shape
-    n = w_shape[0]
-    if scale_inv.shape != weight.shape[:-2] + (n // BLOCK, k // BLOCK):
+    n = weight.shape[0]
+    if scale_inv.shape != (n // BLOCK, k // BLOCK):
         raise ValueError(f"{scale_inv.shape=} does not match {weight.shape=} in {BLOCK}-blocks")
-    groups = m if grouped else 1
-    chosen = choose_config(groups * n, k, m)
+    chosen = choose_config(n, k, m)
     stages = (config and config.num_stages) or chosen.num_stages
     splits = (config and config.splits) or chosen.splits
     col_blocks = k // BLOCK
@@ -216,42 +196,29 @@ def fp8_linear_pallas(x, weight, scale_inv, block_size=DEFAULT_BLOCK, *, ids=Non
     body = functools.partial(_kernel, steps_per_split=steps_per_split, col_blocks=col_blocks,
                              num_stages=stages, dtype=dtype, interpret=interpret)
 
-    def entry(x_gmem, w_gmem, s_gmem, *rest):
-        ids_gmem, o_gmem = rest if grouped else (None, *rest)
+    def entry(x_gmem, w_gmem, s_gmem, o_gmem):
         smem = (_smem_tile((stages, BLOCK, BLOCK), FP8),
                 _smem_tile((stages, mp, BLOCK), dtype),
                 plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, mp), jnp.float32),
                 _smem_tile((COMPUTE_WGS, ROWS_PER_WG, BLOCK), dtype) if interpret else None)
         pl.run_scoped(
-            lambda *scoped: body(x_gmem, w_gmem, s_gmem, ids_gmem, o_gmem, scoped),
+            lambda *scoped: body(x_gmem, w_gmem, s_gmem, o_gmem, scoped),
             smem,
             (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)),
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
             collective_axes="wg")
 
-    grid, names = (n // BLOCK, splits), ("n", "s")
-    out_shape, operands = (splits, n, mp), (xp, weight, scale_inv.astype(jnp.float32))
-    if grouped:  # one program per (row m, row block, split); row m's output: column m
-        grid, names = (m, *grid), ("g", *names)
-        out_shape, operands = (m, *out_shape), (*operands, ids.astype(jnp.int32))
     partial = plgpu.kernel(
-        entry, out_type=jax.ShapeDtypeStruct(out_shape, jnp.float32),
-        grid=grid, grid_names=names,
+        entry, out_type=jax.ShapeDtypeStruct((splits, n, mp), jnp.float32),
+        grid=(n // BLOCK, splits), grid_names=("n", "s"),
         num_threads=COMPUTE_WGS + 1, thread_name="wg",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(*operands)
-    if grouped:  # [M, splits, N, Mp]: row m's own column
-        rows = jnp.arange(m)
-        return partial.sum(1)[rows, :, rows].astype(dtype)
+    )(xp, weight, scale_inv.astype(jnp.float32))
     return partial.sum(0).T[:m].astype(dtype)
 
 
-def fp8_linear_reference(x, weight, scale_inv, block_size=DEFAULT_BLOCK, *, ids=None):
+def fp8_linear_reference(x, weight, scale_inv, block_size=DEFAULT_BLOCK):
     """``x @ dequantize(weight, scale_inv, block_size, x.dtype).T``, float32 accumulation, in
-    x's dtype (what ``model.linear`` computes for an ``Fp8Linear``). x [..., K]. Grouped
-    (``ids`` [M]): x [M, K], row m through stack entry ``ids[m]`` (``experts``' pairs form)."""
-    if ids is not None:
-        w = dequantize(weight[ids], scale_inv[ids], block_size, x.dtype)
-        return jnp.einsum("mi,moi->mo", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    x's dtype (what ``model.linear`` computes for an ``Fp8Linear``). x [..., K]."""
     w = dequantize(weight, scale_inv, block_size, x.dtype)
     return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
