@@ -353,7 +353,7 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
                                  instead="quantize=None" if quantize and not scales else "")
     place = place or (lambda name, x: jnp.asarray(x))
     flat = {}
-    for name, array in _iter_tensors(found, scales, block, stacks):
+    for name, array in _iter_tensors(found, scales, block, stacks, check_finite):
         if name in stacks:  # per-expert FP8 tensors stacked, kept FP8
             array, scale = array
             if check_finite:
@@ -485,14 +485,15 @@ def _fp8_stacks(config: Config, found: dict, scales: dict, block) -> set[str]:
                     for expert in parts for _, stored in expert)}
 
 
-def _iter_tensors(found, scales=None, block=quantization.DEFAULT_BLOCK, stacks=frozenset()
-                  ) -> Iterator[tuple[str, np.ndarray]]:
+def _iter_tensors(found, scales=None, block=quantization.DEFAULT_BLOCK, stacks=frozenset(),
+                  check_finite: bool = False) -> Iterator[tuple[str, np.ndarray]]:
     """(name, array) for every entry of ``found``: a stored tensor, or (path None) the stack of
     per-expert parts (:func:`_fuse_experts`), each expert's parts concatenated along rows (an
     FP8 part dequantised to float32 first, unless the name is in ``stacks``: then array is
     (float8 [E, ...], float32 scales [E, ...]), the parts' values and scales concatenated); for
     a name in ``scales`` (an FP8 weight: {name: its scale's entry}) array is (float8 values,
-    float32 block scales)."""
+    float32 block scales). ``check_finite``: a dequantised part's scales are checked as read
+    (:func:`_check_finite`; a negative one leaves finite values)."""
     scales = scales or {}
     with contextlib.ExitStack() as stack:
         handles = {}
@@ -520,8 +521,10 @@ def _iter_tensors(found, scales=None, block=quantization.DEFAULT_BLOCK, stacks=f
             scale = scales.get(canonical_name(stored, mtp=True))
             if scale is None:
                 return read(path, stored)
-            return quantization.dequantize(read_fp8(path, stored),
-                                           read(*scale[:2]).astype(np.float32), block)
+            scale_inv = read(*scale[:2]).astype(np.float32)
+            if check_finite:
+                _check_finite(scale_inv, scale[1], scale[0], scales=True)
+            return quantization.dequantize(read_fp8(path, stored), scale_inv, block)
 
         for name, (path, stored, _) in sorted(found.items(), key=lambda kv: str(kv[1][0])):
             if name in scales:

@@ -371,8 +371,10 @@ def test_fp8_moe_release_loads_its_experts(tmp_path, config):
         name: np.full((1, 1), np.nan, np.float32)})
     with pytest.raises(ValueError, match=rf"tensor {name} in .*model.safetensors' has 1 NaN"):
         jd.load_checkpoint(nan, dtype="float32")
-    # a negative block scale (a sign flipped in a damaged file), of a stack and of a Linear
+    # a negative block scale (a sign flipped in a damaged file), of a stack (gate/up: also where
+    # the stack is dequantised at load) and of a Linear
     for name in ("model.layers.0.mlp.experts.2.down_proj.weight_scale_inv",
+                 "model.layers.0.mlp.experts.3.up_proj.weight_scale_inv",
                  "model.layers.1.self_attn.o_proj.weight_scale_inv"):
         negative = _write_fp8_checkpoint(tmp_path / name, params, change={
             name: -np.ones((1, 1), np.float32)})
