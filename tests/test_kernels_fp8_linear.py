@@ -46,7 +46,8 @@ def reference_f64(x, w8, scale, dtype):
 
 
 # (m, n, k, config, dtype): one row; odd rows with 3 splits and 2 stages; a full 64-row tile;
-# split-K with a short last split; one column block; 40 rows (padded to 48) in float16
+# split-K with a short last split; one column block; 40 rows (padded to 48) in float16; 4 and 2
+# column blocks a pipeline step (the 2-block case with more steps than stages)
 CASES = {
     "m1": (1, 256, 384, None, bf16),
     "m5-splits3": (5, 384, 640, fl.Fp8LinearConfig(num_stages=2, splits=3), bf16),
@@ -54,6 +55,10 @@ CASES = {
     "m17-uneven-splits": (17, 256, 896, fl.Fp8LinearConfig(num_stages=3, splits=3), bf16),
     "m9-one-block": (9, 128, 128, None, bf16),
     "m40-float16": (40, 256, 512, None, jnp.float16),
+    "m3-cols4-splits2": (3, 256, 1024, fl.Fp8LinearConfig(num_stages=2, splits=2,
+                                                          cols_per_step=4), bf16),
+    "m24-cols2-3steps": (24, 128, 768, fl.Fp8LinearConfig(num_stages=2, splits=1,
+                                                         cols_per_step=2), bf16),
 }
 
 
@@ -83,7 +88,9 @@ def test_reference_is_what_model_linear_computed_for_fp8():
 
 @pytest.mark.parametrize("m, n, k, config", [(1, 256, 384, None), (64, 1024, 4096, None),
                                              (16, 12288, 4096, None),
-                                             (3, 128, 512, fl.Fp8LinearConfig(4, 2))])
+                                             (3, 128, 512, fl.Fp8LinearConfig(4, 2)),
+                                             (8, 4096, 12288, None),
+                                             (64, 256, 1024, fl.Fp8LinearConfig(2, 1, 2))])
 def test_kernel_lowers_for_cuda(m, n, k, config):
     specs = [jax.ShapeDtypeStruct((m, k), bf16), jax.ShapeDtypeStruct((n, k), FP8),
              jax.ShapeDtypeStruct((n // 128, k // 128), f32)]
@@ -110,12 +117,17 @@ def test_unsupported_inputs_raise(x_shape, w_shape, x_dtype, why):
 
 
 def test_choose_config_fills_the_gpu_and_the_shared_memory():
-    for n, k, m in [(12288, 4096, 1), (1024, 4096, 8), (4096, 12288, 64), (17408, 5120, 33)]:
+    for n, k, m in [(12288, 4096, 1), (1024, 4096, 8), (4096, 12288, 64), (17408, 5120, 33),
+                    (4096, 1536, 1), (2048, 1536, 5)]:
         c = fl.choose_config(n, k, m)
         programs = n // 128 * c.splits
-        assert 2 <= c.num_stages <= 8
-        assert c.num_stages * (128 * 128 + fl.padded_rows(m) * 256) <= fl.SMEM_BUDGET_BYTES
-        assert fl.smem_bytes(m, c.num_stages) <= fl.SMEM_LIMIT_BYTES
+        per_split = -(-k // 128 // c.splits)
+        assert 2 <= c.num_stages * c.cols_per_step <= 8
+        assert c.num_stages >= 2 and c.cols_per_step in (1, 2, 4)
+        assert k // 128 % c.cols_per_step == 0 and per_split % c.cols_per_step == 0, (n, k, c)
+        step = c.cols_per_step * (128 * 128 + fl.padded_rows(m) * 256)
+        assert c.num_stages * step <= fl.SMEM_BUDGET_BYTES
+        assert fl.smem_bytes(m, c.num_stages, c.cols_per_step) <= fl.SMEM_LIMIT_BYTES
         if n // 128 > 132:  # two programs an SM, one wave
             assert c.splits == 2 and 2 * fl.smem_bytes(m, c.num_stages) <= fl.SMEM_PER_SM, (m, c)
         else:
@@ -124,7 +136,11 @@ def test_choose_config_fills_the_gpu_and_the_shared_memory():
     for m in (1, 8, 33, 64):  # 27B's MLP (136 row blocks): stages shrink with the rows
         c = fl.choose_config(17408, 5120, m)
         assert c.splits == 2 and 2 * fl.smem_bytes(m, c.num_stages) <= fl.SMEM_PER_SM, (m, c)
-    assert fl.choose_config(17408, 5120, 1).num_stages == 4
+    assert fl.choose_config(17408, 5120, 1) == fl.Fp8LinearConfig(4, 2, 1)
+    # the 9B's shapes at one row: 4 blocks a step wherever the splits allow it
+    assert fl.choose_config(12288, 4096, 1).cols_per_step == 4
+    assert fl.choose_config(4096, 12288, 1).cols_per_step == 4
+    assert fl.choose_config(4096, 12288, 64).cols_per_step == 2  # two 2-block steps fit
 
 
 def test_config_overrides_are_checked_before_lowering():
@@ -133,9 +149,16 @@ def test_config_overrides_are_checked_before_lowering():
             fl.Fp8LinearConfig(num_stages=bad)
         with pytest.raises(ValueError, match="must be None or an int >= 1"):
             fl.Fp8LinearConfig(splits=bad)
+        with pytest.raises(ValueError, match="must be None or an int >= 1"):
+            fl.Fp8LinearConfig(cols_per_step=bad)
     x, w8, scale = inputs(0, 64, 128, 256)
-    with pytest.raises(ValueError, match="num_stages=8 needs .* bytes of shared memory"):
-        fl.fp8_linear_pallas(x, w8, scale, config=fl.Fp8LinearConfig(num_stages=8))
+    with pytest.raises(ValueError, match="num_stages=8 x cols_per_step=1 needs .* bytes of shared"):
+        fl.fp8_linear_pallas(x, w8, scale, config=fl.Fp8LinearConfig(8, 1, 1))
+    x, w8, scale = inputs(0, 1, 128, 768)  # 6 column blocks: 4 a step would leave 2 over
+    with pytest.raises(ValueError, match="cols_per_step=4 must divide the 6 column blocks"):
+        fl.fp8_linear_pallas(x, w8, scale, config=fl.Fp8LinearConfig(2, 1, 4))
+    with pytest.raises(ValueError, match="each split's 3"):  # 2 splits of 3 blocks
+        fl.fp8_linear_pallas(x, w8, scale, config=fl.Fp8LinearConfig(2, 2, 2))
 
 
 def test_kernels_refuse_fp8_pallas_where_it_does_not_run():
