@@ -45,20 +45,21 @@ def reference_f64(x, w8, scale, dtype):
     return np.asarray(jnp.asarray(x, f32), np.float64) @ w.T
 
 
-# (m, n, k, config, dtype): one row; odd rows with 3 splits and 2 stages; a full 64-row tile;
-# split-K with a short last split; one column block; 40 rows (padded to 48) in float16; 4 and 2
-# column blocks a pipeline step (the 2-block case with more steps than stages)
+# (m, n, k, config, dtype): one row; 5 rows, one column block a step, programs of 3 steps over 3
+# row blocks of 5 (ranges crossing row blocks, a row block over 3 programs, slots left unwritten);
+# a full 64-row tile; 17 rows, the last program short; one column block; 40 rows (padded to 48)
+# in float16; 4 column blocks a step, a program per step; 2 blocks a step, a program with more
+# steps than stages; 2 blocks a step, a program ending one row block and starting the next
 CASES = {
     "m1": (1, 256, 384, None, bf16),
-    "m5-splits3": (5, 384, 640, fl.Fp8LinearConfig(num_stages=2, splits=3), bf16),
+    "m5-ranges-cross-rows": (5, 384, 640, fl.Fp8LinearConfig(2, 1, 3), bf16),
     "m64": (64, 128, 256, None, bf16),
-    "m17-uneven-splits": (17, 256, 896, fl.Fp8LinearConfig(num_stages=3, splits=3), bf16),
+    "m17-short-last": (17, 256, 896, fl.Fp8LinearConfig(3, 1, 3), bf16),
     "m9-one-block": (9, 128, 128, None, bf16),
     "m40-float16": (40, 256, 512, None, jnp.float16),
-    "m3-cols4-splits2": (3, 256, 1024, fl.Fp8LinearConfig(num_stages=2, splits=2,
-                                                          cols_per_step=4), bf16),
-    "m24-cols2-3steps": (24, 128, 768, fl.Fp8LinearConfig(num_stages=2, splits=1,
-                                                         cols_per_step=2), bf16),
+    "m3-cols4": (3, 256, 1024, fl.Fp8LinearConfig(2, 4, 1), bf16),
+    "m24-cols2-3steps": (24, 128, 768, fl.Fp8LinearConfig(2, 2, 3), bf16),
+    "m8-cols2-cross-rows": (8, 384, 1024, fl.Fp8LinearConfig(2, 2, 3), bf16),
 }
 
 
@@ -88,9 +89,9 @@ def test_reference_is_what_model_linear_computed_for_fp8():
 
 @pytest.mark.parametrize("m, n, k, config", [(1, 256, 384, None), (64, 1024, 4096, None),
                                              (16, 12288, 4096, None),
-                                             (3, 128, 512, fl.Fp8LinearConfig(4, 2)),
+                                             (3, 128, 512, fl.Fp8LinearConfig(4, 2, 1)),
                                              (8, 4096, 12288, None),
-                                             (64, 256, 1024, fl.Fp8LinearConfig(2, 1, 2))])
+                                             (64, 384, 1024, fl.Fp8LinearConfig(2, 2, 3))])
 def test_kernel_lowers_for_cuda(m, n, k, config):
     specs = [jax.ShapeDtypeStruct((m, k), bf16), jax.ShapeDtypeStruct((n, k), FP8),
              jax.ShapeDtypeStruct((n // 128, k // 128), f32)]
@@ -118,47 +119,51 @@ def test_unsupported_inputs_raise(x_shape, w_shape, x_dtype, why):
 
 def test_choose_config_fills_the_gpu_and_the_shared_memory():
     for n, k, m in [(12288, 4096, 1), (1024, 4096, 8), (4096, 12288, 64), (17408, 5120, 33),
-                    (4096, 1536, 1), (2048, 1536, 5)]:
+                    (4096, 1536, 1), (2048, 1536, 5), (17408, 5120, 1), (128, 128, 1)]:
         c = fl.choose_config(n, k, m)
-        programs = n // 128 * c.splits
-        per_split = -(-k // 128 // c.splits)
-        assert 2 <= c.num_stages * c.cols_per_step <= 8
-        assert c.num_stages >= 2 and c.cols_per_step in (1, 2, 4)
-        assert k // 128 % c.cols_per_step == 0 and per_split % c.cols_per_step == 0, (n, k, c)
+        assert c.cols_per_step in (1, 2, 4) and k // 128 % c.cols_per_step == 0, (n, k, c)
+        assert c.num_stages >= 2 and c.num_stages * c.cols_per_step <= 8
         step = c.cols_per_step * (128 * 128 + fl.padded_rows(m) * 256)
-        assert c.num_stages * step <= fl.SMEM_BUDGET_BYTES
+        assert c.num_stages * step <= fl.SMEM_BUDGET_BYTES or c.num_stages == 2
         assert fl.smem_bytes(m, c.num_stages, c.cols_per_step) <= fl.SMEM_LIMIT_BYTES
-        if n // 128 > 132:  # two programs an SM, one wave
-            assert c.splits == 2 and 2 * fl.smem_bytes(m, c.num_stages) <= fl.SMEM_PER_SM, (m, c)
-        else:
-            assert programs <= 132 or c.splits == 1, (n, k, c)
-            assert c.splits == 1 or programs > 132 // 2, (n, k, c)
-    for m in (1, 8, 33, 64):  # 27B's MLP (136 row blocks): stages shrink with the rows
-        c = fl.choose_config(17408, 5120, m)
-        assert c.splits == 2 and 2 * fl.smem_bytes(m, c.num_stages) <= fl.SMEM_PER_SM, (m, c)
-    assert fl.choose_config(17408, 5120, 1) == fl.Fp8LinearConfig(4, 2, 1)
-    # the 9B's shapes at one row: 4 blocks a step wherever the splits allow it
-    assert fl.choose_config(12288, 4096, 1).cols_per_step == 4
-    assert fl.choose_config(4096, 12288, 1).cols_per_step == 4
+        total = n // 128 * k // 128 // c.cols_per_step
+        programs = -(-total // c.steps_per_program)
+        assert programs <= 132, (n, k, c)  # one wave
+        if n // 128 <= 132:  # split-K: each row block's columns in equal parts of >= 2 blocks
+            assert k // 128 // c.cols_per_step % c.steps_per_program == 0 or programs > 66
+            assert c.steps_per_program * c.cols_per_step >= 2 or k // 128 < 2, (n, k, c)
+        else:  # ranges as even as the steps allow
+            assert c.steps_per_program == -(-total // 132), (n, k, c)
+    # the 9B's MLP at one row: a program per row block (96), 8 steps of 4 blocks
+    assert fl.choose_config(12288, 4096, 1) == fl.Fp8LinearConfig(2, 4, 8)
+    assert fl.choose_config(4096, 12288, 1) == fl.Fp8LinearConfig(2, 4, 6)  # 4 parts of 24 blocks
     assert fl.choose_config(4096, 12288, 64).cols_per_step == 2  # two 2-block steps fit
+    # 27B's MLP, 136 x 40 blocks: 130 programs of 21 2-block steps (cost 43.7), not 11 4-block
+    # ones (44) or 42 1-block ones (47)
+    assert fl.choose_config(17408, 5120, 1) == fl.Fp8LinearConfig(4, 2, 21)
+    # on 100 SMs: 14 4-block steps (56) beat 28 2-block ones (58.2)
+    assert fl.choose_config(17408, 5120, 1, num_sms=100) == fl.Fp8LinearConfig(2, 4, 14)
+
+
+def test_partial_slots():
+    """Row blocks of 5 steps, programs of 3: program p holds steps [3p, 3p + 3)."""
+    want = np.array([[1, 1, 1], [1, 1, 1], [0, 1, 0]], bool)  # rows 0-2 span 2, 3, 2 programs
+    np.testing.assert_array_equal(fl.partial_slots(3, 5, 3), want)
+    np.testing.assert_array_equal(fl.partial_slots(4, 2, 2), np.ones((1, 4), bool))
+    np.testing.assert_array_equal(fl.partial_slots(1, 4, 1), np.ones((4, 1), bool))
 
 
 def test_config_overrides_are_checked_before_lowering():
     for bad in (0, -1, 2.0):
-        with pytest.raises(ValueError, match="must be None or an int >= 1"):
-            fl.Fp8LinearConfig(num_stages=bad)
-        with pytest.raises(ValueError, match="must be None or an int >= 1"):
-            fl.Fp8LinearConfig(splits=bad)
-        with pytest.raises(ValueError, match="must be None or an int >= 1"):
-            fl.Fp8LinearConfig(cols_per_step=bad)
+        for name in ("num_stages", "cols_per_step", "steps_per_program"):
+            with pytest.raises(ValueError, match="must be None or an int >= 1"):
+                fl.Fp8LinearConfig(**{name: bad})
     x, w8, scale = inputs(0, 64, 128, 256)
     with pytest.raises(ValueError, match="num_stages=8 x cols_per_step=1 needs .* bytes of shared"):
-        fl.fp8_linear_pallas(x, w8, scale, config=fl.Fp8LinearConfig(8, 1, 1))
+        fl.fp8_linear_pallas(x, w8, scale, config=fl.Fp8LinearConfig(8, 1))
     x, w8, scale = inputs(0, 1, 128, 768)  # 6 column blocks: 4 a step would leave 2 over
     with pytest.raises(ValueError, match="cols_per_step=4 must divide the 6 column blocks"):
-        fl.fp8_linear_pallas(x, w8, scale, config=fl.Fp8LinearConfig(2, 1, 4))
-    with pytest.raises(ValueError, match="each split's 3"):  # 2 splits of 3 blocks
-        fl.fp8_linear_pallas(x, w8, scale, config=fl.Fp8LinearConfig(2, 2, 2))
+        fl.fp8_linear_pallas(x, w8, scale, config=fl.Fp8LinearConfig(2, 4))
 
 
 def test_kernels_refuse_fp8_pallas_where_it_does_not_run():

@@ -12,15 +12,19 @@ Why the kernel looks the way it does (after ``jax/experimental/pallas/ops/gpu/
 hopper_mixed_type_matmul_mgpu.py``; Marlin, Frantar et al., 2024, for the weight-only idea):
 
 * XLA's form writes a 16-bit copy of every weight before the dot (3 more bytes per weight than
-  the 1 the FP8 model must read), so the kernel converts in registers instead: a program owns 128
-  weight rows (one scale row) and a range of 128-column blocks; a TMA warpgroup streams the
-  [128, 128] FP8 blocks and the matching [M, 128] slices of x through ``num_stages`` buffers; two
+  the 1 the FP8 model must read), so the kernel converts in registers instead: a program takes
+  a range of [128, 128] blocks (128 weight rows share a scale row); a TMA warpgroup streams the
+  FP8 blocks and the matching [M, 128] slices of x through ``num_stages`` buffers; two
   compute warpgroups each take 64 rows, upcast them (e4m3 -> f16 -> f32, times the block's scale,
   -> x's dtype: ``dequantize``'s rounding) and feed them to ``wgmma`` as the A operand from
   registers, with x's slice as B from shared memory: out^T [64, M] += W [64, 128] @ x^T [128, M].
-* A few rows cannot fill the GPU with one program per 128 rows (k_proj: 8 programs), so the
-  column blocks are split over ``splits`` programs (split-K); each writes its float32 partial
-  [N, M] and XLA adds the splits, transposes and casts (one small fusion).
+* The work is the row blocks' pipeline steps in order (row block by row block), cut into ranges
+  of ``steps_per_program``. A few rows cannot fill the GPU with one program per 128 rows (k_proj:
+  8 programs), so a row block's columns are split over several programs (split-K); with more row
+  blocks than SMs (27B's MLP: 136), ranges cut evenly over the SMs, so that no second, nearly
+  empty wave follows. A range may end one row block and start the next: the program writes each
+  row block's float32 partial [128, M] to its slot of [S, N, M] (S: the most programs sharing a
+  row block) and XLA adds the written slots, transposes and casts (one small fusion).
 * A pipeline step copies ``cols_per_step`` column blocks at once ([128, 128·c] FP8, 128·c-byte
   rows per TMA copy): fewer, larger steps issue fewer instructions per byte.
 """
@@ -35,19 +39,22 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
+import numpy as np
 
 from jaxdecode.kernels import stream_blocks, wait_for_inputs
 from jaxdecode.kernels.decode_attention import _accumulate, _register_operand, _smem_tile
 from jaxdecode.quantization import DEFAULT_BLOCK, FP8, dequantize
 
-BLOCK = 128  # weight rows per program (one scale row) and columns per step (one scale column)
+BLOCK = 128  # a block's weight rows (one scale row) and columns (one scale column)
 ROWS_PER_WG = 64  # one wgmma M tile
 COMPUTE_WGS = BLOCK // ROWS_PER_WG
 MAX_ROWS = 64  # x rows the kernel takes (the accumulator [64, M] float32 stays in registers)
 SMEM_BUDGET_BYTES = 200 * 1024  # the pipeline's buffers (choose_config's stages)
 SMEM_LIMIT_BYTES = 227 * 1024  # what a Hopper CTA may use: the check on a config override
-SMEM_PER_SM = 226 * 1024  # what two co-resident programs may use together (1 KiB each reserved)
-DEFAULT_NUM_SMS = 132  # H100/H200 SXM; the split heuristic only
+DEFAULT_NUM_SMS = 132  # H100/H200 SXM; choose_config's ranges only
+# relative time per [128, 128] block by blocks a pipeline step (12288 x 4096, one row, H100:
+# 24.5, 25.4, 27.4 us): choose_config trades wider steps against even ranges with it
+BLOCK_COST = {4: 1.0, 2: 1.04, 1: 1.12}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,11 +62,11 @@ class Fp8LinearConfig:
     """Static tuning knobs of :func:`fp8_linear_pallas`; None: :func:`choose_config`'s.
     ValueError for a value that is not None or a positive int."""
     num_stages: int | None = None  # pipeline steps in flight per program
-    splits: int | None = None  # programs sharing one row block's column blocks (split-K)
     cols_per_step: int | None = None  # [128, 128] weight blocks one pipeline step copies
+    steps_per_program: int | None = None  # pipeline steps one program runs (the last: fewer)
 
     def __post_init__(self):
-        for name in ("num_stages", "splits", "cols_per_step"):
+        for name in ("num_stages", "cols_per_step", "steps_per_program"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"Fp8LinearConfig.{name}={value!r} must be None or an int >= 1")
@@ -81,23 +88,38 @@ def smem_bytes(m: int, num_stages: int, cols_per_step: int = 1) -> int:
 
 def choose_config(n: int, k: int, m: int, num_sms: int = DEFAULT_NUM_SMS) -> Fp8LinearConfig:
     """Blocks in flight: as many [128, 128] blocks (+ x slices) as fit :data:`SMEM_BUDGET_BYTES`,
-    up to 8 (bytes in flight hide HBM latency); splits: enough programs for one wave over
-    ``num_sms`` (each split keeps >= 2 column blocks); then the widest step of 4, 2 or 1 blocks
-    that divides every split and leaves two steps in flight (4 blocks a TMA copy measured 4-7%
-    faster than 1). More row blocks than SMs (27B's MLP: 136): 2 splits, up to 4 one-block
-    stages, few enough that two programs share an SM in one wave instead of leaving a second,
-    nearly empty wave."""
+    up to 8 (bytes in flight hide HBM latency). Ranges: with no more row blocks than SMs, each
+    row block's columns split into as many equal parts as one wave allows (each part >= 2
+    blocks), 4, 2 or 1 blocks a step (the widest dividing a part, two steps in flight); with more
+    row blocks than SMs (a second, nearly empty wave otherwise), all steps cut evenly into
+    ``num_sms`` ranges, the step width the one whose busiest program takes the least time by
+    :data:`BLOCK_COST`. (Evening out the ranges over all SMs did not help where one wave fits.)"""
     block_bytes = BLOCK * BLOCK + padded_rows(m) * BLOCK * 2
     blocks = max(2, min(8, SMEM_BUDGET_BYTES // block_bytes))
     row_blocks, col_blocks = n // BLOCK, k // BLOCK
-    shared = min(4, (SMEM_PER_SM // 2 - smem_bytes(m, 0)) // block_bytes)  # two programs an SM
-    if row_blocks > num_sms and col_blocks >= 4 and shared >= 2:
-        return Fp8LinearConfig(num_stages=shared, splits=2, cols_per_step=1)
-    splits = max(1, min(num_sms // max(row_blocks, 1), col_blocks // 2))
-    per_split = -(-col_blocks // splits)
-    cols = next(c for c in (4, 2, 1)
-                if col_blocks % c == 0 and per_split % c == 0 and 2 * c <= blocks)
-    return Fp8LinearConfig(num_stages=max(2, blocks // cols), splits=splits, cols_per_step=cols)
+    widths = [c for c in (4, 2, 1) if col_blocks % c == 0 and (2 * c <= blocks or c == 1)]
+    if row_blocks <= num_sms:
+        splits = max(1, min(num_sms // max(row_blocks, 1), col_blocks // 2))
+        part = -(-col_blocks // splits)
+        cols = next(c for c in widths if part % c == 0)
+        return Fp8LinearConfig(num_stages=max(2, blocks // cols), cols_per_step=cols,
+                               steps_per_program=part // cols)
+    options = []
+    for cols in widths:
+        steps = -(-row_blocks * col_blocks // cols // num_sms)
+        options.append((steps * cols * BLOCK_COST[cols], -cols, steps))
+    _, cols, steps = min(options)
+    return Fp8LinearConfig(num_stages=max(2, blocks // -cols), cols_per_step=-cols,
+                           steps_per_program=steps)
+
+
+def partial_slots(row_blocks: int, steps_per_row: int, steps_per_program: int) -> np.ndarray:
+    """[S, row_blocks] bool: which slots of the partial output program ranges write, slot j of
+    row block r being the j-th program whose range holds some of r's steps."""
+    first = np.arange(row_blocks) * steps_per_row // steps_per_program
+    last = ((np.arange(row_blocks) + 1) * steps_per_row - 1) // steps_per_program
+    count = last - first + 1
+    return np.arange(count.max())[:, None] < count[None, :]
 
 
 def check_supported(x_shape, w_shape, x_dtype, w_dtype, block_size) -> str | None:
@@ -119,23 +141,28 @@ def check_supported(x_shape, w_shape, x_dtype, w_dtype, block_size) -> str | Non
     return None
 
 
-def _kernel(x_gmem, w_gmem, s_gmem, o_gmem, scoped, *, blocks_per_split, col_blocks, cols,
-            num_stages, dtype, interpret):
+def _kernel(x_gmem, w_gmem, s_gmem, o_gmem, scoped, *, steps_per_program, steps_per_row,
+            total_steps, cols, num_stages, dtype, interpret):
     wait_for_inputs(interpret)
     (w_smem, x_smem, o_smem2, w_tmp2), (w_barriers, x_barriers), consumed = scoped
-    row_block, split, wg = lax.axis_index("n"), lax.axis_index("s"), lax.axis_index("wg")
-    first = split * blocks_per_split  # this program's first column block
-    steps = jnp.minimum(col_blocks - first, blocks_per_split) // cols  # cols divides both
+    program, wg = lax.axis_index("p"), lax.axis_index("wg")
+    start = program * steps_per_program  # this program's first step over all row blocks
+    steps = jnp.minimum(total_steps - start, steps_per_program)
 
-    def scales(i):  # step i's block scales, clamped to the last block past the end
-        return tuple(s_gmem[row_block, jnp.minimum(first + i * cols + j, col_blocks - 1)]
-                     for j in range(cols))
+    def where(i):  # (row block, first column block) of this program's step i
+        g = start + i
+        return g // steps_per_row, (g % steps_per_row) * cols
+
+    def scales(i):  # step i's block scales (past the last step: the last step's)
+        row, col = where(jnp.minimum(i, steps - 1))
+        return tuple(s_gmem[row, col + j] for j in range(cols))
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
         rows = pl.ds(wg * ROWS_PER_WG, ROWS_PER_WG)
         layout = plgpu.Layout.WGMMA
         acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, x_smem.shape[1]), jnp.float32), layout)
+        o_smem = o_smem2.at[wg]
 
         def step(i, carry):
             acc, scale = carry
@@ -159,14 +186,21 @@ def _kernel(x_gmem, w_gmem, s_gmem, o_gmem, scoped, *, blocks_per_split, col_blo
 
                 acc = _accumulate(acc, mma, interpret=interpret)
             plgpu.barrier_arrive(consumed.at[slot])
-            return acc, next_scale
+            row, col = where(i)
+            flush = (col + cols == steps_per_row * cols) | (i == steps - 1)  # row block's end
 
-        acc, _ = lax.fori_loop(0, steps, step, (acc, scales(0)))
-        o_smem = o_smem2.at[wg]
-        o_smem[...] = acc
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(
-            o_smem, o_gmem.at[split, pl.ds(row_block * BLOCK + wg * ROWS_PER_WG, ROWS_PER_WG)])
+            @pl.when(flush)
+            def _write():
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last write read o_smem
+                o_smem[...] = acc
+                plgpu.commit_smem()
+                out = o_gmem.at[program - row * steps_per_row // steps_per_program,
+                                pl.ds(row * BLOCK + wg * ROWS_PER_WG, ROWS_PER_WG)]
+                plgpu.copy_smem_to_gmem(o_smem, out)
+
+            return acc * jnp.where(flush, 0.0, 1.0), next_scale
+
+        lax.fori_loop(0, steps, step, (acc, scales(0)))
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == COMPUTE_WGS)
@@ -175,8 +209,9 @@ def _kernel(x_gmem, w_gmem, s_gmem, o_gmem, scoped, *, blocks_per_split, col_blo
             plgpu.set_max_registers(40, action="decrease")
 
         def fetch(i, slot):
-            span = pl.ds((first + i * cols) * BLOCK, cols * BLOCK)
-            plgpu.copy_gmem_to_smem(w_gmem.at[pl.ds(row_block * BLOCK, BLOCK), span],
+            row, col = where(i)
+            span = pl.ds(col * BLOCK, cols * BLOCK)
+            plgpu.copy_gmem_to_smem(w_gmem.at[pl.ds(row * BLOCK, BLOCK), span],
                                     w_smem.at[slot], w_barriers.at[slot])
             plgpu.copy_gmem_to_smem(x_gmem.at[:, span], x_smem.at[slot], x_barriers.at[slot])
 
@@ -199,24 +234,26 @@ def fp8_linear_pallas(x, weight, scale_inv, block_size=DEFAULT_BLOCK, *,
         raise ValueError(f"{scale_inv.shape=} does not match {weight.shape=} in {BLOCK}-blocks")
     chosen = choose_config(n, k, m)
     stages = (config and config.num_stages) or chosen.num_stages
-    splits = (config and config.splits) or chosen.splits
     cols = (config and config.cols_per_step) or chosen.cols_per_step
-    col_blocks = k // BLOCK
-    blocks_per_split = -(-col_blocks // splits)
-    splits = -(-col_blocks // blocks_per_split)  # no empty split
-    if col_blocks % cols or blocks_per_split % cols:
-        raise ValueError(f"cols_per_step={cols} must divide the {col_blocks} column blocks and "
-                         f"each split's {blocks_per_split}")
+    per_program = (config and config.steps_per_program) or chosen.steps_per_program
+    row_blocks, col_blocks = n // BLOCK, k // BLOCK
+    if col_blocks % cols:
+        raise ValueError(f"cols_per_step={cols} must divide the {col_blocks} column blocks")
     if smem_bytes(m, stages, cols) > SMEM_LIMIT_BYTES:
         raise ValueError(f"num_stages={stages} x cols_per_step={cols} needs "
                          f"{smem_bytes(m, stages, cols)} bytes of shared memory for {m} rows "
                          f"(at most {SMEM_LIMIT_BYTES})")
+    steps_per_row = col_blocks // cols
+    total_steps = row_blocks * steps_per_row
+    programs = -(-total_steps // per_program)
+    valid = partial_slots(row_blocks, steps_per_row, per_program)
     mp = padded_rows(m)
     xp = jnp.pad(x, ((0, mp - m), (0, 0))) if mp != m else x
     dtype = x.dtype
 
-    body = functools.partial(_kernel, blocks_per_split=blocks_per_split, col_blocks=col_blocks,
-                             cols=cols, num_stages=stages, dtype=dtype, interpret=interpret)
+    body = functools.partial(_kernel, steps_per_program=per_program, steps_per_row=steps_per_row,
+                             total_steps=total_steps, cols=cols, num_stages=stages, dtype=dtype,
+                             interpret=interpret)
 
     def entry(x_gmem, w_gmem, s_gmem, o_gmem):
         smem = (_smem_tile((stages, BLOCK, cols * BLOCK), FP8),
@@ -231,11 +268,13 @@ def fp8_linear_pallas(x, weight, scale_inv, block_size=DEFAULT_BLOCK, *,
             collective_axes="wg")
 
     partial = plgpu.kernel(
-        entry, out_type=jax.ShapeDtypeStruct((splits, n, mp), jnp.float32),
-        grid=(n // BLOCK, splits), grid_names=("n", "s"),
+        entry, out_type=jax.ShapeDtypeStruct((len(valid), n, mp), jnp.float32),
+        grid=(programs,), grid_names=("p",),
         num_threads=COMPUTE_WGS + 1, thread_name="wg",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(xp, weight, scale_inv.astype(jnp.float32))
+    if not valid.all():  # slots no program wrote hold whatever the buffer held
+        partial = jnp.where(np.repeat(valid, BLOCK, axis=1)[:, :, None], partial, 0.0)
     return partial.sum(0).T[:m].astype(dtype)
 
 
