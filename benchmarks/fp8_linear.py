@@ -3,7 +3,7 @@
 model ran before the kernel) and the bf16 weight's dot, in one process.
 
     python benchmarks/fp8_linear.py [--shapes 12288x4096,4096x12288,...] [--batches 1,8,64]
-        [--smoke]
+        [--configs 2:4:8,4:2:21] [--smoke]
 
 Per (out x in, rows): microseconds per matrix (``--layers`` different matrices of the shape
 summed in one jitted call, so the weights do not sit in the 60 MB L2; median of 5 repeats of 50
@@ -11,12 +11,16 @@ calls) and the % of the copy bandwidth measured in the same run
 (``decode.copy_bandwidth_gb_per_s``), over the bytes the weight must move (FP8: 1 byte per weight + the block scales; bf16: 2). Default shapes: the 9B
 model's quantised Linears (MLP gate/up, down; DeltaNet in_proj_qkv, out_proj; attention k_proj)
 and the 27B's MLP. ``--smoke``: tiny shapes in the Mosaic GPU interpreter (checks the script on
-a CPU; no timings; it ignores --shapes, --batches and --layers).
+a CPU; no timings; it ignores --shapes, --batches and --layers). ``--configs``: the kernel
+once more per ``num_stages:cols_per_step:steps_per_program`` (``Fp8LinearConfig``; a field
+left empty is ``choose_config``'s), beside ``choose_config``'s own; one the kernel refuses for a
+shape is reported and skipped.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -54,19 +58,25 @@ def main():
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated OUTxIN")
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--configs", default="",
+                    help="extra kernel configs, comma-separated num_stages:cols_per_step:"
+                         "steps_per_program (an empty field: choose_config's)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     try:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
         batches = [int(b) for b in args.batches.split(",")]
-    except ValueError:
-        ap.error(f"--shapes takes OUTxIN,... and --batches N,...; got {args.shapes!r}, "
-                 f"{args.batches!r}")
+        configs = [fl.Fp8LinearConfig(*(int(v) if v else None for v in c.split(":")))
+                   for c in args.configs.split(",") if c]
+    except (ValueError, TypeError) as e:
+        ap.error(f"--shapes takes OUTxIN,..., --batches N,..., --configs S:C:T,...; got "
+                 f"{args.shapes!r}, {args.batches!r}, {args.configs!r} ({e})")
     if any(len(s) != 2 or min(s) < 1 for s in shapes) or min(batches) < 1 or args.layers < 1:
         ap.error("shapes, batches and --layers must be positive")
     layers = args.layers
     if args.smoke:  # fixed tiny shapes: a check of the script, not a measurement
         shapes, batches, layers = [(256, 384)], [1, 3], 2
+        configs = configs or [fl.Fp8LinearConfig(2, 1, 2), fl.Fp8LinearConfig(3, 1, 4)]
     elif jax.default_backend() != "gpu":
         ap.error("timings need a GPU (the kernel compiles for Hopper); on a CPU run --smoke")
     interpret = args.smoke
@@ -82,6 +92,10 @@ def main():
         "fp8 XLA form": lambda x, w, w8, s: fl.fp8_linear_reference(x, w8, s),
         "fp8 kernel": lambda x, w, w8, s: fl.fp8_linear_pallas(x, w8, s, interpret=interpret),
     }
+    for c in configs:
+        name = "kernel " + ":".join(str(v or "") for v in dataclasses.astuple(c))
+        forms[name] = lambda x, w, w8, s, c=c: fl.fp8_linear_pallas(x, w8, s, config=c,
+                                                                      interpret=interpret)
     rows = []
     for (n, k) in shapes:
         w = jax.random.normal(jax.random.key(1), (layers, n, k), jnp.bfloat16)
@@ -93,17 +107,22 @@ def main():
             for name, form in forms.items():
                 f = jax.jit(lambda x, w, w8, s, form=form: sum(
                     form(x, w[i], w8[i], s[i]).astype(jnp.float32) for i in range(layers)))
-                outs[name] = f(x, w, w8, s)
+                try:
+                    outs[name] = f(x, w, w8, s)
+                except ValueError as e:  # a --configs entry this shape cannot take
+                    print(f"{n}x{k} rows {m}: {name} refused: {e}", flush=True)
+                    res[name] = None
+                    continue
                 res[name] = None if args.smoke else bench(f, (x, w, w8, s)) / layers
             ref = outs["bf16 dot"]
             err = {name: float(jnp.max(jnp.abs(o - ref)) / jnp.max(jnp.abs(ref)))
                    for name, o in outs.items()}
             rows.append((n, k, m, res, err))
-            print(f"{n}x{k} rows {m}: " + ", ".join(
-                f"{name} {res[name] * 1e6:.1f} us" if res[name] else name for name in forms)
+            print(f"{n}x{k} rows {m} (choose_config: {fl.choose_config(n, k, m)}): " + ", ".join(
+                f"{name} {res[name] * 1e6:.1f} us" if res[name] else name for name in outs)
                 + f"; max |diff| to the bf16 dot / max: {max(err.values()):.1e}", flush=True)
     if args.smoke:
-        assert all(max(e.values()) < 2e-2 for *_, e in rows), rows
+        assert all("fp8 kernel" in e and max(e.values()) < 2e-2 for *_, e in rows), rows
         print("smoke: every form agrees with the bf16 dot of the dequantised weights")
         return
     print(f"\n## block-FP8 linear (us per matrix; % of the copy bandwidth {bw:.0f} GB/s over "
@@ -114,7 +133,8 @@ def main():
         cells = []
         for name in forms:
             nbytes = n * k * (2 if name == "bf16 dot" else 1) + (n // 128) * (k // 128) * 4
-            cells.append(f"{res[name] * 1e6:.1f} ({nbytes / res[name] / 1e9 / bw * 100:.0f}%)")
+            cells.append("-" if res[name] is None else
+                         f"{res[name] * 1e6:.1f} ({nbytes / res[name] / 1e9 / bw * 100:.0f}%)")
         print(f"| {n} x {k} | {m} | " + " | ".join(cells)
               + f" | {res['fp8 XLA form'] / res['fp8 kernel']:.2f}x |")
 
