@@ -49,7 +49,8 @@ def reference_f64(x, w8, scale, dtype):
 # row blocks of 5 (ranges crossing row blocks, a row block over 3 programs, slots left unwritten);
 # a full 64-row tile; 17 rows, the last program short; one column block; 40 rows (padded to 48)
 # in float16; 4 column blocks a step, a program per step; 2 blocks a step, a program with more
-# steps than stages; 2 blocks a step, a program ending one row block and starting the next
+# steps than stages; 2 blocks a step, a program ending one row block and starting the next; one
+# program over 3 one-step row blocks and its short last one; one program longer than all steps
 CASES = {
     "m1": (1, 256, 384, None, bf16),
     "m5-ranges-cross-rows": (5, 384, 640, fl.Fp8LinearConfig(2, 1, 3), bf16),
@@ -60,6 +61,8 @@ CASES = {
     "m3-cols4": (3, 256, 1024, fl.Fp8LinearConfig(2, 4, 1), bf16),
     "m24-cols2-3steps": (24, 128, 768, fl.Fp8LinearConfig(2, 2, 3), bf16),
     "m8-cols2-cross-rows": (8, 384, 1024, fl.Fp8LinearConfig(2, 2, 3), bf16),
+    "m1-range-over-3-rows": (1, 512, 128, fl.Fp8LinearConfig(2, 1, 3), bf16),
+    "m17-range-past-the-end": (17, 256, 384, fl.Fp8LinearConfig(2, 1, 50), jnp.float16),
 }
 
 
@@ -104,6 +107,7 @@ def test_kernel_lowers_for_cuda(m, n, k, config):
     ((1, 200), (128, 200), bf16, "multiples of 128"),
     ((1, 256), (128, 384), bf16, "x's K must be the weight's"),
     ((1, 256), (100, 256), bf16, "multiples of 128"),
+    ((1, 0), (128, 0), bf16, "positive multiples of 128"),
     ((1, 256), (128, 256), f32, "x dtype float32"),
 ])
 def test_unsupported_inputs_raise(x_shape, w_shape, x_dtype, why):
@@ -141,6 +145,12 @@ def test_choose_config_fills_the_gpu_and_the_shared_memory():
     # 27B's MLP, 136 x 40 blocks: 130 programs of 21 2-block steps (cost 43.7), not 11 4-block
     # ones (44) or 42 1-block ones (47)
     assert fl.choose_config(17408, 5120, 1) == fl.Fp8LinearConfig(4, 2, 21)
+    # a width fixed by the caller: the stages and ranges chosen around it (one wave, the stages
+    # within the budget)
+    for n, k, cols in [(12288, 4096, 1), (4224, 1536, 4), (17408, 5120, 4), (1024, 4096, 4)]:
+        c = fl.choose_config(n, k, 1, cols_per_step=cols)
+        assert c.cols_per_step == cols and c.num_stages * cols <= 8, (n, k, c)
+        assert -(-(n // 128 * k // 128 // cols) // c.steps_per_program) <= 132, (n, k, c)
     # on 100 SMs: 14 4-block steps (56) beat 28 2-block ones (58.2)
     assert fl.choose_config(17408, 5120, 1, num_sms=100) == fl.Fp8LinearConfig(2, 4, 14)
 
@@ -161,6 +171,11 @@ def test_config_overrides_are_checked_before_lowering():
     x, w8, scale = inputs(0, 64, 128, 256)
     with pytest.raises(ValueError, match="num_stages=8 x cols_per_step=1 needs .* bytes of shared"):
         fl.fp8_linear_pallas(x, w8, scale, config=fl.Fp8LinearConfig(8, 1))
+    # the width alone: the stages chosen for it (2, not the 8 of 1-block steps)
+    specs = [jax.ShapeDtypeStruct((1, 1536), bf16), jax.ShapeDtypeStruct((4224, 1536), FP8),
+             jax.ShapeDtypeStruct((33, 12), f32)]
+    assert "mosaic_gpu" in lower_for_cuda_text(
+        lambda *a: fl.fp8_linear_pallas(*a, config=fl.Fp8LinearConfig(cols_per_step=4)), *specs)
     x, w8, scale = inputs(0, 1, 128, 768)  # 6 column blocks: 4 a step would leave 2 over
     with pytest.raises(ValueError, match="cols_per_step=4 must divide the 6 column blocks"):
         fl.fp8_linear_pallas(x, w8, scale, config=fl.Fp8LinearConfig(2, 4))

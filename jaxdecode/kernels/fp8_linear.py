@@ -23,8 +23,8 @@ hopper_mixed_type_matmul_mgpu.py``; Marlin, Frantar et al., 2024, for the weight
   8 programs), so a row block's columns are split over several programs (split-K); with more row
   blocks than SMs (27B's MLP: 136), ranges cut evenly over the SMs, so that no second, nearly
   empty wave follows. A range may end one row block and start the next: the program writes each
-  row block's float32 partial [128, M] to its slot of [S, N, M] (S: the most programs sharing a
-  row block) and XLA adds the written slots, transposes and casts (one small fusion).
+  row block's float32 partial [128, M] to its slot of [S, N, M'] (S: the most programs sharing a
+  row block; M' the rows padded) and XLA adds the written slots, transposes and casts.
 * A pipeline step copies ``cols_per_step`` column blocks at once ([128, 128·c] FP8, 128·c-byte
   rows per TMA copy): fewer, larger steps issue fewer instructions per byte.
 """
@@ -86,28 +86,33 @@ def smem_bytes(m: int, num_stages: int, cols_per_step: int = 1) -> int:
     return num_stages * step + COMPUTE_WGS * ROWS_PER_WG * mp * 4 + 1024
 
 
-def choose_config(n: int, k: int, m: int, num_sms: int = DEFAULT_NUM_SMS) -> Fp8LinearConfig:
+def choose_config(n: int, k: int, m: int, num_sms: int = DEFAULT_NUM_SMS,
+                  cols_per_step: int | None = None) -> Fp8LinearConfig:
     """Blocks in flight: as many [128, 128] blocks (+ x slices) as fit :data:`SMEM_BUDGET_BYTES`,
-    up to 8 (bytes in flight hide HBM latency). Ranges: with no more row blocks than SMs, each
-    row block's columns split into as many equal parts as one wave allows (each part >= 2
-    blocks), 4, 2 or 1 blocks a step (the widest dividing a part, two steps in flight); with more
-    row blocks than SMs (a second, nearly empty wave otherwise), all steps cut evenly into
-    ``num_sms`` ranges, the step width the one whose busiest program takes the least time by
-    :data:`BLOCK_COST`. (Evening out the ranges over all SMs did not help where one wave fits.)"""
+    up to 8 (bytes in flight hide HBM latency). Ranges: with no more row blocks than SMs, split-K
+    (each row block's column blocks cut into as many parts of >= 2 blocks as one wave allows, a
+    range as long as a part: ranges cross row blocks where a part does not divide them), 4, 2 or
+    1 blocks a step (the widest dividing a part, two steps in flight); with more row blocks than
+    SMs (a second, nearly empty wave otherwise), all steps cut evenly into ``num_sms`` ranges, the
+    width the one whose busiest program takes the least time by :data:`BLOCK_COST`. (Evening out
+    the ranges over all SMs did not help where one wave fits.) ``cols_per_step``: that width,
+    the rest chosen around it (it must divide the column blocks: the kernel checks)."""
     block_bytes = BLOCK * BLOCK + padded_rows(m) * BLOCK * 2
     blocks = max(2, min(8, SMEM_BUDGET_BYTES // block_bytes))
     row_blocks, col_blocks = n // BLOCK, k // BLOCK
     widths = [c for c in (4, 2, 1) if col_blocks % c == 0 and (2 * c <= blocks or c == 1)]
+    if cols_per_step is not None:
+        widths = [cols_per_step]
     if row_blocks <= num_sms:
         splits = max(1, min(num_sms // max(row_blocks, 1), col_blocks // 2))
         part = -(-col_blocks // splits)
-        cols = next(c for c in widths if part % c == 0)
+        cols = next((c for c in widths if part % c == 0), widths[-1])
         return Fp8LinearConfig(num_stages=max(2, blocks // cols), cols_per_step=cols,
-                               steps_per_program=part // cols)
+                               steps_per_program=-(-part // cols))
     options = []
     for cols in widths:
         steps = -(-row_blocks * col_blocks // cols // num_sms)
-        options.append((steps * cols * BLOCK_COST[cols], -cols, steps))
+        options.append((steps * cols * BLOCK_COST.get(cols, 1.0), -cols, steps))
     _, cols, steps = min(options)
     return Fp8LinearConfig(num_stages=max(2, blocks // -cols), cols_per_step=-cols,
                            steps_per_program=steps)
@@ -134,8 +139,8 @@ def check_supported(x_shape, w_shape, x_dtype, w_dtype, block_size) -> str | Non
         return f"{block_size=} (the kernel takes ({BLOCK}, {BLOCK}))"
     if k != k2:
         return f"x {x_shape} and weight {w_shape} (x's K must be the weight's)"
-    if n % BLOCK or k % BLOCK:
-        return f"x {x_shape} and weight {w_shape} (N and K must be multiples of {BLOCK})"
+    if n % BLOCK or k % BLOCK or not n or not k:
+        return f"x {x_shape} and weight {w_shape} (N and K must be positive multiples of {BLOCK})"
     if not 1 <= m <= MAX_ROWS:
         return f"{m} rows (the kernel takes 1 to {MAX_ROWS})"
     return None
@@ -187,7 +192,7 @@ def _kernel(x_gmem, w_gmem, s_gmem, o_gmem, scoped, *, steps_per_program, steps_
                 acc = _accumulate(acc, mma, interpret=interpret)
             plgpu.barrier_arrive(consumed.at[slot])
             row, col = where(i)
-            flush = (col + cols == steps_per_row * cols) | (i == steps - 1)  # row block's end
+            flush = (col + cols == steps_per_row * cols) | (i == steps - 1)  # row's or range's end
 
             @pl.when(flush)
             def _write():
@@ -232,9 +237,9 @@ def fp8_linear_pallas(x, weight, scale_inv, block_size=DEFAULT_BLOCK, *,
     n = weight.shape[0]
     if scale_inv.shape != (n // BLOCK, k // BLOCK):
         raise ValueError(f"{scale_inv.shape=} does not match {weight.shape=} in {BLOCK}-blocks")
-    chosen = choose_config(n, k, m)
+    chosen = choose_config(n, k, m, cols_per_step=config and config.cols_per_step)
     stages = (config and config.num_stages) or chosen.num_stages
-    cols = (config and config.cols_per_step) or chosen.cols_per_step
+    cols = chosen.cols_per_step
     per_program = (config and config.steps_per_program) or chosen.steps_per_program
     row_blocks, col_blocks = n // BLOCK, k // BLOCK
     if col_blocks % cols:
