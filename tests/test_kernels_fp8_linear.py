@@ -82,6 +82,25 @@ def test_kernel_against_float64(mode, case):
     assert_rel_close(np.asarray(ref, np.float32), want, 8e-3, f"{case} reference")
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_an_overflowing_row_block_leaves_the_next_one_in_its_range_finite(mode):
+    """A row block whose float32 sums overflow gives inf, as the reference does, and the next row
+    block of the same program's range starts again from 0 (a reset by multiplying by 0 would make
+    it NaN). One program of 4 steps over 2 row blocks of 2 column blocks."""
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(np.abs(rng.standard_normal((3, 256))) * 1e10 + 1e9, bf16)
+    w8 = jnp.asarray(np.abs(rng.standard_normal((256, 256))) * 100 + 1, FP8)
+    scale = jnp.asarray([[1e30, 1e30], [1e-28, 3e-28]], f32)
+    got = jax.jit(lambda *a: fl.fp8_linear_pallas(
+        *a, config=fl.Fp8LinearConfig(2, 1, 4), interpret=mode == "interpret"))(x, w8, scale)
+    got = np.asarray(got, np.float32)
+    assert np.isposinf(got[:, :128]).all()
+    want = reference_f64(x, w8, scale, bf16)
+    assert np.isposinf(np.asarray(fl.fp8_linear_reference(x, w8, scale), f32)[:, :128]).all()
+    assert np.isfinite(got[:, 128:]).all(), "NaN or inf after the overflowing row block"
+    assert_rel_close(got[:, 128:], want[:, 128:], 8e-3, "the row block after the overflow")
+
+
 def test_reference_is_what_model_linear_computed_for_fp8():
     """The reference is ``dequantize`` to x's dtype then the dot (float32 here: exact)."""
     x, w8, scale = inputs(3, 4, 256, 384, f32)

@@ -166,7 +166,8 @@ def _kernel(x_gmem, w_gmem, s_gmem, o_gmem, scoped, *, steps_per_program, steps_
     def _compute():
         rows = pl.ds(wg * ROWS_PER_WG, ROWS_PER_WG)
         layout = plgpu.Layout.WGMMA
-        acc = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, x_smem.shape[1]), jnp.float32), layout)
+        zero = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, x_smem.shape[1]), jnp.float32), layout)
+        acc = zero
         o_smem = o_smem2.at[wg]
 
         def step(i, carry):
@@ -203,7 +204,8 @@ def _kernel(x_gmem, w_gmem, s_gmem, o_gmem, scoped, *, steps_per_program, steps_
                                 pl.ds(row * BLOCK + wg * ROWS_PER_WG, ROWS_PER_WG)]
                 plgpu.copy_smem_to_gmem(o_smem, out)
 
-            return acc * jnp.where(flush, 0.0, 1.0), next_scale
+            # a branch, not a multiply by 0: inf * 0 would carry NaN into the next row block
+            return lax.cond(flush, lambda: zero, lambda: acc), next_scale
 
         lax.fori_loop(0, steps, step, (acc, scales(0)))
         plgpu.wait_smem_to_gmem(0)
