@@ -73,9 +73,9 @@ class Fp8LinearConfig:
 
 
 def padded_rows(m: int) -> int:
-    """x rows padded to a multiple of 16, at least 16: wgmma's N for the B operand x^T (the
-    padding rows' outputs are dropped; 8 is untested)."""
-    return max(16, -(-m // 16) * 16)
+    """x rows padded to a multiple of 8: wgmma's N for the B operand x^T (its smallest step; the
+    padding rows' outputs are dropped)."""
+    return -(-m // 8) * 8
 
 
 def smem_bytes(m: int, num_stages: int, cols_per_step: int = 1) -> int:
