@@ -109,13 +109,13 @@ def choose_config(n: int, k: int, m: int, num_sms: int = DEFAULT_NUM_SMS,
         cols = next((c for c in widths if part % c == 0), widths[-1])
         return Fp8LinearConfig(num_stages=max(2, blocks // cols), cols_per_step=cols,
                                steps_per_program=-(-part // cols))
-    options = []
-    for cols in widths:
+    def busiest(cols):  # steps of the busiest program, and its time by BLOCK_COST
         steps = -(-row_blocks * col_blocks // cols // num_sms)
-        options.append((steps * cols * BLOCK_COST.get(cols, 1.0), -cols, steps))
-    _, cols, steps = min(options)
-    return Fp8LinearConfig(num_stages=max(2, blocks // -cols), cols_per_step=-cols,
-                           steps_per_program=steps)
+        return steps, steps * cols * BLOCK_COST.get(cols, 1.0)
+
+    cols = min(widths, key=lambda c: busiest(c)[1])  # on a tie the first: the widest
+    return Fp8LinearConfig(num_stages=max(2, blocks // cols), cols_per_step=cols,
+                           steps_per_program=busiest(cols)[0])
 
 
 def partial_slots(row_blocks: int, steps_per_row: int, steps_per_program: int) -> np.ndarray:
