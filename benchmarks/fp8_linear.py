@@ -10,11 +10,12 @@ summed in one jitted call, so the weights do not sit in the 60 MB L2; median of 
 calls) and the % of the copy bandwidth measured in the same run
 (``decode.copy_bandwidth_gb_per_s``), over the bytes the weight must move (FP8: 1 byte per
 weight + the block scales; bf16: 2). Default shapes: the 9B model's quantised Linears (MLP
-gate/up, down; DeltaNet in_proj_qkv, out_proj; attention k_proj) and the 27B's MLP. ``--smoke``: tiny shapes in the Mosaic GPU interpreter (checks the script on
-a CPU; no timings; it ignores --shapes, --batches and --layers). ``--configs``: the kernel
-once more per ``num_stages:cols_per_step:steps_per_program`` (``Fp8LinearConfig``; a field
-left empty is ``choose_config``'s), beside ``choose_config``'s own; one the kernel refuses for a
-shape is reported and skipped.
+gate/up, down; DeltaNet in_proj_qkv, out_proj; attention k_proj) and the 27B's MLP.
+``--smoke``: tiny shapes in the Mosaic GPU interpreter (checks the script on a CPU; no timings;
+it ignores --shapes, --batches and --layers). ``--configs``: the kernel once more per
+``num_stages:cols_per_step:steps_per_program`` (``Fp8LinearConfig``; a field left empty is
+``choose_config``'s), beside ``choose_config``'s own; one the kernel refuses for a shape is
+reported and skipped.
 """
 
 from __future__ import annotations

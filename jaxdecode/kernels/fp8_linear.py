@@ -73,14 +73,14 @@ class Fp8LinearConfig:
 
 
 def padded_rows(m: int) -> int:
-    """x rows padded to a multiple of 8: wgmma's N for the B operand x^T (its smallest step; the
-    padding rows' outputs are dropped)."""
+    """x rows padded to a multiple of 8: wgmma's N (x^T is its B operand) must be one; the
+    padding rows' outputs are dropped."""
     return -(-m // 8) * 8
 
 
 def smem_bytes(m: int, num_stages: int, cols_per_step: int = 1) -> int:
-    """Shared memory of one program: the weight blocks and x slices in flight, the two [64, M]
-    float32 output tiles, and 1 KiB for the barriers."""
+    """Shared memory of one program: the weight blocks and x slices in flight, the two [64, M']
+    float32 output tiles (M' = :func:`padded_rows`), and 1 KiB for the barriers."""
     mp = padded_rows(m)
     step = cols_per_step * (BLOCK * BLOCK + mp * BLOCK * 2)
     return num_stages * step + COMPUTE_WGS * ROWS_PER_WG * mp * 4 + 1024
@@ -109,13 +109,15 @@ def choose_config(n: int, k: int, m: int, num_sms: int = DEFAULT_NUM_SMS,
         cols = next((c for c in widths if part % c == 0), widths[-1])
         return Fp8LinearConfig(num_stages=max(2, blocks // cols), cols_per_step=cols,
                                steps_per_program=-(-part // cols))
+
     def busiest(cols):  # steps of the busiest program, and its time by BLOCK_COST
         steps = -(-row_blocks * col_blocks // cols // num_sms)
         return steps, steps * cols * BLOCK_COST.get(cols, 1.0)
 
     cols = min(widths, key=lambda c: busiest(c)[1])  # on a tie the first: the widest
+    steps, _ = busiest(cols)
     return Fp8LinearConfig(num_stages=max(2, blocks // cols), cols_per_step=cols,
-                           steps_per_program=busiest(cols)[0])
+                           steps_per_program=steps)
 
 
 def partial_slots(row_blocks: int, steps_per_row: int, steps_per_program: int) -> np.ndarray:
@@ -167,7 +169,6 @@ def _kernel(x_gmem, w_gmem, s_gmem, o_gmem, scoped, *, steps_per_program, steps_
         rows = pl.ds(wg * ROWS_PER_WG, ROWS_PER_WG)
         layout = plgpu.Layout.WGMMA
         zero = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, x_smem.shape[1]), jnp.float32), layout)
-        acc = zero
         o_smem = o_smem2.at[wg]
 
         def step(i, carry):
@@ -207,7 +208,7 @@ def _kernel(x_gmem, w_gmem, s_gmem, o_gmem, scoped, *, steps_per_program, steps_
             # a branch, not a multiply by 0: inf * 0 would carry NaN into the next row block
             return lax.cond(flush, lambda: zero, lambda: acc), next_scale
 
-        lax.fori_loop(0, steps, step, (acc, scales(0)))
+        lax.fori_loop(0, steps, step, (zero, scales(0)))
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == COMPUTE_WGS)
