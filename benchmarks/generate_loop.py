@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import dataclasses
 import os
 import re
@@ -194,7 +195,8 @@ def main():
                 compiled, call_args, compile_s = compile_loop(params, plan, plan.features,
                                                               parse_options(opts), logprobs)
                 ms, tokens = time_loop(compiled, call_args, args.tokens)
-                kernels = [] if args.no_cupti else cupti_kernels(lambda: compiled(*call_args))
+                kernels = ([] if args.no_cupti
+                           else cupti_kernels(functools.partial(compiled, *call_args)))
                 kernel_ms = sum(t for _, t in kernels) / args.tokens
                 same = reference is None or np.array_equal(tokens, reference)
                 reference = tokens if reference is None else reference

@@ -211,7 +211,7 @@ def main():
                                                    dtype="bfloat16"), context)
             box = {"state": state}
 
-            def one_step():
+            def one_step(compiled=compiled, box=box):  # bound now: both are deleted below
                 logits, box["state"] = compiled(params, box["state"], tokens, None)
                 return logits
 
