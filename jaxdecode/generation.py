@@ -156,6 +156,7 @@ def start_fn(params: Params, state: DecodeState, prompts: Array, prompt_lengths:
     if num_samples > 1:
         state = fork(state, num_samples)
         logits = jnp.repeat(logits, num_samples, axis=0)
+    state = _laid_out(state, kernels)
     rows, vocab = logits.shape
     if track_counts is None:
         track_counts = features is not None and features.penalties
@@ -177,6 +178,15 @@ def start_fn(params: Params, state: DecodeState, prompts: Array, prompt_lengths:
     active = jnp.ones((rows,), bool)
     loop, ids = _record(loop, state, token, active, eos_token_ids, stop_sequences, pad_id)
     return loop, _emit(ids, logits, processed, token, active, pad_id, logprobs)
+
+
+def _laid_out(state: DecodeState, kernels: Kernels | None) -> DecodeState:
+    """On ``kernels.mesh``, ``state`` constrained to the state layout (``sharding.constrain_state``:
+    rows over "data"), so that a state created or forked inside the loop's jit is not left to
+    propagation, which replicates its rows over "data"; else ``state``."""
+    if kernels is None or kernels.mesh is None:
+        return state
+    return sharding.constrain_state(state, kernels.mesh)
 
 
 def step_fn(params: Params, loop: LoopState, sampling: SamplingParams, eos_token_ids: Array, *,
@@ -432,10 +442,10 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
     mesh = sharding.mesh_of(params)
     kernels = kernels or choose_kernels(config, rows, dtype=params.dtype, mesh=mesh)
     # Memory, before any device work: the new state, the forked one, the prefill's activations.
-    new_rows = (num_prompts if state is None else 0) + (rows if num_samples > 1 else 0)
-    devices = 1 if mesh is None else mesh.size
-    memory.check_fits(f"generate's state ({new_rows} rows x {max_len} positions)",
-                      memory.state_bytes(config, new_rows, int(max_len), params.dtype) // devices,
+    new_rows = [n for n, new in ((num_prompts, state is None), (rows, num_samples > 1)) if new]
+    memory.check_fits(f"generate's state ({sum(new_rows)} rows x {max_len} positions)",
+                      sum(memory.state_bytes(config, n, int(max_len), params.dtype)
+                          // _devices_holding_a_row(n, mesh) for n in new_rows),
                       None if mesh is None else mesh.devices.flat[0])
     prefill = plan_prefill(params, num_prompts, t_bucket, int(max_len), mesh=mesh,
                            prefill_chunk_size=prefill_chunk_size,
@@ -450,14 +460,21 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
                  logprobs=int(top_logprobs) if return_logprobs else None)
 
 
+def _devices_holding_a_row(rows: int, mesh) -> int:
+    """Over how many devices a state of ``rows`` rows is spread (``sharding.constrain_state``)."""
+    if mesh is None:
+        return 1
+    return mesh.size if rows % mesh.shape[sharding.DATA] == 0 else mesh.shape[sharding.MODEL]
+
+
 def _run(params, state, prompts, prompt_lengths, budgets, sampling, keys, eos_token_ids,
          stop_sequences, pad_id, *, max_len, num_samples, features, kernels, prefill_chunk_size,
          query_block, logprobs, **loop):
     """:func:`start_fn`, or with ``loop``'s statics :func:`generate_fn`, on ``state`` or a new one
     (None). Dynamic arguments positional, static ones keywords; pad_id is traced (a fill value)."""
     if state is None:  # its memory was checked by _plan
-        state = init_state(params.config, prompts.shape[0], max_len, params.dtype,
-                           check_memory=False)
+        state = _laid_out(init_state(params.config, prompts.shape[0], max_len, params.dtype,
+                                     check_memory=False), kernels)
     args = (params, state, prompts, prompt_lengths, budgets, sampling, keys, eos_token_ids)
     kw = dict(stop_sequences=stop_sequences, num_samples=num_samples, features=features,
               pad_id=pad_id, kernels=kernels, prefill_chunk_size=prefill_chunk_size,

@@ -379,7 +379,7 @@ def shard_state(state: DecodeState, mesh: Mesh) -> DecodeState:
     Raises ValueError if the batch does not divide the ``"data"`` axis, or a leaf's heads or
     channels the ``"model"`` axis (naming the leaf; a state built from a config whose KV heads
     :func:`shard_params` repeated gets that hint)."""
-    _check_state_mesh(state, mesh)
+    check_state_rows(state, mesh)
     specs = _state_specs(len(state.conv_state), len(state.kv_cache))
     problems = []
     for (path, leaf), spec in zip(jax.tree_util.tree_leaves_with_path(state),
@@ -399,11 +399,14 @@ def shard_state(state: DecodeState, mesh: Mesh) -> DecodeState:
     return jax.tree.map(_put, state, _named(mesh, specs))
 
 
-def _check_state_mesh(state: DecodeState, mesh: Mesh) -> None:
+def check_state_rows(state: DecodeState, mesh: Mesh) -> None:
+    """Raises ValueError if the state's rows do not divide the ``"data"`` axis (the layout
+    splits them over it)."""
     d = mesh.shape[DATA]
     if state.batch_size % d:
         raise ValueError(f"batch_size={state.batch_size} must be divisible by the 'data' mesh "
-                         f"axis size {d}")
+                         f"axis size {d} (prefill and decode_step split the state's rows over "
+                         f"it; generate(..., state=) continues a state of any row count)")
 
 
 def init_state_sharded(config: Config, mesh: Mesh, batch_size: int, max_len: int,
@@ -426,9 +429,14 @@ def _init_state_jit(config: Config, mesh: Mesh):
 
 def constrain_state(state: DecodeState, mesh: Mesh) -> DecodeState:
     """``with_sharding_constraint`` of a state to the state layout, for use inside your own
-    ``jax.jit`` (e.g. on a state created or forked inside it)."""
-    return jax.lax.with_sharding_constraint(
-        state, _named(mesh, _state_specs(len(state.conv_state), len(state.kv_cache))))
+    ``jax.jit`` (e.g. on a state created or forked inside it). A batch that does not divide the
+    ``"data"`` axis keeps its rows whole on every data group (heads still split over ``"model"``),
+    as the kernels' ``shard_map`` forms take such rows; ``jd.prefill``/``jd.decode_step`` refuse
+    that state."""
+    specs = _state_specs(len(state.conv_state), len(state.kv_cache))
+    if state.batch_size % mesh.shape[DATA]:
+        specs = jax.tree.map(lambda s: P(None, *s[1:]), specs, is_leaf=lambda x: isinstance(x, P))
+    return jax.lax.with_sharding_constraint(state, _named(mesh, specs))
 
 
 def shard_batch(x, mesh: Mesh, dtype=None) -> jax.Array:

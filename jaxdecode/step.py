@@ -321,6 +321,8 @@ def prefill(params: Params, state: DecodeState, tokens, num_new, *,
     _check_concrete(params, state)
     mesh = sharding.mesh_of(state)
     sharding.check_params_on(params, mesh)
+    if mesh is not None:
+        sharding.check_state_rows(state, mesh)
     check_prefill(params, state, tokens, num_new)
     if kernels is None:
         kernels = choose_kernels(params.config, state.batch_size, dtype=params.dtype, mesh=mesh)
@@ -393,6 +395,8 @@ def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
     _check_concrete(params, state)
     mesh = sharding.mesh_of(state)
     sharding.check_params_on(params, mesh)
+    if mesh is not None:
+        sharding.check_state_rows(state, mesh)
     check_decode_step(params, state, tokens, active)
     if out is not None:
         check_logits_out(out, state, params.config.vocab_size, mesh)

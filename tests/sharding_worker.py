@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 
 import jaxdecode as jd  # noqa: E402
 from conftest import aliased_parameters, tiny  # noqa: E402 (float32 "highest" matmuls too)
-from jaxdecode import model, sharding, step  # noqa: E402
+from jaxdecode import generation, model, sharding, step  # noqa: E402
 
 # Every head count (Hq 16, Hkv 8, Hk 8, Hv 16), the intermediate size and the vocabulary divide
 # 8, so all four meshes are valid; GQA group 2, r = Hv/Hk = 2, dk != dv, untied LM head.
@@ -209,6 +209,7 @@ def run_meshes() -> dict:
     out["unpinned_decode_mismatches"] = check_unpinned(params, tokens)
     out["public_decode_step"] = check_public_decode_step_routes(params, tokens)
     out["chunked_prefill"] = check_chunked_prefill(params)
+    out["generate"] = check_generate(params)
     out["new_weights"] = check_new_weights(params, tokens)
     out["moe"] = check_moe()
     out["repeated_kv_heads"] = check_repeated_kv_heads()
@@ -453,6 +454,48 @@ def check_chunked_prefill(params) -> dict:
             "state_mismatches": spec_mismatches(state, sharding.state_partition_specs(CONFIG),
                                                 mesh),
             "lengths": np.asarray(state.lengths).tolist()}
+
+
+def check_generate(params) -> dict:
+    """jd.generate on a (4, 2) mesh: the state it creates inside its jit is laid out (rows over
+    "data", in the compiled loop too), its tokens equal one device's, and decode_step continues
+    its returned state in place; 3 rows (not dividing "data" = 4) stay whole on each data group,
+    continue through generate(state=), and decode_step refuses them by name."""
+    mesh = sharding.make_mesh(4, 2)
+    sp = sharding.shard_params(params, mesh)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in PROMPT_LENGTHS]
+    out, res = {}, {}
+    for rows in (BATCH, 3):
+        want = jd.generate(params, prompts[:rows], max_new_tokens=6, return_state=True)
+        got = jd.generate(sp, prompts[:rows], max_new_tokens=6, return_state=True)
+        res = {"tokens_equal": bool(np.array_equal(got.tokens, want.tokens))}
+        if rows == BATCH:
+            res["mismatches"] = spec_mismatches(got.state, sharding.state_partition_specs(CONFIG),
+                                                mesh)
+            hlo = generation.precompile(sp, prompts, max_new_tokens=6).by_signature[0][1].as_text()
+            k = got.state.kv_cache[0].k  # a whole cache's and one device's shard's shape
+            res["cache_shapes_in_hlo"] = {
+                what: len(re.findall(re.escape("f32[" + ",".join(map(str, shape)) + "]"), hlo))
+                for what, shape in (("global", k.shape),
+                                    ("shard", k.addressable_shards[0].data.shape))}
+            old = jax.tree.leaves(got.state)
+            jd.decode_step(sp, got.state, np.zeros(rows, np.int32))
+            res["decode_step_donated"] = all(x.is_deleted() for x in old)
+        else:
+            res["spec"] = list(got.state.kv_cache[0].k.sharding.spec)
+            more = [[int(t)] for t in rng.integers(0, CONFIG.vocab_size, rows)]
+            res["continued_equal"] = bool(np.array_equal(
+                jd.generate(sp, more, max_new_tokens=4, state=got.state).tokens,
+                jd.generate(params, more, max_new_tokens=4, state=want.state).tokens))
+            try:
+                jd.decode_step(sp, jd.generate(sp, prompts[:rows], max_new_tokens=2,
+                                               return_state=True).state, np.zeros(rows, np.int32))
+                res["decode_step_error"] = None
+            except ValueError as e:
+                res["decode_step_error"] = str(e)
+        out[rows] = res
+    return out
 
 
 def check_errors(params) -> dict:

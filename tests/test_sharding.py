@@ -176,6 +176,24 @@ def test_chunked_prefill_on_a_mesh_equals_one_call_on_one_device(meshes):
 
 
 @pytest.mark.slow
+def test_generate_on_a_mesh_splits_rows_over_data(meshes):
+    """jd.generate with sharded params lays out the state it creates (rows over "data": a
+    device's loop holds its shard of the cache, never the whole) and equals one device; the
+    returned state continues in place with decode_step. Rows that do not divide "data" run whole
+    on each data group, continue with generate(state=), and decode_step refuses them."""
+    split, whole = meshes["generate"]["8"], meshes["generate"]["3"]
+    assert split["tokens_equal"] and split["mismatches"] == [], split
+    shapes = split["cache_shapes_in_hlo"]
+    assert shapes["global"] == 0 and shapes["shard"] > 0, shapes
+    assert split["decode_step_donated"], split
+    assert whole["tokens_equal"] and whole["continued_equal"], whole
+    assert whole["spec"] == [None, "model"], whole
+    assert "batch_size=3 must be divisible by the 'data' mesh axis size 4" in (
+        whole["decode_step_error"] or ""), whole
+    assert "generate(..., state=)" in whole["decode_step_error"]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES)
 def test_shardings_are_the_specified_ones_before_and_after_each_step(meshes, mesh):
     res = meshes["meshes"][mesh]
