@@ -278,8 +278,8 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
     experts load as block-FP8 stacks (``Fp8Linear`` [E, 2·I, H] / [E, H, I]; dequantised instead
     where ``moe_intermediate_size`` is not a multiple of the block rows, which would split a
     block between gate and up). On a ``mesh`` an FP8 weight and its scales split as its spec
-    says, which needs whole scale blocks on each "model" device
-    (``sharding.check_fp8_split``).
+    says where each "model" device gets whole scale blocks; elsewhere it is held dequantised in
+    ``dtype``, the FP8 model's values (``sharding.unsplit_fp8``, which warns naming them).
 
     Returns :class:`Params` (config from ``config.json``; a tied checkpoint's stored
     ``lm_head.weight`` is ignored).
@@ -292,8 +292,8 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
         inf values (named, with the file); an unsupported or malformed config
         (``Config.from_hf_config``) or index file; one message listing every missing,
         unexpected, misshapen (both shapes), duplicated or non-float tensor, by its name in the
-        checkpoint (``params.checkpoint_specs``); a config, or an FP8 weight's blocks, that
-        cannot be split over ``mesh``; both ``place`` and ``mesh``.
+        checkpoint (``params.checkpoint_specs``); a config that cannot be split over ``mesh``
+        (``sharding.check_mesh``); both ``place`` and ``mesh``.
     """
     directory = os.fspath(directory)
     files = None
@@ -347,10 +347,11 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
     fp8_leaves = {name for name in leaves if quantization.is_quantized_leaf(name)
                   and (quantize == "fp8" or name in stacks
                        or any(name in rows for rows in kept.values()))}
-    if mesh is not None:  # each FP8 leaf's blocks must split whole over "model"
-        sharding.check_fp8_split(config, mesh,
-                                 {name: (leaves[name].shape, block) for name in fp8_leaves},
-                                 instead="quantize=None" if quantize and not scales else "")
+    unsplit = set()  # FP8 leaves whose blocks do not split whole on the mesh: the FP8 model's
+    if mesh is not None:  # values in the model dtype (experts split by expert: never here)
+        unsplit = sharding.unsplit_fp8(config, mesh, {name: (leaves[name].shape, block)
+                                                      for name in fp8_leaves})
+        fp8_leaves -= unsplit
     place = place or (lambda name, x: jnp.asarray(x))
     flat = {}
     for name, array in _iter_tensors(found, scales, block, stacks, check_finite):
@@ -376,8 +377,12 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
                 for leaf, rows in kept[name].items():
                     w8, scale_rows = (array, scale) if rows is None else (
                         array[rows], scale[rows[::block[0]] // block[0]])
-                    flat[leaf] = Fp8Linear(place(leaf, w8), place(leaf + SCALE_SUFFIX, scale_rows),
-                                           block)
+                    if leaf in unsplit:  # (overflow: checked above)
+                        flat[leaf] = place(leaf, quantization.dequantize(
+                            w8, scale_rows, block, leaf_dtype(specs[name], dtype)))
+                    else:
+                        flat[leaf] = Fp8Linear(place(leaf, w8),
+                                               place(leaf + SCALE_SUFFIX, scale_rows), block)
                 continue
             array = quantization.dequantize(array, scale, block)
         array = array.astype(leaf_dtype(specs[name], dtype), copy=False)
@@ -392,6 +397,9 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
             if leaf in fp8_leaves:  # quantize="fp8"
                 w8, scale = quantization.quantize(part, block)
                 flat[leaf] = Fp8Linear(place(leaf, w8), place(leaf + SCALE_SUFFIX, scale), block)
+            elif leaf in unsplit and name not in scales:  # quantize="fp8": the FP8 model's values
+                w8, scale = quantization.quantize(part, block)
+                flat[leaf] = place(leaf, quantization.dequantize(w8, scale, block, part.dtype))
             else:
                 flat[leaf] = place(leaf, part)
     if mesh is not None:  # the placer repeated the KV heads where the mesh needs it

@@ -191,6 +191,11 @@ def _generate(args) -> int:
         raise UsageError(f"{'--stop needs' if args.stop else 'a text prompt needs'} a "
                          f"tokenizer; this checkpoint has none (no tokenizer.json, vocab_size="
                          f"{config.vocab_size}): pass --prompt-ids / --stop-ids")
+    for name, ids in [("--prompt-ids", prompt_ids or [])] + [("--stop-ids", s) for s in stops]:
+        bad = [i for i in ids if not 0 <= i < config.vocab_size]
+        if bad:  # before loading any weights, too
+            raise UsageError(f"{name}: ids must be in [0, vocab_size={config.vocab_size}); got "
+                             f"{bad}")
     t0 = time.perf_counter()
     speculative = args.num_speculative_tokens > 0
     if speculative and args.stream:
@@ -315,7 +320,8 @@ def _compile_line(seconds: float, cache: str | None) -> str:
 
 def _describe(args) -> str:
     off = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
-               presence_penalty=0.0, penalize_prompt=True, top_p_keep_ties=True)
+               presence_penalty=0.0, frequency_penalty=0.0, penalize_prompt=True,
+               top_p_keep_ties=True)
     parts = [f"{k}={getattr(args, k)}" for k, v in off.items() if getattr(args, k) != v]
     return ", ".join(parts + [f"seed={args.seed}"] if args.temperature else ["greedy"] + parts)
 

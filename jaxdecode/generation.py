@@ -28,10 +28,10 @@ from jaxdecode import memory
 from jaxdecode import sampling as sampling_lib
 from jaxdecode import sharding, speculative
 from jaxdecode.inputs import MIN_PROMPT_BUCKET, MIN_TOKEN_BUCKET, bucket, token_lists
-from jaxdecode.kernels.choice import Kernels, choose_kernels
+from jaxdecode.kernels.choice import Kernels, choose_kernels, for_mesh
 from jaxdecode.kernels.decode_attention import MAX_LEN_ALIGN
 from jaxdecode.model import decode_step_fn, prefill_fn
-from jaxdecode.params import Params
+from jaxdecode.params import Params, check_params
 from jaxdecode.sampling import Logprobs, SamplingFeatures, SamplingParams
 from jaxdecode.state import DecodeState, fork, init_state
 from jaxdecode.stopping import STOP_REASONS, STOP_RUNNING, stop_reason, token_ends
@@ -184,9 +184,7 @@ def _laid_out(state: DecodeState, kernels: Kernels | None) -> DecodeState:
     """On ``kernels.mesh``, ``state`` constrained to the state layout (``sharding.constrain_state``:
     rows over "data"), so that a state created or forked inside the loop's jit is not left to
     propagation, which replicates its rows over "data"; else ``state``."""
-    if kernels is None or kernels.mesh is None:
-        return state
-    return sharding.constrain_state(state, kernels.mesh)
+    return sharding.constrain_state(state, None if kernels is None else kernels.mesh)
 
 
 def step_fn(params: Params, loop: LoopState, sampling: SamplingParams, eos_token_ids: Array, *,
@@ -314,6 +312,7 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
           prefill_chunk_size: int | None = None, activation_budget: int | None = None,
           return_logprobs: bool = False, top_logprobs: int = 0,
           reserve: tuple[int, str] = (0, "")) -> _Plan:
+    check_params(params)
     if kernels is not None and not isinstance(kernels, Kernels):
         raise ValueError(f"kernels={kernels!r} must be a jaxdecode.Kernels (or None)")
     config = params.config
@@ -347,8 +346,6 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
     prompt_lengths = np.array([len(p) for p in prompt_list], np.int32)
     cached = np.zeros(num_prompts, np.int64)
     if state is not None:
-        if not isinstance(state, DecodeState):
-            raise ValueError(f"state must be a jaxdecode.DecodeState; got {type(state).__name__}")
         check_state(config, state, params.dtype)
         sharding.check_params_on(params, sharding.mesh_of(state))
         if state.batch_size != num_prompts:
@@ -356,7 +353,7 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
                              "prompts (the new tokens of each row)")
         if max_len is not None:
             raise ValueError("pass max_len or state, not both (state.max_len is the capacity)")
-        if state.lengths.is_fully_addressable:  # else over several processes: unread, as prefill
+        if getattr(state.lengths, "is_fully_addressable", True):  # else over several processes
             cached = np.asarray(jnp.copy(state.lengths)).astype(np.int64)  # a copy: it is donated
         max_len = state.max_len
     elif max_len is not None:
@@ -389,9 +386,10 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
                          f"{type(sampling).__name__}")
     firsts = {np.shape(x)[:1] for x in jax.tree.leaves(sampling)} - {()}
     if not (firsts <= {(rows,)} or firsts <= {(num_prompts,)}):
-        raise ValueError(f"sampling leaves must be scalars and either [{num_prompts}] (one value "
-                         f"per prompt) or [{rows}] (one per output row: prompts x num_samples); "
-                         f"got lengths {sorted(f[0] for f in firsts)}")
+        per_row = (f" or [{rows}] (one per output row: prompts x num_samples)"
+                   if rows != num_prompts else "")
+        raise ValueError(f"sampling leaves must be scalars or [{num_prompts}] (one value per "
+                         f"prompt){per_row}; got lengths {sorted(f[0] for f in firsts)}")
     if firsts == {(rows,)} and rows != num_prompts:  # already one value per output row
         sampling = sampling.broadcast(rows)
     else:
@@ -440,12 +438,13 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
         raise ValueError(f"key must be one PRNG key or one per output row ({rows}); got "
                          f"{key.shape=}")
     mesh = sharding.mesh_of(params)
-    kernels = kernels or choose_kernels(config, rows, dtype=params.dtype, mesh=mesh)
+    kernels = (choose_kernels(config, rows, dtype=params.dtype, mesh=mesh) if kernels is None
+               else for_mesh(kernels, mesh))
     # Memory, before any device work: the new state, the forked one, the prefill's activations.
     new_rows = [n for n, new in ((num_prompts, state is None), (rows, num_samples > 1)) if new]
     memory.check_fits(f"generate's state ({sum(new_rows)} rows x {max_len} positions)",
                       sum(memory.state_bytes(config, n, int(max_len), params.dtype)
-                          // _devices_holding_a_row(n, mesh) for n in new_rows),
+                          // sharding.state_spread(n, mesh) for n in new_rows),
                       None if mesh is None else mesh.devices.flat[0])
     prefill = plan_prefill(params, num_prompts, t_bucket, int(max_len), mesh=mesh,
                            prefill_chunk_size=prefill_chunk_size,
@@ -458,13 +457,6 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
                  return_state=bool(return_state) or state is not None,
                  fork_state=state is not None and num_samples > 1, prefill=prefill,
                  logprobs=int(top_logprobs) if return_logprobs else None)
-
-
-def _devices_holding_a_row(rows: int, mesh) -> int:
-    """Over how many devices a state of ``rows`` rows is spread (``sharding.constrain_state``)."""
-    if mesh is None:
-        return 1
-    return mesh.size if rows % mesh.shape[sharding.DATA] == 0 else mesh.shape[sharding.MODEL]
 
 
 def _run(params, state, prompts, prompt_lengths, budgets, sampling, keys, eos_token_ids,
@@ -590,7 +582,9 @@ _DOC_ARGS = """
       chunk_size: decode steps per jitted chunk / scan iteration; pad_id: written after a stop.
       kernels: the decode steps' kernels; None: ``choose_kernels`` on the params' device or mesh
         (``choose_kernels(..., batch_invariant=True)``: each row computed the same whatever
-        else is in the batch, for one ``max_len``: ``Kernels.batch_invariant``).
+        else is in the batch, for one ``max_len``: ``Kernels.batch_invariant``); kernels
+        without a mesh run on the params' (``kernels.choice.for_mesh``). With params on a mesh
+        the rows split over "data" where they divide it, else run whole on each data group.
       prefill_chunk_size, activation_budget: the prompts' prefill in chunks (as
         :func:`jaxdecode.prefill`, inside the one jitted call).
       return_logprobs: also return each generated token's log-probabilities (``.logprobs``, a
@@ -606,11 +600,12 @@ _DOC_ARGS = """
       ValueError: before any device work, for empty prompts or stop sequences, ids outside
         ``[0, vocab_size)``, a budget < 1, (cached +) prompt + budget over ``max_len`` or
         ``max_position_embeddings``, invalid sampling values (:func:`~jaxdecode.sampling.
-        validate`), ``features`` leaving out a step they use, a mis-shaped key, ``kernels`` not
-        a ``Kernels``, ``top_logprobs`` outside [0, vocab_size] or without
-        ``return_logprobs``, a state of another config, dtype, mesh or row count (``state.lengths`` is
-        read once), both ``state`` and ``max_len``, or a state or prefill that cannot fit in
-        the device's free memory (the bytes named).
+        validate`), ``features`` leaving out a step they use, a mis-shaped key, params not
+        ``Params``, ``kernels`` not a ``Kernels`` or of another mesh, ``top_logprobs`` outside
+        [0, vocab_size] or without ``return_logprobs``, a state that is not a ``DecodeState``
+        or is of another config, dtype, mesh or row count (``state.lengths`` is read once),
+        both ``state`` and ``max_len``, or a state or prefill that cannot fit in the device's
+        free memory (the bytes named).
 """
 
 
@@ -635,8 +630,8 @@ def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParam
     tokens as plain greedy decoding, sampled rows the same distribution (other draws);
     ``max_len`` then needs room for k more tokens; log-probabilities as plain decoding's (from
     the verify step's logits); ``num_samples`` rows prefilled apart. Not yet together with
-    penalties, ``state``/``return_state``, ``progress``/``executables`` or a mesh
-    (ValueError). ``draft_vocab``: token ids [V'] the drafts are chosen from
+    penalties, ``state``/``return_state``, ``progress``/``executables`` or
+    ``batch_invariant`` kernels (ValueError). ``draft_vocab``: token ids [V'] the drafts are chosen from
     (``jaxdecode.speculative``: a cheaper draft, the same output; distinct ids in
     [0, vocab_size), else ValueError; only with ``num_speculative_tokens``).
     """
@@ -672,6 +667,7 @@ def _generate_speculative(params: Params, prompts, max_new_tokens, sampling, key
                           draft_vocab) -> GenerateOutput:
     """:func:`generate` with ``num_speculative_tokens=k`` (checks, then
     ``speculative.speculative_generate_fn`` in one jitted call)."""
+    check_params(params)
     if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)) or k < 1:
         raise ValueError(f"num_speculative_tokens={k!r} must be a positive int (0: off)")
     if k > speculative.MAX_SPECULATIVE_TOKENS:
@@ -686,7 +682,6 @@ def _generate_speculative(params: Params, prompts, max_new_tokens, sampling, key
         ("return_state", return_state),
         ("progress", progress is not None),
         ("executables", executables is not None),
-        ("a mesh", sharding.mesh_of(params) is not None),
         # the verify step runs rows batched: a row's logits could depend on the batch
         ("kernels.batch_invariant", kernels is not None and kernels.batch_invariant)) if used]
     if unsupported:
@@ -706,13 +701,17 @@ def _generate_speculative(params: Params, prompts, max_new_tokens, sampling, key
     plan = dataclasses.replace(plan, features=dataclasses.replace(plan.features, penalties=False))
     # num_samples: each prompt's rows prefilled apart (row p * n + j is prompt p's j-th
     # sample), so the prefill's chunks are planned for all rows
-    n = plan.num_samples
+    n, mesh = plan.num_samples, sharding.mesh_of(params)
     if n > 1:
         plan = dataclasses.replace(plan, prefill=plan_prefill(
-            params, len(plan.budgets), plan.prompts.shape[1], plan.max_len,
+            params, len(plan.budgets), plan.prompts.shape[1], plan.max_len, mesh=mesh,
             prefill_chunk_size=prefill_chunk_size, activation_budget=activation_budget,
             kernels=plan.kernels))
-    state = init_state(params.config, len(plan.budgets), plan.max_len, params.dtype)
+    if mesh is None:
+        state = init_state(params.config, len(plan.budgets), plan.max_len, params.dtype)
+    else:  # created in its layout (its memory was checked by _plan)
+        state = _empty_state_jit(params.config, len(plan.budgets), plan.max_len,
+                                 params.dtype.name, mesh)()
     loop = speculative_generate_jit(
         params, state, jnp.asarray(np.repeat(plan.prompts, n, axis=0)),
         jnp.asarray(np.repeat(plan.prompt_lengths, n, axis=0)),
@@ -724,6 +723,14 @@ def _generate_speculative(params: Params, prompts, max_new_tokens, sampling, key
         stop_sequences=jnp.asarray(plan.stop_sequences), logprobs=plan.logprobs)
     return GenerateOutput(tokens=loop.tokens, num_generated=loop.num_generated,
                           stop_reason=loop.stop_reason, logprobs=loop.logprobs)
+
+
+@functools.cache
+def _empty_state_jit(config, rows: int, max_len: int, dtype: str, mesh):
+    """A jitted ``init_state`` laid out on ``mesh`` (``sharding.constrain_state``: any row
+    count); no memory check."""
+    return jax.jit(lambda: sharding.constrain_state(
+        init_state(config, rows, max_len, dtype, check_memory=False), mesh))
 
 
 def generate_stream(params: Params, prompts, max_new_tokens=64,

@@ -425,12 +425,35 @@ def init_params(config: Config, key: Array, dtype="float32") -> Params:
     """Random :class:`Params` of the real shapes (tests, demos, benchmarks). Leaf ``n`` (in
     :func:`param_specs` order) uses ``fold_in(key, n)`` (under jit ~1 ulp from the eager value).
     ``dtype``: "float32" or "bfloat16" (else ValueError); ``A_log`` and the gated-norm weight stay
-    float32. ``jax.eval_shape`` of it gives shapes without allocating."""
+    float32. ``jax.eval_shape`` of it gives shapes without allocating. ValueError: ``key`` not
+    one PRNG key (:func:`check_key`)."""
+    check_key(key)
     dtype = model_dtype(dtype)
     specs = param_specs(config)
     flat = {name: init_leaf(spec, jax.random.fold_in(key, n), dtype, config)
             for n, (name, spec) in enumerate(specs.items())}
     return params_from_flat(config, flat)
+
+
+def check_params(params) -> None:
+    """Raises ValueError unless ``params`` is a :class:`Params` (``jd.load_checkpoint`` or
+    ``jd.init_params``)."""
+    if not isinstance(params, Params):
+        raise ValueError(f"params must be jaxdecode.Params (jd.load_checkpoint or "
+                         f"jd.init_params); got {type(params).__name__}")
+
+
+def check_key(key) -> None:
+    """Raises ValueError unless ``key`` is one PRNG key: ``jax.random.key(seed)``, or a legacy
+    ``jax.random.PRNGKey(seed)`` (uint32 of the default implementation's key shape: [2] for
+    threefry); a bare int seed is not one."""
+    dtype, shape = getattr(key, "dtype", None), getattr(key, "shape", None)
+    typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+    raw = dtype == jnp.uint32 and shape == jax.eval_shape(
+        lambda: jax.random.key_data(jax.random.key(0))).shape  # (abstract: no device work)
+    if not ((typed and shape == ()) or raw):
+        raise ValueError(f"key must be one PRNG key (jax.random.key(seed)); got "
+                         f"{type(key).__name__} {dtype} {shape}")
 
 
 def num_params(params: Params) -> int:

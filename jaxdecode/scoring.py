@@ -23,11 +23,11 @@ from flax import struct
 
 from jaxdecode import memory, sharding
 from jaxdecode.inputs import MIN_PROMPT_BUCKET, MIN_TOKEN_BUCKET, bucket, token_lists
-from jaxdecode.kernels.choice import Kernels, choose_kernels
+from jaxdecode.kernels.choice import Kernels, choose_kernels, for_mesh
 from jaxdecode.kernels.decode_attention import MAX_LEN_ALIGN
 from jaxdecode.model import (decode_logprobs_fn, prefill_fn, prefill_logprobs_fn,
                              target_logprobs)
-from jaxdecode.params import Params
+from jaxdecode.params import Params, check_params
 from jaxdecode.state import DecodeState, init_state
 from jaxdecode.step import COMPILER_OPTIONS, plan_prefill
 
@@ -63,7 +63,9 @@ def score_fn(params: Params, prompts: Array, prompt_lengths: Array, continuation
     prefill chunk in the backward pass (``model.prefill_logprobs_fn``).
     """
     batch, n = continuations.shape
-    state = init_state(params.config, batch, max_len, params.dtype, check_memory=False)
+    state = sharding.constrain_state(init_state(params.config, batch, max_len, params.dtype,
+                                                check_memory=False),
+                                     None if kernels is None else kernels.mesh)
     # the prompt as a prefill (only its last logits: they score continuation[0]), then the
     # continuation: feeding continuation[i] (i < num_tokens) gives the logits of continuation[i+1]
     logits, state = prefill_fn(params, state, prompts, prompt_lengths,
@@ -107,11 +109,16 @@ def score(params: Params, prompts, continuations, *, mode: str = "chunked",
       prefill_chunk_size, activation_budget: as ``jd.prefill``'s (the prompt's prefill, and in
         "chunked" mode the continuation's); the [B, chunk, V] float32 logits of a chunk count.
 
-    Returns a :class:`ScoreOutput`. Raises ValueError before any device work: empty prompts or
-    continuations, a different number of them, ids outside ``[0, vocab_size)``, an unknown
-    mode, prompt + continuation over ``max_len`` or ``max_position_embeddings``, a state or
-    activations that cannot fit in the device's free memory.
+    With params on a mesh it runs there, rows over "data" (whole on each data group where they
+    do not divide it), as ``jd.generate``.
+
+    Returns a :class:`ScoreOutput`. Raises ValueError before any device work: params that are
+    not :class:`Params`, ``kernels`` of another mesh (``kernels.choice.for_mesh``), empty
+    prompts or continuations, a different number of them, ids outside ``[0, vocab_size)``, an
+    unknown mode, prompt + continuation over ``max_len`` or ``max_position_embeddings``, a state
+    or activations that cannot fit in the device's (a mesh's device's) free memory.
     """
+    check_params(params)
     config = params.config
     vocab, limit = config.vocab_size, config.max_position_embeddings
     if mode not in MODES:
@@ -144,13 +151,15 @@ def score(params: Params, prompts, continuations, *, mode: str = "chunked",
     conts_np = np.zeros((batch, n_bucket), np.int32)
     for i, (p, c) in enumerate(zip(prompt_list, cont_list)):
         prompts_np[i, :len(p)], conts_np[i, :len(c)] = p, c
-    if sharding.mesh_of(params) is not None:
-        raise ValueError("score does not run on a mesh yet")
-    kernels = kernels or choose_kernels(config, batch, dtype=params.dtype)
+    mesh = sharding.mesh_of(params)
+    kernels = (choose_kernels(config, batch, dtype=params.dtype, mesh=mesh) if kernels is None
+               else for_mesh(kernels, mesh))
     memory.check_fits(f"score's state ({batch} rows x {max_len} positions)",
-                      memory.state_bytes(config, batch, int(max_len), params.dtype), None)
+                      memory.state_bytes(config, batch, int(max_len), params.dtype)
+                      // sharding.state_spread(batch, mesh),
+                      None if mesh is None else mesh.devices.flat[0])
     length = max(t_bucket, n_bucket) if mode == "chunked" else t_bucket  # the longer prefill
-    plan = plan_prefill(params, batch, length, int(max_len),
+    plan = plan_prefill(params, batch, length, int(max_len), mesh=mesh,
                         prefill_chunk_size=prefill_chunk_size,
                         activation_budget=activation_budget, kernels=kernels,
                         logits_per_token=mode == "chunked")

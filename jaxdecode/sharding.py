@@ -16,8 +16,8 @@ weight moves, and each mixer and MLP ends with one all-reduce of its [B, T, H] u
 (tests/test_sharding.py counts them). MoE layers: the routed experts split over ``"model"`` by
 expert (expert parallelism), the shared expert as a dense MLP. Block-FP8 weights
 (``Fp8Linear``) split as their 16-bit form with their block scales beside them, where every
-device gets whole scale blocks (:func:`check_fp8_split`); a decode step's FP8 Linears run
-their kernel per device (``kernels.choice.fp8_linear``).
+device gets whole scale blocks (elsewhere held in the model dtype: :func:`unsplit_fp8`); a
+decode step's FP8 Linears run their kernel per device (``kernels.choice.fp8_linear``).
 ``q_proj``'s per-head ``[Hq, 2D]`` rows and the per-key-head conv channels
 (``params.conv_channel_order``) make contiguous blocks whole heads. The Pallas kernels run under
 ``shard_map`` (the partitioner cannot split a custom call); the per-row cache write moves no K/V
@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import warnings
 from collections.abc import Callable, Sequence
 
 import jax
@@ -51,8 +52,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdecode import memory, quantization
 from jaxdecode.config import Config, model_dtype
-from jaxdecode.kernels.choice import DATA, MODEL
-from jaxdecode.params import Params, init_leaf, param_specs, params_from_flat, params_to_flat
+from jaxdecode.kernels.choice import DATA, MODEL, device_rows
+from jaxdecode.params import (Params, check_key, init_leaf, param_specs, params_from_flat,
+                              params_to_flat)
 from jaxdecode.state import DecodeState, KVCache, init_state
 from jaxdecode.quantization import DEFAULT_BLOCK, SCALE_SUFFIX, Fp8Linear
 
@@ -221,31 +223,35 @@ def fp8_split_problem(name: str, shape: Sequence[int], block_size: Sequence[int]
     return None
 
 
-def check_fp8_split(config: Config, mesh: Mesh, weights: dict, instead: str = "") -> None:
-    """Raises ValueError naming each block-FP8 weight ``name: (shape, block_size)`` of
-    ``config``'s params (shapes in ``config``'s layout) that cannot be split over ``mesh``:
-    :func:`fp8_split_problem` on its shape as :func:`config_on` lays it out (K/V rows repeated),
-    or K/V heads to repeat whose rows do not hold whole scale blocks. What
-    :func:`shard_params`, :func:`init_params_sharded` and ``load_checkpoint`` check before any
-    device work; ``instead``: the caller's other way out, beside fewer "model" devices."""
+def unsplit_fp8(config: Config, mesh: Mesh, weights: dict) -> set[str]:
+    """The block-FP8 weights ``name: (shape, block_size)`` of ``config``'s params (shapes in
+    ``config``'s layout) that cannot be split over ``mesh`` in whole scale blocks:
+    :func:`fp8_split_problem` on the shape :func:`config_on` lays out (K/V rows repeated), or
+    K/V heads to repeat whose rows are not whole blocks. Warns naming them: :func:`shard_params`,
+    :func:`init_params_sharded` and ``load_checkpoint`` hold those dequantised in the model dtype
+    on this mesh, the FP8 model's values (e.g. the 35B-A3B's 512-row shared expert on 8 devices;
+    vLLM refuses such a split)."""
     r = config_on(config, mesh).num_key_value_heads // config.num_key_value_heads
-    problems = []
+    problems = {}
     for name, (shape, block) in sorted(weights.items()):
         if r > 1 and name.endswith(KV_LEAVES):
             if config.head_dim % block[0]:
-                problems.append(f"{name} {tuple(shape)}: its KV heads, repeated {r} times, have "
-                                f"head_dim={config.head_dim} rows, not whole {block[0]}-row "
-                                "blocks")
+                problems[name] = (f"{name} {tuple(shape)}: its KV heads, repeated {r} times, "
+                                  f"have head_dim={config.head_dim} rows, not whole "
+                                  f"{block[0]}-row blocks")
                 continue
             shape = (shape[0] * r, *shape[1:])
         if why := fp8_split_problem(name, shape, block, mesh):
-            problems.append(why)
+            problems[name] = why
     if problems:
-        shown = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more"
-                                            if len(problems) > 6 else "")
-        raise ValueError(f"cannot split {len(problems)} FP8 weights into whole scale blocks on "
-                         f"each of {mesh.shape[MODEL]} 'model' devices (use fewer 'model' "
-                         f"devices{', or ' + instead if instead else ''}): {shown}")
+        shown = list(problems.values())
+        warnings.warn(f"jaxdecode: {len(shown)} of {len(weights)} FP8 weights cannot be split "
+                      f"into whole scale blocks on each of {mesh.shape[MODEL]} 'model' devices "
+                      f"and are held in the model dtype on this mesh (fewer 'model' devices "
+                      f"keep them FP8): " + "; ".join(shown[:3])
+                      + (f"; and {len(shown) - 3} more" if len(shown) > 3 else ""),
+                      stacklevel=3)
+    return set(problems)
 
 
 def param_partition_specs(config: Config) -> Params:
@@ -306,16 +312,17 @@ def shard_params(params: Params, mesh: Mesh) -> Params:
     ``config_on(params.config, mesh)``'s config (KV heads repeated where the mesh needs it; they
     stay repeated when resharded to a smaller mesh or saved by ``params_to_hf``: the same model
     with more KV heads). A block-FP8 weight (:class:`Fp8Linear`) keeps its spec, its block
-    scales split with it. Raises ValueError: see :func:`check_mesh` and
-    :func:`check_fp8_split`."""
+    scales split with it; one whose blocks would not split whole is dequantised to the model
+    dtype (:func:`unsplit_fp8`, which warns). Raises ValueError: see :func:`check_mesh`."""
     config = config_on(params.config, mesh)
     check_mesh(config, mesh)
-    check_fp8_split(params.config, mesh, {
-        name: (x.shape, x.block_size) for name, x in params_to_flat(params).items()
-        if isinstance(x, Fp8Linear)}, instead="dequantise those weights first "
-                                          "(Fp8Linear.dequantize)")
-    flat = {name: repeat_kv_heads(name, x, params.config, config)
-            for name, x in params_to_flat(params).items()}
+    flat = params_to_flat(params)
+    unsplit = unsplit_fp8(params.config, mesh, {name: (x.shape, x.block_size)
+                                                for name, x in flat.items()
+                                                if isinstance(x, Fp8Linear)})
+    flat = {name: repeat_kv_heads(name, x.dequantize(params.dtype) if name in unsplit else x,
+                                  params.config, config)
+            for name, x in flat.items()}
     return params_from_flat(config, {name: _place(name, x, mesh) for name, x in flat.items()})
 
 
@@ -334,23 +341,23 @@ def init_params_sharded(config: Config, mesh: Mesh, key: jax.Array, dtype="float
     e.g. Qwen3.5-397B-A17B on 8 GPUs). Values as ``init_params`` under jit (random bits do not
     depend on the sharding); one small program per distinct leaf kind and shape.
     ``quantize="fp8"``: as ``shard_params(jd.quantize_fp8(init_params(...), block_size))``, each
-    leaf quantised where it is created (the FP8 model without its 16-bit copy anywhere).
-    Raises ValueError: see :func:`check_mesh` and :func:`check_fp8_split`, a dtype
-    ``init_params`` refuses, another ``quantize``, or a shard of the weights larger than a
-    device's free memory."""
+    leaf quantised where it is created (the FP8 model without its 16-bit copy anywhere), those
+    :func:`unsplit_fp8` names dequantised back to ``dtype``.
+    Raises ValueError: see :func:`check_mesh`, a key or dtype ``init_params`` refuses, another
+    ``quantize``, or a shard of the weights larger than a device's free memory."""
     if quantize not in (None, "fp8"):
         raise ValueError(f"quantize={quantize!r} must be None or 'fp8'")
+    check_key(key)
     block_size = quantization.check_block_size(block_size)
     on = config_on(config, mesh)
     check_mesh(on, mesh)
     dtype = model_dtype(dtype)
     specs = param_specs(config)
     fp8 = {name for name in specs if quantize and quantization.is_quantized_leaf(name)}
-    check_fp8_split(config, mesh, {name: (specs[name].shape, block_size) for name in fp8},
-                    instead="quantize=None")
+    unsplit = unsplit_fp8(config, mesh, {name: (specs[name].shape, block_size) for name in fp8})
     fns = {name: _init_leaf_jit(dataclasses.replace(spec, name=_LAYER_PREFIX.sub("", name)),
                                 dtype, config, on, NamedSharding(mesh, param_partition_spec(name)),
-                                tuple(block_size) if name in fp8 else None)
+                                tuple(block_size) if name in fp8 else None, name in unsplit)
            for name, spec in specs.items()}  # one jit per leaf kind and shape
     keys = [jax.random.fold_in(key, n) for n in range(len(fns))]
     per_device = 0
@@ -364,12 +371,14 @@ def init_params_sharded(config: Config, mesh: Mesh, key: jax.Array, dtype="float
 
 
 @functools.cache
-def _init_leaf_jit(spec, dtype, config: Config, on: Config, placed: NamedSharding, block_size):
+def _init_leaf_jit(spec, dtype, config: Config, on: Config, placed: NamedSharding, block_size,
+                   dequantized: bool):
     def init(key):
         x = repeat_kv_heads(spec.name, init_leaf(spec, key, dtype, config), config, on)
         if block_size is None:
             return x
-        return Fp8Linear(*quantization.quantize(x, block_size), block_size=block_size)
+        x = Fp8Linear(*quantization.quantize(x, block_size), block_size=block_size)
+        return x.dequantize(dtype) if dequantized else x  # (unsplit_fp8: the FP8 model's values)
 
     return jax.jit(init, out_shardings=placed)
 
@@ -399,14 +408,13 @@ def shard_state(state: DecodeState, mesh: Mesh) -> DecodeState:
     return jax.tree.map(_put, state, _named(mesh, specs))
 
 
-def check_state_rows(state: DecodeState, mesh: Mesh) -> None:
+def check_state_rows(state: DecodeState, mesh: Mesh, advice: str = "") -> None:
     """Raises ValueError if the state's rows do not divide the ``"data"`` axis (the layout
-    splits them over it)."""
+    splits them over it); ``advice``: the caller's way out, appended."""
     d = mesh.shape[DATA]
     if state.batch_size % d:
         raise ValueError(f"batch_size={state.batch_size} must be divisible by the 'data' mesh "
-                         f"axis size {d} (prefill and decode_step split the state's rows over "
-                         f"it; generate(..., state=) continues a state of any row count)")
+                         f"axis size {d}{advice}")
 
 
 def init_state_sharded(config: Config, mesh: Mesh, batch_size: int, max_len: int,
@@ -427,16 +435,26 @@ def _init_state_jit(config: Config, mesh: Mesh):
                    out_shardings=state_shardings(config, mesh))
 
 
-def constrain_state(state: DecodeState, mesh: Mesh) -> DecodeState:
+def constrain_state(state: DecodeState, mesh: Mesh | None) -> DecodeState:
     """``with_sharding_constraint`` of a state to the state layout, for use inside your own
-    ``jax.jit`` (e.g. on a state created or forked inside it). A batch that does not divide the
-    ``"data"`` axis keeps its rows whole on every data group (heads still split over ``"model"``),
-    as the kernels' ``shard_map`` forms take such rows; ``jd.prefill``/``jd.decode_step`` refuse
-    that state."""
+    ``jax.jit`` (e.g. on a state created or forked inside it); ``mesh`` None: ``state`` as it is.
+    A batch that does not divide the ``"data"`` axis keeps its rows whole on every data group
+    (heads still split over ``"model"``), as the kernels' ``shard_map`` forms take such rows;
+    ``jd.prefill``/``jd.decode_step`` refuse that state."""
+    if mesh is None:
+        return state
     specs = _state_specs(len(state.conv_state), len(state.kv_cache))
     if state.batch_size % mesh.shape[DATA]:
         specs = jax.tree.map(lambda s: P(None, *s[1:]), specs, is_leaf=lambda x: isinstance(x, P))
     return jax.lax.with_sharding_constraint(state, _named(mesh, specs))
+
+
+def state_spread(rows: int, mesh: Mesh | None) -> int:
+    """Over how many devices a state of ``rows`` rows is spread (:func:`constrain_state`): the
+    whole mesh, or only ``"model"`` for rows that do not divide ``"data"``; 1 off a mesh."""
+    if mesh is None:
+        return 1
+    return rows // device_rows(rows, mesh) * mesh.shape[MODEL]
 
 
 def shard_batch(x, mesh: Mesh, dtype=None) -> jax.Array:

@@ -132,8 +132,14 @@ def fork(state: DecodeState, n: int) -> DecodeState:
 
 
 def check_not_donated(state: DecodeState) -> None:
-    """Raises ValueError if ``state`` was donated to an earlier call (its buffers deleted;
-    ``lengths`` stands for all: the library's jits donate every leaf together)."""
+    """Raises ValueError if ``state`` is not a :class:`DecodeState` (e.g. the (logits, state)
+    pair prefill returns), or was donated to an earlier call (its buffers deleted; ``lengths``
+    stands for all: the library's jits donate every leaf together)."""
+    if not isinstance(state, DecodeState):
+        hint = (" (prefill and decode_step return (logits, state): unpack the pair)"
+                if isinstance(state, tuple) else "")
+        raise ValueError(f"state must be a jaxdecode.DecodeState; got {type(state).__name__}"
+                         + hint)
     x = state.lengths
     if isinstance(x, jax.Array) and not isinstance(x, Tracer) and x.is_deleted():
         raise ValueError("this DecodeState was donated to an earlier prefill, decode_step or "

@@ -22,8 +22,8 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxdecode import memory, model, sharding
 from jaxdecode.config import Config
-from jaxdecode.kernels.choice import Kernels, choose_kernels
-from jaxdecode.params import MoEParams, Params
+from jaxdecode.kernels.choice import Kernels, choose_kernels, device_rows, for_mesh
+from jaxdecode.params import MoEParams, Params, check_params
 from jaxdecode.quantization import Fp8Linear
 from jaxdecode.state import DecodeState, check_not_donated
 
@@ -113,7 +113,7 @@ def check_prefill(params: Params, state: DecodeState, tokens, num_new) -> None:
     if (num_new < 0).any() or (num_new > tokens.shape[1]).any():
         raise ValueError(f"num_new must be in [0, T={tokens.shape[1]}]; got {num_new.tolist()}")
     _check_token_ids(params.config, tokens, np.arange(tokens.shape[1]) < num_new[:, None])
-    if not state.lengths.is_fully_addressable:
+    if not getattr(state.lengths, "is_fully_addressable", True):  # (host arrays: readable)
         return
     # Read a copy: a zero-copy CPU view would make the buffer copied instead of donated.
     cached = np.asarray(jnp.copy(state.lengths))
@@ -185,7 +185,7 @@ def plan_prefill(params: Params, batch_size: int, length: int, max_len: int, *,
                               or chunk <= 0 or chunk % memory.MIN_CHUNK):
         raise ValueError(f"prefill_chunk_size={chunk!r} must be a positive multiple of "
                          f"{memory.MIN_CHUNK}")
-    rows = -(-batch_size // (1 if mesh is None else mesh.shape[sharding.DATA]))  # the most a device holds
+    rows = device_rows(batch_size, mesh)
     device = None if mesh is None else mesh.devices.flat[0]
     if kernels is not None and kernels.batch_invariant:  # one row, fixed chunks
         rows, length = 1, model.INVARIANT_CHUNK
@@ -259,20 +259,31 @@ def check_logits_out(out, state: DecodeState, vocab_size: int, mesh: Mesh | None
         if not out.sharding.is_equivalent_to(expect, out.ndim):
             raise ValueError(f"out has sharding {out.sharding}; the logits on this mesh have "
                              f"{expect}")
-    elif out.devices() != state.lengths.devices():
+    elif isinstance(state.lengths, jax.Array) and out.devices() != state.lengths.devices():
         raise ValueError(f"out is on {out.devices()}, the state on {state.lengths.devices()}")
+
+
+# prefill and decode_step split a state's rows over "data"; generate and score also take rows
+# that do not divide it (whole on each data group) and return such states
+ROWS_ADVICE = (" (prefill and decode_step split the state's rows over it; a state of other "
+               "row counts, from generate or score with return_state, continues with "
+               "generate(..., state=))")
 
 
 def _traced(params: Params, *xs) -> bool:
     # the leaves' types at C speed, then a few subclass checks; of the params only the embedding
-    # (a traced leaf elsewhere in them still works: the jitted step is then traced inline)
-    leaves = jax.tree.leaves((params.embed_tokens, xs))
+    # (a traced leaf elsewhere in them still works: the jitted step is then traced inline);
+    # params of another type: _check_concrete names them
+    leaves = jax.tree.leaves((getattr(params, "embed_tokens", None), xs))
     return any(issubclass(t, Tracer) for t in set(map(type, leaves)))
 
 
 def _check_concrete(params: Params, state: DecodeState) -> None:
-    """ValueError for abstract params or state (``jax.ShapeDtypeStruct`` leaves, e.g. from
-    ``jax.eval_shape``), which the eager API cannot run on (one leaf each stands for all)."""
+    """ValueError for params or a state of another type (:func:`check_not_donated`), or
+    abstract ones (``jax.ShapeDtypeStruct`` leaves, e.g. from ``jax.eval_shape``), which the
+    eager API cannot run on (one leaf each stands for all)."""
+    check_params(params)
+    check_not_donated(state)
     for what, leaf in (("params", params.embed_tokens), ("state", state.lengths)):
         if isinstance(leaf, jax.ShapeDtypeStruct):
             raise ValueError(f"the {what} are abstract (jax.ShapeDtypeStruct leaves): create "
@@ -322,10 +333,12 @@ def prefill(params: Params, state: DecodeState, tokens, num_new, *,
     mesh = sharding.mesh_of(state)
     sharding.check_params_on(params, mesh)
     if mesh is not None:
-        sharding.check_state_rows(state, mesh)
+        sharding.check_state_rows(state, mesh, ROWS_ADVICE)
     check_prefill(params, state, tokens, num_new)
     if kernels is None:
         kernels = choose_kernels(params.config, state.batch_size, dtype=params.dtype, mesh=mesh)
+    else:
+        kernels = for_mesh(kernels, mesh)
     tokens, num_new = np.asarray(tokens), np.asarray(num_new)
     length = tokens.shape[1]
     plan = plan_prefill(params, state.batch_size, length, state.max_len, mesh=mesh,
@@ -396,12 +409,14 @@ def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
     mesh = sharding.mesh_of(state)
     sharding.check_params_on(params, mesh)
     if mesh is not None:
-        sharding.check_state_rows(state, mesh)
+        sharding.check_state_rows(state, mesh, ROWS_ADVICE)
     check_decode_step(params, state, tokens, active)
     if out is not None:
         check_logits_out(out, state, params.config.vocab_size, mesh)
     if kernels is None:
         kernels = choose_kernels(params.config, state.batch_size, dtype=params.dtype, mesh=mesh)
+    else:
+        kernels = for_mesh(kernels, mesh)
     args = (params, state, _batch_input(tokens, mesh, jnp.int32),
             None if active is None else _batch_input(active, mesh, jnp.bool_))
     if out is None:

@@ -125,6 +125,28 @@ def test_cpu_runs_everything_in_xla_silently(batch, dtype):
             mesh=sharding.make_mesh(1, 1))
 
 
+def test_kernels_take_the_params_mesh():
+    """for_mesh: kernels without a mesh get the params' mesh (the step lays out its state by
+    it); kernels of another mesh, or of a mesh for params on one device, are refused."""
+    mesh, other = fake_mesh(2, 1), fake_mesh(1, 2)
+    assert choice.for_mesh(choice.XLA, None) is choice.XLA
+    assert choice.for_mesh(choice.Kernels(attention="pallas"), mesh) == choice.Kernels(
+        attention="pallas", mesh=mesh)
+    on = choice.Kernels(mesh=mesh)
+    assert choice.for_mesh(on, mesh) is on
+    for kernels, params_mesh in ((on, other), (on, None)):
+        with pytest.raises(ValueError, match="kernels.mesh is .* but the params are on"):
+            choice.for_mesh(kernels, params_mesh)
+    with pytest.raises(ValueError, match="does not run on a mesh"):
+        choice.for_mesh(choice.Kernels(deltanet="pallas"), mesh)
+
+
+@pytest.mark.parametrize("batch", [0, -1, 2.0, True])
+def test_choose_kernels_names_a_batch_size_that_is_not_one(batch):
+    with pytest.raises(ValueError, match="batch_size=.* must be a positive int"):
+        choice.choose_kernels(SUPPORTED, batch)
+
+
 @pytest.mark.parametrize("batch", [1, 2, CORE - 1, CORE, RULE - 1, RULE, 64])
 def test_hopper_choice_by_batch(hopper, batch):
     """Attention always Pallas; the one-kernel DeltaNet core below DELTANET_CORE_MAX_BATCH
@@ -152,10 +174,12 @@ def test_hopper_batch_invariant_choice_is_one_for_every_batch(hopper):
 
 @pytest.mark.parametrize("data, model, batch, rule", [
     (1, 1, 1, "xla"), (2, 1, 2 * (RULE - 1), "xla"), (2, 1, 2 * RULE, "pallas"),
-    (4, 2, 4 * RULE, "pallas"), (8, 1, RULE, "xla"), (1, 2, RULE, "pallas")])
+    (4, 2, 4 * RULE, "pallas"), (8, 1, RULE, "xla"), (1, 2, RULE, "pallas"),
+    (2, 1, RULE + 1, "pallas")])
 def test_hopper_choice_on_a_mesh_is_per_device(hopper, data, model, batch, rule):
     """On a mesh: never the one-kernel core (not even at one row per device), the batch
-    threshold counts rows per device (batch / data), the FP8 linear kernel per device."""
+    threshold counts rows per device (batch / data, or every row where they do not divide
+    "data": sharding.constrain_state), the FP8 linear kernel per device."""
     mesh = fake_mesh(data, model)
     config = dataclasses.replace(SUPPORTED, num_attention_heads=8, num_key_value_heads=4,
                                  linear_num_key_heads=4, linear_num_value_heads=8)

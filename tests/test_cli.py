@@ -126,6 +126,26 @@ def test_bad_token_ids_exit_with_one_line(capsys):
     assert status == 2 and err.count("\n") == 1 and "vocab_size=248320" in err, err
 
 
+def test_out_of_vocabulary_ids_are_refused_before_loading_the_weights(tmp_path, capsys):
+    """A checkpoint directory with only config.json: the ids are checked against its vocabulary
+    first (else the missing weights would be the error)."""
+    config = jd.Config.from_preset("tiny")
+    (tmp_path / "config.json").write_text(json.dumps(config.to_hf_config()))
+    for argv, bad in ((["--prompt-ids", "1,-3"], "--prompt-ids"),
+                      (["--prompt-ids", "1", "--stop-ids", f"5,{config.vocab_size}"],
+                       "--stop-ids")):
+        status = cli.main(["generate", "--checkpoint", str(tmp_path), *argv,
+                           "--no-compile-cache"])
+        err = capsys.readouterr().err
+        assert status == 2 and err.count("\n") == 1, err
+        assert f"{bad}: ids must be in [0, vocab_size={config.vocab_size})" in err, err
+
+
+def test_sampling_summary_names_every_setting_away_from_its_default():
+    args = cli.build_parser().parse_args(["generate", "--frequency-penalty", "0.5"])
+    assert cli._describe(args) == "greedy, frequency_penalty=0.5"
+
+
 def test_console_script_is_declared():
     with open(ROOT / "pyproject.toml", "rb") as f:
         project = tomllib.load(f)["project"]
@@ -213,7 +233,8 @@ def test_cli_quantize_fp8_generates_on_the_embedded_default(capsys):
     (["--stop-ids", "1,,3,"], "--stop-ids '1,,3,' must be comma-separated integers"),
     (["--stop-ids", ""], "--stop-ids is empty"),
     (["--stop", ""], "--stop is empty"),
-    (["--stop-ids", "999999999"], "stop_sequence 0 has token ids outside"),
+    (["--stop-ids", "999999999"],
+     r"--stop-ids: ids must be in [0, vocab_size=248320); got [999999999]"),
 ])
 def test_cli_bad_stop_arguments_exit_with_one_line(capsys, argv, message):
     status, _, err = _cli(capsys, "--max-new-tokens", "2", *argv)

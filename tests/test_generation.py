@@ -289,7 +289,8 @@ def test_num_samples_with_sampling_gives_different_rows(params):
     for bad in (SamplingParams.create(temperature=[1.0, 0.5]),
                 SamplingParams(**{**vars(SamplingParams.create(3, temperature=1.0)),
                                   "top_p": np.full(9, 0.9, np.float32)})):
-        with pytest.raises(ValueError, match=r"either \[3\] \(one value per prompt\) or \[9\]"):
+        with pytest.raises(ValueError,
+                           match=r"scalars or \[3\] \(one value per prompt\) or \[9\]"):
             _greedy(params, num_samples=3, sampling=bad)
 
 

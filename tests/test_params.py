@@ -125,3 +125,12 @@ def test_qwen3_next_specs_and_hf_layout_round_trip():
     for a, b in zip(jax.tree.leaves(params),
                     jax.tree.leaves(params_from_hf(NEXT, hf)), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_init_params_names_a_key_that_is_not_one():
+    config = jd.Config.from_preset("tiny")
+    for bad in (0, np.uint32(3), jax.random.split(jax.random.key(0), 2)):
+        with pytest.raises(ValueError, match=r"key must be one PRNG key \(jax.random.key"):
+            jd.init_params(config, bad)
+    legacy = jd.init_params(config, jax.random.PRNGKey(0))  # uint32 [2]: still a key
+    assert legacy.embed_tokens.shape == (config.vocab_size, config.hidden_size)

@@ -628,3 +628,45 @@ def test_abstract_params_or_state_are_refused_on_the_host(params):
     # inside eval_shape (tracers) both are the pure functions
     logits, _ = jax.eval_shape(lambda p, s: jd.prefill(p, s, tokens, num_new), params, state)
     assert logits.shape == (2, CONFIG.vocab_size)
+
+
+def test_a_state_or_params_of_another_type_are_named(user_params):
+    """The (logits, state) pair prefill returns, passed on whole, or params swapped with the
+    state: one ValueError naming the type, from every entry point (not an AttributeError)."""
+    state = jd.init_state(user_params.config, 1, 16, dtype=user_params.dtype)
+    pair = jd.prefill(user_params, state, np.array([[5, 6]]), np.array([2]))
+    for call in (lambda: jd.decode_step(user_params, pair, np.array([1])),
+                 lambda: jd.prefill(user_params, pair, np.array([[1]]), np.array([1])),
+                 lambda: jd.fork(pair, 2),
+                 lambda: jd.generate(user_params, [[1]], 2, state=pair)):
+        with pytest.raises(ValueError, match=r"state must be a jaxdecode.DecodeState; got tuple "
+                                             r"\(prefill and decode_step return \(logits, state\)"):
+            call()
+    for call in (lambda: jd.decode_step(pair[1], user_params, np.array([1])),
+                 lambda: jd.generate(pair[1], [[1]], 2),
+                 lambda: jd.generate(pair[1], [[1]], 2, num_speculative_tokens=1),
+                 lambda: jd.score(pair[1], [[1]], [[2]])):
+        with pytest.raises(ValueError, match="params must be jaxdecode.Params .* got DecodeState"):
+            call()
+
+
+def test_a_state_copied_to_the_host_continues_as_on_the_device(user_params):
+    """jax.device_get of a state (numpy leaves, e.g. a saved rollout) is a state every entry
+    point takes, with the device state's results."""
+    tokens, num_new = np.array([[5, 6, 7], [8, 9, 0]]), np.array([3, 2])
+    state = jd.init_state(user_params.config, 2, 32, dtype=user_params.dtype)
+    _, state = jd.prefill(user_params, state, tokens, num_new)
+    host = jax.device_get(state)
+    assert isinstance(host.lengths, np.ndarray)
+    copy = jax.tree.map(jnp.copy, state)
+    want, _ = jd.prefill(user_params, copy, tokens, num_new)
+    got, _ = jd.prefill(user_params, jax.device_get(state), tokens, num_new)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    logits, _ = jd.decode_step(user_params, jax.tree.map(jnp.copy, state), np.array([3, 4]))
+    got, _ = jd.decode_step(user_params, jax.device_get(state), np.array([3, 4]),
+                            out=jnp.zeros_like(logits))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(logits))
+    want = jd.generate(user_params, [[3], [4]], 4, state=jax.tree.map(jnp.copy, state))
+    got = jd.generate(user_params, [[3], [4]], 4, state=host)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    assert np.asarray(got.state.lengths).tolist() == [3 + 1 + 4, 2 + 1 + 4]

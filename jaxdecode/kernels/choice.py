@@ -18,6 +18,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -93,6 +94,29 @@ class Kernels:
 
 XLA = Kernels()  # every op in XLA: the reference path, any backend
 
+
+def device_rows(batch_size: int, mesh: Mesh | None) -> int:
+    """The rows of a batch one device holds: ``batch_size / "data"``, or every row where they do
+    not divide "data" (then whole on each data group: :func:`_on_mesh`,
+    ``sharding.constrain_state``)."""
+    data = 1 if mesh is None else mesh.shape[DATA]
+    return batch_size if batch_size % data else batch_size // data
+
+
+def for_mesh(kernels: Kernels, mesh: Mesh | None) -> Kernels:
+    """``kernels`` for a call whose params are on ``mesh`` (None: one device): its own mesh set
+    where it has none (``jd.Kernels()`` passed for sharded params: XLA's forms on their mesh;
+    the mesh is how a step lays out the state it creates). ValueError: ``kernels`` of another
+    mesh, or of a mesh for params on one device."""
+    if kernels.mesh == mesh:
+        return kernels
+    if kernels.mesh is None:
+        return dataclasses.replace(kernels, mesh=mesh)
+    raise ValueError(f"kernels.mesh is {kernels.mesh} but the params are on "
+                     f"{'one device' if mesh is None else mesh}: pass kernels for the params' "
+                     "mesh (choose_kernels(..., mesh=...)), or kernels without one")
+
+
 # The Pallas kernels behind a jit of their own: the layers of a step call each with the same
 # shapes, and JAX lowers a jitted function once per signature instead of once per layer.
 _attention_pallas = jax.jit(attention_kernel.decode_attention_pallas,
@@ -135,8 +159,11 @@ def choose_kernels(config: Config, batch_size: int, *, dtype="bfloat16",
     field comment); not on a mesh. The FP8 linear kernel (per device on a mesh): not
     batch-invariant, 16-bit models; it applies to ``Fp8Linear`` weights only, so a bf16 model
     is unaffected; a call it does not take (:func:`fp8_linear`) runs XLA's form without a
-    warning.
+    warning. ValueError: ``batch_size`` not a positive int.
     """
+    if (isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer))
+            or batch_size < 1):
+        raise ValueError(f"batch_size={batch_size!r} must be a positive int")
     device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
     cc = _compute_capability(device)
     if cc is None or cc < (9, 0):
@@ -146,9 +173,8 @@ def choose_kernels(config: Config, batch_size: int, *, dtype="bfloat16",
                           stacklevel=2)
         return Kernels(mesh=mesh, interpret=False, batch_invariant=batch_invariant)
     c, dtype = config, jnp.dtype(dtype)
-    data = mesh.shape[DATA] if mesh is not None else 1
     heads = mesh.shape[MODEL] if mesh is not None else 1
-    rows = 1 if batch_invariant else max(1, batch_size // data)  # invariant: one row's tiling
+    rows = 1 if batch_invariant else device_rows(batch_size, mesh)  # invariant: one row's tiling
     hq, hkv = c.num_attention_heads // heads, c.num_key_value_heads // heads
     hk, hv = c.linear_num_key_heads // heads, c.linear_num_value_heads // heads
     dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
@@ -190,11 +216,21 @@ def _interpret(kernels: Kernels) -> bool:
 
 def _on_mesh(kernels: Kernels, fn, in_specs, out_specs):
     """``fn`` as it is off a mesh; on ``kernels.mesh``, ``fn`` under ``jax.shard_map`` with these
-    specs (each device runs it on its shards: the partitioner cannot split a Pallas call)."""
+    specs (each device runs it on its shards: the partitioner cannot split a Pallas call). Every
+    caller's first argument has the rows first: rows that do not divide "data" run whole on each
+    data group ("data" dropped from the specs; the state's layout then,
+    ``sharding.constrain_state``)."""
     if kernels.mesh is None:
         return fn
-    return jax.shard_map(fn, mesh=kernels.mesh, in_specs=in_specs, out_specs=out_specs,
-                         check_vma=False)
+
+    def call(*args):
+        specs = (in_specs, out_specs)
+        if args[0].shape[0] % kernels.mesh.shape[DATA]:
+            specs = jax.tree.map(lambda s: P(*(None if a == DATA else a for a in s)), specs,
+                                 is_leaf=lambda x: isinstance(x, P))
+        return jax.shard_map(fn, mesh=kernels.mesh, in_specs=specs[0], out_specs=specs[1],
+                             check_vma=False)(*args)
+    return call
 
 
 def decode_attention(kernels: Kernels, q, k_cache, v_cache, kv_len):
@@ -337,8 +373,7 @@ def routed_experts(kernels: Kernels, x, weights, chosen, gate_up_proj, down_proj
             out = jax.lax.psum(out, MODEL)
         return out.astype(x.dtype)
 
-    rows = P(DATA, None) if x.shape[0] % kernels.mesh.shape[DATA] == 0 else P(None, None)
-    stack = P(MODEL, None, None)
+    rows, stack = P(DATA, None), P(MODEL, None, None)
     return _on_mesh(kernels, local, (rows, rows, rows, stack, stack), rows)(
         x, weights, chosen, gate_up_proj, down_proj)
 
