@@ -397,7 +397,7 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
             if leaf in fp8_leaves:  # quantize="fp8"
                 w8, scale = quantization.quantize(part, block)
                 flat[leaf] = Fp8Linear(place(leaf, w8), place(leaf + SCALE_SUFFIX, scale), block)
-            elif leaf in unsplit and name not in scales:  # quantize="fp8": the FP8 model's values
+            elif leaf in unsplit:  # quantize="fp8": the FP8 model's values (as on one device)
                 w8, scale = quantization.quantize(part, block)
                 flat[leaf] = place(leaf, quantization.dequantize(w8, scale, block, part.dtype))
             else:

@@ -374,11 +374,13 @@ def init_params_sharded(config: Config, mesh: Mesh, key: jax.Array, dtype="float
 def _init_leaf_jit(spec, dtype, config: Config, on: Config, placed: NamedSharding, block_size,
                    dequantized: bool):
     def init(key):
-        x = repeat_kv_heads(spec.name, init_leaf(spec, key, dtype, config), config, on)
-        if block_size is None:
+        x = init_leaf(spec, key, dtype, config)
+        if dequantized:  # (unsplit_fp8) the FP8 model's values, in its own blocks, then repeated
+            x = Fp8Linear(*quantization.quantize(x, block_size), block_size).dequantize(dtype)
+        x = repeat_kv_heads(spec.name, x, config, on)
+        if block_size is None or dequantized:
             return x
-        x = Fp8Linear(*quantization.quantize(x, block_size), block_size=block_size)
-        return x.dequantize(dtype) if dequantized else x  # (unsplit_fp8: the FP8 model's values)
+        return Fp8Linear(*quantization.quantize(x, block_size), block_size=block_size)
 
     return jax.jit(init, out_shardings=placed)
 

@@ -346,16 +346,26 @@ def check_fp8_repeated_kv_heads() -> dict:
         warnings.simplefilter("always")
         unsplit = sharding.unsplit_fp8(config, mesh, {
             "model.layers.3.self_attn.k_proj.weight": ((64, 64), (64, 8))})
+    # created in its shardings with those 64-row blocks: the FP8 model's values, K/V quantised
+    # in their own blocks before they are repeated (as shard_params of the quantised model)
+    key = jax.random.key(13)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        made = sharding.init_params_sharded(config, mesh, key, quantize="fp8",
+                                            block_size=(64, 8))
+        want = sharding.shard_params(jd.quantize_fp8(jax.jit(
+            jd.init_params, static_argnums=(0, 2))(config, key, "float32"), (64, 8)), mesh)
     return {"rel_errors": errors, "num_key_value_heads": sp.config.num_key_value_heads,
             "k_rows_and_scale_rows_per_device": [k.weight.addressable_shards[0].data.shape[0],
                                                  k.scale_inv.addressable_shards[0].data.shape[0]],
             "layout_problems": fp8_layout_problems(sp, mesh),
-            "head_rows_unsplit": [sorted(unsplit), [str(w.message) for w in caught]]}
+            "head_rows_unsplit": [sorted(unsplit), [str(w.message) for w in caught]],
+            "init_sharded_head_rows_equal": trees_equal(made, want)}
 
 
 def check_fp8_kernel_on_mesh() -> dict:
     """choice.fp8_linear's kernel path per device on a (2, 4) mesh, column- and row-parallel
-    (x [8, 512] bf16, w [512, 512] / [128, 512] in 128-blocks), with the kernel's call replaced
+    (x [8, 512] bf16, or 3 rows: whole on each data group; w [512, 512] / [128, 512] in 128-blocks), with the kernel's call replaced
     by its XLA reference (the Mosaic GPU interpreter does not run under a multi-device
     shard_map; the kernel itself is tested in test_kernels_fp8_linear.py): max |difference|
     from XLA's form on one device relative to max |out|, and the compiled call's collectives;
@@ -375,14 +385,17 @@ def check_fp8_kernel_on_mesh() -> dict:
         shapes.append([list(x.shape), list(w.shape)])
         return fl.fp8_linear_reference(x, w, s, block)
     choice._fp8_linear_kernel = reference
-    for name, n, row_parallel in (("column", 512, False), ("row", 128, True)):
-        x = jnp.asarray(rng.standard_normal((8, 512)), jnp.bfloat16)
+    for name, n, row_parallel, rows in (("column", 512, False, 8), ("row", 128, True, 8),
+                                        ("column, 3 rows", 512, False, 3),
+                                        ("row, 3 rows", 128, True, 3)):
+        x = jnp.asarray(rng.standard_normal((rows, 512)), jnp.bfloat16)
         w = jd.Fp8Linear(*quantization.quantize(rng.standard_normal((n, 512)).astype(np.float32)))
         one = choice.fp8_linear(choice.XLA, x, w)
         spec = P(None, "model") if row_parallel else P("model", None)
         placed = jd.Fp8Linear(*(jax.device_put(a, NamedSharding(mesh, spec))
                                 for a in (w.weight, w.scale_inv)))
-        xs = jax.device_put(x, NamedSharding(mesh, P("data", "model" if row_parallel else None)))
+        xs = jax.device_put(x, NamedSharding(mesh, P("data" if rows % 2 == 0 else None,
+                                                     "model" if row_parallel else None)))
         kernels = choice.Kernels(fp8_linear="pallas", interpret=True, mesh=mesh)
         fn = jax.jit(lambda x, w, rp=row_parallel: choice.fp8_linear(kernels, x, w,
                                                                      row_parallel=rp))

@@ -358,6 +358,7 @@ def test_fp8_kv_heads_repeat_with_their_scales(meshes):
     assert max(res["rel_errors"]) <= REL_TOL, res["rel_errors"]
     assert res["num_key_value_heads"] == 4 and res["layout_problems"] == [], res
     assert res["k_rows_and_scale_rows_per_device"] == [32, 1], res
+    assert res["init_sharded_head_rows_equal"], "K/V in 64-row blocks created in place"
     unsplit, warned = res["head_rows_unsplit"]
     assert unsplit == ["model.layers.3.self_attn.k_proj.weight"] and len(warned) == 1, res
     assert ("model.layers.3.self_attn.k_proj.weight (64, 64): its KV heads, repeated 2 times, "
@@ -370,7 +371,7 @@ def test_fp8_kernel_runs_per_device_on_a_mesh(meshes):
     shards (4 rows of x; 128 of the 512 weight rows, or 128 of the 512 columns with x's K) and
     gives XLA's one-device result: exactly (column-parallel), or within the bf16 rounding of the
     partial sums one all-reduce adds (row-parallel, as the partitioner's 16-bit dot). The real
-    kernel's path lowers for CUDA on that mesh."""
+    kernel's path lowers for CUDA on that mesh. Rows that do not divide "data" too."""
     res = meshes["fp8"]["kernel"]
     assert res["column"] == {"rel_error": 0.0, "collectives": {},
                              "local_shapes": [[[4, 512], [128, 512]]],
@@ -379,6 +380,12 @@ def test_fp8_kernel_runs_per_device_on_a_mesh(meshes):
     assert res["row"]["cuda_lowering"] == {"mosaic_kernel": True, "all_reduces": 1}, res
     assert res["row"]["collectives"] == {"all-reduce": 1}, res
     assert res["row"]["rel_error"] <= 1e-2, res
+    # 3 rows (not dividing "data" = 2): all 3 on every device, the kernel still taking them
+    assert res["column, 3 rows"]["local_shapes"] == [[[3, 512], [128, 512]]], res
+    assert res["row, 3 rows"]["local_shapes"] == [[[3, 128], [128, 128]]], res
+    assert res["column, 3 rows"]["rel_error"] == 0.0 and res["row, 3 rows"]["rel_error"] <= 1e-2
+    assert all(res[c]["cuda_lowering"]["mosaic_kernel"] for c in ("column, 3 rows",
+                                                                  "row, 3 rows")), res
 
 
 @pytest.mark.slow

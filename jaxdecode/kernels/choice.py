@@ -294,11 +294,10 @@ def fp8_linear(kernels: Kernels, x, w, *, out_dtype=None, row_parallel: bool = F
     partitioner puts after a 16-bit row-parallel dot)."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = math.prod(lead)
-    data = 1 if kernels.mesh is None else kernels.mesh.shape[DATA]
     model = 1 if kernels.mesh is None else kernels.mesh.shape[MODEL]
-    local = ((rows // data, k // model if row_parallel else k),
+    local = ((device_rows(rows, kernels.mesh), k // model if row_parallel else k),
              (w.shape[0], k // model) if row_parallel else (w.shape[0] // model, k))
-    if (kernels.fp8_linear == "pallas" and out_dtype in (None, x.dtype) and rows % data == 0
+    if (kernels.fp8_linear == "pallas" and out_dtype in (None, x.dtype)
             and fp8_kernel.check_supported(*local, x.dtype, w.weight.dtype,
                                            w.block_size) is None):
         block, interpret = w.block_size, _interpret(kernels)
