@@ -55,14 +55,15 @@ def test_a_sharded_state_is_checked_per_device(monkeypatch):
         sharding.init_state_sharded(TINY, mesh, 4, 512)
 
 
-def test_a_prefill_over_data_devices_plans_the_most_rows_one_device_holds():
-    """B rows over a "data" axis of 8: a device holds up to ceil(B / 8) of them (3 prompts: 1,
-    not 0, which plan_prefill refused; 9: 2). A stand-in mesh: plan_prefill reads only its
-    shape and first device."""
+def test_a_prefill_over_data_devices_plans_the_rows_one_device_holds():
+    """B rows over a "data" axis of 8: a device holds B / 8 of them, or all B where 8 does not
+    divide B (whole on each data group: sharding.constrain_state; 3 prompts: 3, never 0, which
+    plan_prefill refused). A stand-in mesh: plan_prefill reads only its shape and first
+    device."""
     params = jd.init_params(TINY, jax.random.key(0))
     mesh = types.SimpleNamespace(shape={sharding.DATA: 8, sharding.MODEL: 1},
                                  devices=np.array(jax.devices()[:1]))
-    for batch, per_device in ((3, 1), (8, 1), (9, 2)):
+    for batch, per_device in ((3, 3), (8, 1), (9, 9), (16, 2)):
         assert (step.plan_prefill(params, batch, 256, 512, mesh=mesh)
                 == step.plan_prefill(params, per_device, 256, 512)), batch
 
