@@ -81,6 +81,23 @@ def hf_text_config(config: jd.Config = TINY, **changes) -> dict:
 # ----- kernel modes ---------------------------------------------------------------------------
 
 @functools.cache
+def cpu_devices_env(count: int) -> dict[str, str]:
+    """Environment variables for a subprocess that runs on ``count`` virtual CPU devices.
+
+    XLA's CPU client runs each device's part of a program on a pool of max(cores, devices)
+    threads (``GetPjRtCpuClient``), so on a 2-core machine a collective over all ``count``
+    devices has no thread to spare, and its rendezvous aborts the process after 40 s
+    (``xla_cpu_collective_call_terminate_timeout_seconds``). CI saw that once (4 of 8 devices at
+    an all-gather in time). ``PJRT_NPROC`` sizes the pool with room to spare and the timeout is
+    raised; a real hang still fails at the caller's subprocess timeout.
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    return {"XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={count}"
+                         " --xla_cpu_collective_call_terminate_timeout_seconds=600",
+            "PJRT_NPROC": str(max(4 * count, os.cpu_count() or 1)),
+            "JAX_PLATFORMS": "cpu"}
+
+
 def has_sm90_gpu() -> bool:
     try:
         return (choice._compute_capability(jax.devices()[0]) or (0, 0)) >= (9, 0)

@@ -20,9 +20,9 @@ import warnings
 
 MODE = sys.argv[1]
 DEVICES = 8 if MODE == "meshes" else 2
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + f" --xla_force_host_platform_device_count={DEVICES}")
-os.environ["JAX_PLATFORMS"] = "cpu"
+from conftest import cpu_devices_env  # noqa: E402 (before jax creates its CPU client)
+
+os.environ.update(cpu_devices_env(DEVICES))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

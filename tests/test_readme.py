@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import cpu_devices_env
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 RUNNER = r"""
@@ -51,8 +53,7 @@ def test_readme_python_blocks_run_as_written(tmp_path):
     blocks = python_blocks(README.read_text())
     assert len(blocks) >= 4  # API, the rollout, Generate, Sharding
     (tmp_path / "blocks.json").write_text(json.dumps(blocks))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
+    env = dict(os.environ, **cpu_devices_env(8))
     proc = subprocess.run([sys.executable, "-c", RUNNER, str(tmp_path / "blocks.json")],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
