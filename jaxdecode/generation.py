@@ -28,7 +28,7 @@ from jaxdecode import memory
 from jaxdecode import sampling as sampling_lib
 from jaxdecode import sharding, speculative
 from jaxdecode.inputs import MIN_PROMPT_BUCKET, MIN_TOKEN_BUCKET, bucket, token_lists
-from jaxdecode.kernels.choice import Kernels, choose_kernels, for_mesh
+from jaxdecode.kernels.choice import Kernels, resolve_kernels
 from jaxdecode.kernels.decode_attention import MAX_LEN_ALIGN
 from jaxdecode.model import decode_step_fn, prefill_fn
 from jaxdecode.params import Params, check_params
@@ -426,8 +426,10 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
     for i, s in enumerate(stops):
         stop_padded[i, width - len(s):] = s
 
+    mesh = sharding.mesh_of(params)
     key = jax.random.key(0) if key is None else key
     key = key if isinstance(key, jax.Array) else jnp.asarray(key)
+    key = sharding.onto_mesh(key, mesh)  # e.g. a key committed to one device
     typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
     if not typed and (key.dtype != jnp.uint32 or key.ndim not in (1, 2) or key.shape[-1] != 2):
         raise ValueError(f"key must be a PRNG key (jax.random.key(seed)) or one per output row "
@@ -437,9 +439,7 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
     elif key.ndim != (1 if typed else 2) or key.shape[0] != rows:
         raise ValueError(f"key must be one PRNG key or one per output row ({rows}); got "
                          f"{key.shape=}")
-    mesh = sharding.mesh_of(params)
-    kernels = (choose_kernels(config, rows, dtype=params.dtype, mesh=mesh) if kernels is None
-               else for_mesh(kernels, mesh))
+    kernels = resolve_kernels(kernels, config, rows, params.dtype, mesh)
     # Memory, before any device work: the new state, the forked one, the prefill's activations.
     new_rows = [n for n, new in ((num_prompts, state is None), (rows, num_samples > 1)) if new]
     memory.check_fits(f"generate's state ({sum(new_rows)} rows x {max_len} positions)",
@@ -506,7 +506,7 @@ SPECULATIVE_COMPILER_OPTIONS = types.MappingProxyType({
 speculative_generate_jit = jax.jit(
     speculative.speculative_generate_fn,
     static_argnames=("num_speculative_tokens", "max_new_tokens", "features", "kernels",
-                     "prefill_chunk_size", "query_block", "draft", "logprobs"),
+                     "prefill_chunk_size", "query_block", "draft", "logprobs", "return_state"),
     donate_argnames=("state",), compiler_options=SPECULATIVE_COMPILER_OPTIONS)
 
 
@@ -629,11 +629,12 @@ def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParam
     (``load_checkpoint(..., mtp=True)``; ``jaxdecode.speculative``): greedy rows give the same
     tokens as plain greedy decoding, sampled rows the same distribution (other draws);
     ``max_len`` then needs room for k more tokens; log-probabilities as plain decoding's (from
-    the verify step's logits); ``num_samples`` rows prefilled apart. Not yet together with
-    penalties, ``state``/``return_state``, ``progress``/``executables`` or
-    ``batch_invariant`` kernels (ValueError). ``draft_vocab``: token ids [V'] the drafts are chosen from
-    (``jaxdecode.speculative``: a cheaper draft, the same output; distinct ids in
-    [0, vocab_size), else ValueError; only with ``num_speculative_tokens``).
+    the verify step's logits); ``num_samples`` rows prefilled apart; with ``state``, the MTP
+    layer drafts from this call's tokens only (``jaxdecode.speculative``). Not yet together with
+    penalties, ``progress``/``executables`` or ``batch_invariant`` kernels (ValueError).
+    ``draft_vocab``: token ids [V'] the drafts are chosen from (``jaxdecode.speculative``: a
+    cheaper draft, the same output; distinct ids in [0, vocab_size), else ValueError; only with
+    ``num_speculative_tokens``).
     """
     speculation_off = (isinstance(num_speculative_tokens, (int, np.integer))
                        and not isinstance(num_speculative_tokens, (bool, np.bool_))
@@ -678,8 +679,6 @@ def _generate_speculative(params: Params, prompts, max_new_tokens, sampling, key
         raise ValueError("num_speculative_tokens needs the MTP layer: load the checkpoint with "
                          "jd.load_checkpoint(path, mtp=True)")
     unsupported = [name for name, used in (
-        ("state", state is not None),
-        ("return_state", return_state),
         ("progress", progress is not None),
         ("executables", executables is not None),
         # the verify step runs rows batched: a row's logits could depend on the batch
@@ -692,7 +691,8 @@ def _generate_speculative(params: Params, prompts, max_new_tokens, sampling, key
                  max_len=max_len, num_samples=num_samples, chunk_size=chunk_size, pad_id=pad_id,
                  kernels=kernels, features=features, prefill_chunk_size=prefill_chunk_size,
                  activation_budget=activation_budget, stop_sequences=stop_sequences,
-                 return_logprobs=return_logprobs, top_logprobs=top_logprobs,
+                 return_logprobs=return_logprobs, top_logprobs=top_logprobs, state=state,
+                 return_state=return_state,
                  reserve=(int(k), f"num_speculative_tokens={k} (the verify step's room)"))
     if sampling_lib.features_of(plan.sampling).penalties:
         raise ValueError("num_speculative_tokens does not yet apply repetition, presence or "
@@ -707,11 +707,13 @@ def _generate_speculative(params: Params, prompts, max_new_tokens, sampling, key
             params, len(plan.budgets), plan.prompts.shape[1], plan.max_len, mesh=mesh,
             prefill_chunk_size=prefill_chunk_size, activation_budget=activation_budget,
             kernels=plan.kernels))
-    if mesh is None:
+    if state is not None and n > 1:  # each prompt's rows continue its row (``state`` kept)
+        state = sharding.constrain_state(fork(state, n), mesh)
+    elif state is None and mesh is None:
         state = init_state(params.config, len(plan.budgets), plan.max_len, params.dtype)
-    else:  # created in its layout (its memory was checked by _plan)
-        state = _empty_state_jit(params.config, len(plan.budgets), plan.max_len,
-                                 params.dtype.name, mesh)()
+    elif state is None:  # created in its layout (its memory was checked by _plan)
+        state = sharding.laid_out_state(params.config, mesh, len(plan.budgets), plan.max_len,
+                                        params.dtype)
     loop = speculative_generate_jit(
         params, state, jnp.asarray(np.repeat(plan.prompts, n, axis=0)),
         jnp.asarray(np.repeat(plan.prompt_lengths, n, axis=0)),
@@ -720,17 +722,11 @@ def _generate_speculative(params: Params, prompts, max_new_tokens, sampling, key
         num_speculative_tokens=int(k), max_new_tokens=plan.max_new_tokens,
         kernels=plan.kernels, prefill_chunk_size=plan.prefill.prefill_chunk_size,
         query_block=plan.prefill.query_block, draft_vocab=draft_vocab,
-        stop_sequences=jnp.asarray(plan.stop_sequences), logprobs=plan.logprobs)
+        stop_sequences=jnp.asarray(plan.stop_sequences), logprobs=plan.logprobs,
+        return_state=plan.return_state)
     return GenerateOutput(tokens=loop.tokens, num_generated=loop.num_generated,
-                          stop_reason=loop.stop_reason, logprobs=loop.logprobs)
-
-
-@functools.cache
-def _empty_state_jit(config, rows: int, max_len: int, dtype: str, mesh):
-    """A jitted ``init_state`` laid out on ``mesh`` (``sharding.constrain_state``: any row
-    count); no memory check."""
-    return jax.jit(lambda: sharding.constrain_state(
-        init_state(config, rows, max_len, dtype, check_memory=False), mesh))
+                          stop_reason=loop.stop_reason, logprobs=loop.logprobs,
+                          state=loop.state if plan.return_state else None)
 
 
 def generate_stream(params: Params, prompts, max_new_tokens=64,

@@ -23,7 +23,7 @@ from flax import struct
 
 from jaxdecode import memory, sharding
 from jaxdecode.inputs import MIN_PROMPT_BUCKET, MIN_TOKEN_BUCKET, bucket, token_lists
-from jaxdecode.kernels.choice import Kernels, choose_kernels, for_mesh
+from jaxdecode.kernels.choice import Kernels, resolve_kernels
 from jaxdecode.kernels.decode_attention import MAX_LEN_ALIGN
 from jaxdecode.model import (decode_logprobs_fn, prefill_fn, prefill_logprobs_fn,
                              target_logprobs)
@@ -152,8 +152,7 @@ def score(params: Params, prompts, continuations, *, mode: str = "chunked",
     for i, (p, c) in enumerate(zip(prompt_list, cont_list)):
         prompts_np[i, :len(p)], conts_np[i, :len(c)] = p, c
     mesh = sharding.mesh_of(params)
-    kernels = (choose_kernels(config, batch, dtype=params.dtype, mesh=mesh) if kernels is None
-               else for_mesh(kernels, mesh))
+    kernels = resolve_kernels(kernels, config, batch, params.dtype, mesh)
     memory.check_fits(f"score's state ({batch} rows x {max_len} positions)",
                       memory.state_bytes(config, batch, int(max_len), params.dtype)
                       // sharding.state_spread(batch, mesh),

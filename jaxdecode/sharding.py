@@ -52,7 +52,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdecode import memory, quantization
 from jaxdecode.config import Config, model_dtype
-from jaxdecode.kernels.choice import DATA, MODEL, device_rows
+from jaxdecode.kernels.choice import DATA, MODEL, device_rows, row_specs
 from jaxdecode.params import (Params, check_key, init_leaf, param_specs, params_from_flat,
                               params_to_flat)
 from jaxdecode.state import DecodeState, KVCache, init_state
@@ -428,13 +428,20 @@ def init_state_sharded(config: Config, mesh: Mesh, batch_size: int, max_len: int
     shard = memory.state_bytes(config, batch_size, max_len, dtype) // mesh.size
     memory.check_fits(f"a state shard of {batch_size} rows x {max_len} positions over "
                       f"{mesh.size} devices", shard, mesh.devices.flat[0])
-    return _init_state_jit(config, mesh)(config, batch_size, max_len, jnp.dtype(dtype).name)
+    return laid_out_state(config, mesh, batch_size, max_len, dtype)
+
+
+def laid_out_state(config: Config, mesh: Mesh, batch_size: int, max_len: int,
+                   dtype="float32") -> DecodeState:
+    """``init_state`` created on ``mesh`` in :func:`constrain_state`'s layout (any row count),
+    without :func:`init_state_sharded`'s checks: for callers that made them (``generate``)."""
+    return _init_state_jit(config, mesh, batch_size, max_len, jnp.dtype(dtype).name)()
 
 
 @functools.cache
-def _init_state_jit(config: Config, mesh: Mesh):
-    return jax.jit(functools.partial(init_state, check_memory=False), static_argnums=(0, 1, 2, 3),
-                   out_shardings=state_shardings(config, mesh))
+def _init_state_jit(config: Config, mesh: Mesh, batch_size: int, max_len: int, dtype: str):
+    return jax.jit(lambda: constrain_state(
+        init_state(config, batch_size, max_len, dtype, check_memory=False), mesh))
 
 
 def constrain_state(state: DecodeState, mesh: Mesh | None) -> DecodeState:
@@ -445,9 +452,8 @@ def constrain_state(state: DecodeState, mesh: Mesh | None) -> DecodeState:
     ``jd.prefill``/``jd.decode_step`` refuse that state."""
     if mesh is None:
         return state
-    specs = _state_specs(len(state.conv_state), len(state.kv_cache))
-    if state.batch_size % mesh.shape[DATA]:
-        specs = jax.tree.map(lambda s: P(None, *s[1:]), specs, is_leaf=lambda x: isinstance(x, P))
+    specs = row_specs(_state_specs(len(state.conv_state), len(state.kv_cache)),
+                      state.batch_size, mesh)
     return jax.lax.with_sharding_constraint(state, _named(mesh, specs))
 
 
@@ -492,6 +498,14 @@ def checkpoint_placer(config: Config, mesh: Mesh) -> Callable[[str, np.ndarray],
             host.shape, NamedSharding(mesh, param_partition_spec(name)), lambda index: host[index])
 
     return place
+
+
+def onto_mesh(x: jax.Array, mesh: Mesh | None) -> jax.Array:
+    """``x`` replicated on ``mesh`` where it is committed to other devices than the mesh's
+    (e.g. one of them: jit refuses the mix, "incompatible devices"); otherwise ``x``."""
+    if mesh is None or not x.committed or x.sharding.device_set == set(mesh.devices.flat):
+        return x
+    return jax.device_put(x, NamedSharding(mesh, P()))
 
 
 def mesh_of(x) -> Mesh | None:

@@ -26,6 +26,12 @@ The MTP layer's cache holds one pair per position p (the main model's final-norm
 the token at p + 1): the prompt's pairs are computed with its prefill, and each step first writes
 the pairs of the tokens the last step accepted (the target's hidden states, not the draft's own),
 as vLLM's MTP proposer does; the last of them drafts the first token.
+
+A call that continues a state (``generate(..., state=)``) builds the MTP cache from the state's
+end: the hidden states of the tokens already in it are not kept, so the MTP attends to the pairs
+of this call's prompt and output only, at positions counted from the state's length (rotary
+attention depends on position differences only, so that equals masking the earlier positions).
+The drafts may be accepted less often; the output is unchanged (as any draft's).
 """
 
 from __future__ import annotations
@@ -39,7 +45,8 @@ from jax import lax
 from jaxdecode import sampling as sampling_lib
 from jaxdecode.kernels import choice
 from jaxdecode.kernels.choice import Kernels
-from jaxdecode.model import commit_fn, mtp_forward, prefill_hidden_fn, verify_fn
+from jaxdecode.model import (commit_fn, decode_step_fn, mtp_forward, prefill_hidden_fn,
+                             verify_fn)
 from jaxdecode.params import Params
 from jaxdecode.sampling import (Logprobs, SamplingFeatures, SamplingParams, is_sampled,
                                 processed_logits)
@@ -55,7 +62,8 @@ MAX_SPECULATIVE_TOKENS = 16
 
 @struct.dataclass
 class SpeculativeLoop:
-    """The loop's carry (R rows, N output slots, k drafts)."""
+    """The loop's carry (R rows, N output slots, k drafts). MTP positions count from the input
+    state's length (module docstring)."""
     state: DecodeState  # the target; ``lengths`` tokens processed (all but ``last``)
     mtp_cache: KVCache  # the MTP layer's keys/values, [R, Hkv, S, D] each; position p: pair p
     last: Array  # [R] int32 the last emitted token (not yet processed)
@@ -218,10 +226,12 @@ def speculative_generate_fn(params: Params, state: DecodeState, prompts: Array,
                             query_block: int = 512, draft=None,
                             draft_vocab: Array | None = None,
                             stop_sequences: Array | None = None,
-                            logprobs: int | None = None) -> SpeculativeLoop:
+                            logprobs: int | None = None,
+                            return_state: bool = False) -> SpeculativeLoop:
     """Speculative generation; pure, un-jitted, unvalidated (``generate`` checks).
 
-    state: an empty state of R rows with room for prompt + budget + k tokens; prompts [R, T]
+    state: R rows, empty or holding earlier tokens the prompts continue, with room for prompt +
+    budget + k more tokens; prompts [R, T]
     int32 right-padded, prompt_lengths [R] >= 1, budgets [R] >= 1, eos_ids [E] (-1 pads);
     ``sampling`` (leaves [R]; None: greedy) without penalties, ``keys`` [R] per-row keys (a
     row's draws at a step use ``fold_in(key, num_generated)``); statics:
@@ -232,7 +242,9 @@ def speculative_generate_fn(params: Params, state: DecodeState, prompts: Array,
     distinct ids the drafts come from (:func:`check_draft_vocab`; None: the whole vocabulary).
     ``stop_sequences``: [S, L] int32 right-aligned, -1 padded (``generate``'s; None: none).
     ``logprobs`` (static): fill ``loop.logprobs`` with that many top ones (None: not computed;
-    0 and ids ``pad_id`` past a row's last token, as ``generate``'s). Returns the final loop.
+    0 and ids ``pad_id`` past a row's last token, as ``generate``'s). ``return_state``
+    (static): the final loop's ``state`` holds every emitted token (the last fed through one
+    decode step, as ``generation.feed_last_fn``), else all but the last. Returns the final loop.
     """
     k = num_speculative_tokens
     rows, length = prompts.shape
@@ -256,6 +268,7 @@ def speculative_generate_fn(params: Params, state: DecodeState, prompts: Array,
         return draft_tokens(*choose(logits, key), draft_vocab, vocab)
     cache = state.kv_cache[0]
     cache = KVCache(k=jnp.zeros_like(cache.k), v=jnp.zeros_like(cache.v))
+    base = state.lengths  # MTP positions count from here (module docstring)
     state, cache = _prefill(params, state, cache, prompts, prompt_lengths,
                             prefill_chunk_size or length, query_block, kernels)
     # The last prompt token through verify_fn: its logits give the first token, its hidden
@@ -339,19 +352,24 @@ def speculative_generate_fn(params: Params, state: DecodeState, prompts: Array,
             last=jnp.where(moved, jnp.take_along_axis(emitted, at[:, None], axis=1)[:, 0],
                            loop.last),
             pair_hidden=hidden, pair_tokens=emitted, pair_count=jnp.where(moved, took, 0),
-            pair_start=loop.state.lengths,
+            pair_start=loop.state.lengths - base,
             accepted=loop.accepted + jnp.sum(jnp.where(moved, took - 1, 0)),
             iterations=loop.iterations + 1)
 
-    return lax.while_loop(lambda loop: jnp.any(loop.stop_reason == STOP_RUNNING), body, loop)
+    loop = lax.while_loop(lambda loop: jnp.any(loop.stop_reason == STOP_RUNNING), body, loop)
+    if return_state:
+        loop = loop.replace(state=decode_step_fn(params, loop.state, loop.last, None, kernels)[1])
+    return loop
 
 
 def _prefill(params: Params, state: DecodeState, cache: KVCache, prompts: Array,
              prompt_lengths: Array, chunk: int, query_block: int, kernels: Kernels):
     """The target over each prompt but its last token, ``chunk`` tokens at a time (a
-    ``lax.scan`` of continuations), and the MTP layer over the prompt's pairs (the hidden state
-    at p, the prompt token at p + 1) for p < length - 1. Returns (state, MTP cache)."""
+    ``lax.scan`` of continuations) after the tokens ``state`` holds, and the MTP layer over the
+    prompt's pairs (the hidden state at p, the prompt token at p + 1) for p < length - 1, at MTP
+    positions counted from ``state.lengths`` (module docstring). Returns (state, MTP cache)."""
     rows, length = prompts.shape
+    base = state.lengths
     n = -(-length // chunk)
     nxt = jnp.concatenate([prompts[:, 1:], jnp.zeros((rows, 1), prompts.dtype)], axis=1)
     split = lambda x: jnp.moveaxis(  # noqa: E731  [R, T] -> [n, R, chunk]
@@ -363,8 +381,8 @@ def _prefill(params: Params, state: DecodeState, cache: KVCache, prompts: Array,
         nn = jnp.clip(prompt_lengths - 1 - i * chunk, 0, chunk)
         _, new_state, hidden = prefill_hidden_fn(params, state, tok, nn,
                                                  query_block=query_block, kernels=kernels)
-        _, _, cache = mtp_forward(params, cache, hidden, following, state.lengths, nn, kernels,
-                                  return_logits=False)
+        _, _, cache = mtp_forward(params, cache, hidden, following, state.lengths - base, nn,
+                                  kernels, return_logits=False)
         return (new_state, cache), None
 
     (state, cache), _ = lax.scan(body, (state, cache),

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxdecode import memory, model, sharding
 from jaxdecode.config import Config
-from jaxdecode.kernels.choice import Kernels, choose_kernels, device_rows, for_mesh
+from jaxdecode.kernels.choice import Kernels, device_rows, resolve_kernels
 from jaxdecode.params import MoEParams, Params, check_params
 from jaxdecode.quantization import Fp8Linear
 from jaxdecode.state import DecodeState, check_not_donated
@@ -335,10 +335,7 @@ def prefill(params: Params, state: DecodeState, tokens, num_new, *,
     if mesh is not None:
         sharding.check_state_rows(state, mesh, ROWS_ADVICE)
     check_prefill(params, state, tokens, num_new)
-    if kernels is None:
-        kernels = choose_kernels(params.config, state.batch_size, dtype=params.dtype, mesh=mesh)
-    else:
-        kernels = for_mesh(kernels, mesh)
+    kernels = resolve_kernels(kernels, params.config, state.batch_size, params.dtype, mesh)
     tokens, num_new = np.asarray(tokens), np.asarray(num_new)
     length = tokens.shape[1]
     plan = plan_prefill(params, state.batch_size, length, state.max_len, mesh=mesh,
@@ -413,10 +410,7 @@ def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
     check_decode_step(params, state, tokens, active)
     if out is not None:
         check_logits_out(out, state, params.config.vocab_size, mesh)
-    if kernels is None:
-        kernels = choose_kernels(params.config, state.batch_size, dtype=params.dtype, mesh=mesh)
-    else:
-        kernels = for_mesh(kernels, mesh)
+    kernels = resolve_kernels(kernels, params.config, state.batch_size, params.dtype, mesh)
     args = (params, state, _batch_input(tokens, mesh, jnp.int32),
             None if active is None else _batch_input(active, mesh, jnp.bool_))
     if out is None:

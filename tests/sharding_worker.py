@@ -538,6 +538,11 @@ def check_generate(params) -> dict:
                 what: len(re.findall(re.escape("f32[" + ",".join(map(str, shape)) + "]"), hlo))
                 for what, shape in (("global", k.shape),
                                     ("shard", k.addressable_shards[0].data.shape))}
+            # a key committed to one device (a user's device_put) samples as the same key
+            sampling, key = jd.SamplingParams.create(rows, temperature=0.9), jax.random.key(7)
+            res["committed_key_equal"] = bool(np.array_equal(*(
+                jd.generate(sp, prompts, max_new_tokens=4, sampling=sampling, key=k).tokens
+                for k in (jax.device_put(key, jax.devices()[5]), key))))
             old = jax.tree.leaves(got.state)
             jd.decode_step(sp, got.state, np.zeros(rows, np.int32))
             res["decode_step_donated"] = all(x.is_deleted() for x in old)
@@ -639,10 +644,12 @@ def check_pallas_rows_not_dividing_data(params) -> dict:
 def check_speculative() -> dict:
     """Greedy speculative generate (k = 2, the MTP layer drafting) with params on a (4, 2) mesh,
     8 rows (split over "data") and 3 (whole on each data group): one device's speculative
-    tokens, which are plain greedy decoding's."""
+    tokens, which are plain greedy decoding's; its returned state (in the state layout for 8
+    rows) continued by another speculative call gives plain greedy's continuation."""
     config = dataclasses.replace(CONFIG, mtp_num_hidden_layers=1)
     params = jd.init_params(config, jax.random.key(12))
-    sp = sharding.shard_params(params, sharding.make_mesh(4, 2))
+    mesh = sharding.make_mesh(4, 2)
+    sp = sharding.shard_params(params, mesh)
     rng = np.random.default_rng(5)
     out = {}
     for rows in (BATCH, 3):
@@ -652,6 +659,16 @@ def check_speculative() -> dict:
         got = jd.generate(sp, prompts, 8, num_speculative_tokens=2).tokens
         out[rows] = {"one_device": bool(np.array_equal(got, one)),
                      "plain": bool(np.array_equal(got, plain))}
+        first = jd.generate(sp, prompts, 8, num_speculative_tokens=2, return_state=True,
+                            max_len=MAX_LEN)
+        want = jd.generate(params, prompts, 8, return_state=True, max_len=MAX_LEN)
+        more = [[int(t)] for t in rng.integers(0, config.vocab_size, rows)]
+        got = jd.generate(sp, more, 5, state=first.state, num_speculative_tokens=2)
+        out[rows]["continued"] = bool(np.array_equal(
+            got.tokens, jd.generate(params, more, 5, state=want.state).tokens))
+        if rows == BATCH:
+            out[rows]["state_mismatches"] = spec_mismatches(
+                got.state, sharding.state_partition_specs(config), mesh)
     return out
 
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh
+from jax.sharding import PartitionSpec as P
 
 import jaxdecode as jd
 from conftest import (ATTENTION_TOL, assert_attention_close, assert_inactive_rows_untouched,
@@ -137,8 +138,19 @@ def test_kernels_take_the_params_mesh():
     for kernels, params_mesh in ((on, other), (on, None)):
         with pytest.raises(ValueError, match="kernels.mesh is .* but the params are on"):
             choice.for_mesh(kernels, params_mesh)
-    with pytest.raises(ValueError, match="does not run on a mesh"):
-        choice.for_mesh(choice.Kernels(deltanet="pallas"), mesh)
+    for kernels in (choice.Kernels(deltanet="pallas"), choice.Kernels(batch_invariant=True)):
+        with pytest.raises(ValueError, match="the params are on a mesh .* does not run on a mesh"):
+            choice.for_mesh(kernels, mesh)
+
+
+def test_row_specs_drop_data_only_for_rows_that_do_not_divide_it():
+    """One rule for the kernels' shard_map specs and the state's layout."""
+    specs = (P("data", "model"), {"c": P("data", None, "model")})
+    assert choice.row_specs(specs, 4, fake_mesh(2, 1)) is specs
+    assert choice.row_specs(specs, 3, None) is specs
+    assert choice.row_specs(specs, 3, fake_mesh(1, 2)) is specs  # "data" of 1 divides any rows
+    assert choice.row_specs(specs, 3, fake_mesh(2, 1)) == (P(None, "model"),
+                                                           {"c": P(None, None, "model")})
 
 
 @pytest.mark.parametrize("batch", [0, -1, 2.0, True])

@@ -179,7 +179,8 @@ def test_chunked_prefill_on_a_mesh_equals_one_call_on_one_device(meshes):
 def test_generate_on_a_mesh_splits_rows_over_data(meshes):
     """jd.generate with sharded params lays out the state it creates (rows over "data": a
     device's loop holds its shard of the cache, never the whole) and equals one device; the
-    returned state continues in place with decode_step. Rows that do not divide "data" run whole
+    returned state continues in place with decode_step; a PRNG key committed to one device
+    samples as the same key uncommitted. Rows that do not divide "data" run whole
     on each data group, continue with generate(state=), and decode_step refuses them."""
     split, whole = meshes["generate"]["8"], meshes["generate"]["3"]
     assert split["tokens_equal"] and split["mismatches"] == [], split
@@ -187,6 +188,7 @@ def test_generate_on_a_mesh_splits_rows_over_data(meshes):
     shapes = split["cache_shapes_in_hlo"]
     assert shapes["global"] == 0 and shapes["shard"] > 0, shapes
     assert split["decode_step_donated"], split
+    assert split["committed_key_equal"], split  # a key device_put to one device
     assert whole["tokens_equal"] and whole["continued_equal"], whole
     assert whole["spec"] == [None, "model"], whole
     assert "batch_size=3 must be divisible by the 'data' mesh axis size 4" in (
@@ -209,10 +211,12 @@ def test_pallas_kernels_take_rows_that_do_not_divide_data(meshes):
 @pytest.mark.slow
 def test_speculative_generate_on_a_mesh_equals_one_device(meshes):
     """num_speculative_tokens=2 with params on a (4, 2) mesh, 8 rows and 3: one device's
-    speculative tokens, plain greedy decoding's."""
+    speculative tokens, plain greedy decoding's; the returned state, continued speculatively,
+    gives plain greedy's continuation (and stays in the state layout)."""
     res = meshes["speculative"]
-    assert res == {"8": {"one_device": True, "plain": True},
-                   "3": {"one_device": True, "plain": True}}, res
+    assert res == {"8": {"one_device": True, "plain": True, "continued": True,
+                         "state_mismatches": []},
+                   "3": {"one_device": True, "plain": True, "continued": True}}, res
 
 
 @pytest.mark.slow

@@ -102,6 +102,36 @@ def test_mtp_forward_against_float64_reference(params):
     assert np.abs(got_d - want_d).max() <= 1e-4 * np.abs(want_d).max()
 
 
+def test_mtp_positions_from_a_continued_state(params):
+    """A speculative call on a state holding s tokens runs the MTP at positions counted from s
+    (``jaxdecode.speculative``): the rotary attention scores depend on position differences
+    only, so that equals the pairs at their true positions with the earlier ones masked; the
+    true positions in a cache with nothing before them would instead attend to s empty slots."""
+    c = CONFIG
+    rng = np.random.default_rng(4)
+    q, k = (jnp.asarray(rng.standard_normal((1, 5, 2, c.head_dim)), jnp.float32)
+            for _ in range(2))
+    scores = []
+    for shift in (0, 37, 1000):
+        cos, sin = model.rope_cos_sin(jnp.arange(5)[None, :] + shift, c)
+        qr, kr = (model.apply_rope(x, cos, sin) for x in (q, k))
+        scores.append(np.asarray(jnp.einsum("bqhd,bkhd->bhqk", qr, kr)))
+    assert np.abs(scores[0]).max() > 1.0
+    for other in scores[1:]:
+        np.testing.assert_allclose(other, scores[0], rtol=0, atol=1e-4)
+
+    hidden = jnp.asarray(rng.standard_normal((2, 6, c.hidden_size)), jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, c.vocab_size, (2, 6)), jnp.int32)
+    kv = (2, c.num_key_value_heads, 64, c.head_dim)
+    empty = jd.KVCache(k=jnp.zeros(kv), v=jnp.zeros(kv))
+    num = jnp.asarray([6, 4], jnp.int32)
+    want, _, _ = model.mtp_forward(params, empty, hidden, tokens, jnp.zeros(2, jnp.int32), num)
+    absolute, _, _ = model.mtp_forward(params, empty, hidden, tokens, jnp.asarray([37, 50]), num)
+    real = (np.arange(6)[None, :] < np.asarray(num)[:, None])[..., None]
+    assert np.abs(np.where(real, np.asarray(absolute - want), 0)).max() > 1e-3 * float(
+        jnp.abs(want).max())
+
+
 def test_verify_then_commit_equals_prefill_of_the_accepted_tokens(params):
     c = CONFIG
     rng = np.random.default_rng(1)
@@ -263,6 +293,65 @@ def test_speculative_stop_sequences_equal_plain(params):
     assert spec.stop_reasons() == plain.stop_reasons()
 
 
+def assert_states_close(got, want):
+    """Equal lengths; every layer's state and the KV caches' filled positions equal to float32
+    rounding (a cache past a row's length holds don't-care values: rejected drafts)."""
+    lengths = np.asarray(want.lengths)
+    np.testing.assert_array_equal(np.asarray(got.lengths), lengths)
+    for a, b in zip(got.conv_state + got.recurrent_state, want.conv_state + want.recurrent_state):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5)
+    filled = (np.arange(want.max_len)[None, :] < lengths[:, None])[:, None, :, None]
+    for a, b in zip(got.kv_cache, want.kv_cache):
+        for x, y in ((a.k, b.k), (a.v, b.v)):
+            np.testing.assert_allclose(np.where(filled, np.asarray(x), 0),
+                                       np.where(filled, np.asarray(y), 0), rtol=0, atol=1e-5)
+
+
+def test_speculative_returns_and_continues_a_state_as_plain_decoding(params):
+    """return_state: the state after every emitted token, plain greedy's; state=: new ragged
+    prompts after it give plain greedy's tokens and state (the MTP drafting from this call's
+    tokens only), with num_samples = 2 too (each prompt's rows continue its row; the given state
+    stays valid, as plain generate's)."""
+    c = CONFIG
+    rng = np.random.default_rng(11)
+    prompts = [list(rng.integers(0, c.vocab_size, n)) for n in (7, 3)]
+    run = lambda prompts, n, **kw: jd.generate(  # noqa: E731
+        params, prompts, n, eos_token_ids=[], return_state=True, **kw)
+    plain, spec = (run(prompts, 9, max_len=64, **kw) for kw in ({}, {"num_speculative_tokens": 3}))
+    np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(plain.tokens))
+    assert_states_close(spec.state, plain.state)
+    more = [list(rng.integers(0, c.vocab_size, n)) for n in (2, 5)]
+    plain = run(more, 8, state=plain.state)
+    spec = run(more, 8, state=spec.state, num_speculative_tokens=2)
+    np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(plain.tokens))
+    assert_states_close(spec.state, plain.state)
+    kept = plain.state
+    plain = run([[1], [2, 3]], 6, state=kept, num_samples=2)
+    spec = run([[1], [2, 3]], 6, state=kept, num_samples=2, num_speculative_tokens=2)
+    np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(plain.tokens))
+    assert_states_close(spec.state, plain.state)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(kept))
+
+
+def test_the_loop_writes_mtp_pairs_from_slot_zero_on_a_continued_state(params):
+    """On a state holding 40 tokens, the loop's MTP cache fills slots from 0 (its positions count
+    from the state's length), the prompt's pairs and every step's, none at 40 and after."""
+    c = CONFIG
+    rng = np.random.default_rng(12)
+    _, state = model.prefill_fn(params, jd.init_state(c, 2, 64),
+                                jnp.asarray(rng.integers(0, c.vocab_size, (2, 40)), jnp.int32),
+                                jnp.asarray([40, 40]))
+    prompts = jnp.asarray(rng.integers(0, c.vocab_size, (2, 4)), jnp.int32)
+    loop = generation.speculative_generate_jit(
+        params, state, prompts, jnp.asarray([4, 2]), jnp.asarray([10, 10]),
+        jnp.full((8,), -1, jnp.int32), -1, num_speculative_tokens=2, max_new_tokens=16,
+        kernels=jd.Kernels())
+    assert (np.asarray(loop.num_generated) == 10).all()
+    used = np.abs(np.asarray(loop.mtp_cache.k)).max(axis=(1, 3))  # [R, S]
+    # pairs: the prompt's (3 and 1), then one per emitted token, the last two steps' drafts
+    assert (used[:, :8] > 0).all() and (used[:, 40:] == 0).all(), used
+
+
 def test_speculative_errors(params):
     no_mtp = jd.init_params(tiny(), jax.random.key(0))
     with pytest.raises(ValueError, match="mtp=True"):
@@ -271,8 +360,11 @@ def test_speculative_errors(params):
         jd.generate(params, [[1, 2]], 4, jd.SamplingParams.create(temperature=0.7,
                                                                   repetition_penalty=1.2),
                     num_speculative_tokens=2)
-    with pytest.raises(ValueError, match="return_state"):
-        jd.generate(params, [[1, 2]], 4, return_state=True, num_speculative_tokens=2)
+    with pytest.raises(ValueError, match=r"does not yet work with \['progress'\]"):
+        jd.generate(params, [[1, 2]], 4, progress=print, num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="num_speculative_tokens=3 .* exceeds max_len=16"):
+        jd.generate(params, [[1, 2]], 4, state=jd.generate(
+            params, [[5] * 8], 1, max_len=16, return_state=True).state, num_speculative_tokens=3)
     invariant = jd.choose_kernels(params.config, 1, dtype=params.dtype, batch_invariant=True)
     with pytest.raises(ValueError, match=r"does not yet work with \['kernels.batch_invariant'\]"):
         jd.generate(params, [[1, 2]], 4, kernels=invariant, num_speculative_tokens=2)
@@ -386,9 +478,12 @@ def test_load_checkpoint_with_mtp(tmp_path, params):
         jd.load_checkpoint(damaged, dtype="float32", mtp=True)
 
 
-def test_prompt_prefill_in_chunks_fills_the_mtp_cache(params):
+@pytest.mark.parametrize("cached", [(0, 0, 0), (5, 0, 9)])
+def test_prompt_prefill_in_chunks_fills_the_mtp_cache(params, cached):
     """speculative._prefill in chunks of 4 == one prefill of the prompt but its last token and one
-    MTP pass over its pairs (hidden at p, token at p + 1), ragged prompts (one of length 1)."""
+    MTP pass over its pairs (hidden at p, token at p + 1), ragged prompts (one of length 1); on a
+    state already holding ``cached`` tokens, the MTP's pairs from slot 0 (positions counted from
+    the state's length) and the target after the cached tokens."""
     c = CONFIG
     rng = np.random.default_rng(4)
     lengths = jnp.array([11, 6, 1])
@@ -396,15 +491,22 @@ def test_prompt_prefill_in_chunks_fills_the_mtp_cache(params):
     kv = (3, c.num_key_value_heads, 64, c.head_dim)
     empty = jd.KVCache(k=jnp.zeros(kv), v=jnp.zeros(kv))
     xla = jd.Kernels()
-    state, cache = speculative._prefill(params, jd.init_state(c, 3, 64), empty, prompts, lengths,
-                                        4, 512, xla)
-    _, want_state, hidden = model.prefill_hidden_fn(params, jd.init_state(c, 3, 64), prompts,
-                                                    lengths - 1, kernels=xla)
+
+    early = jnp.asarray(rng.integers(0, c.vocab_size, (3, 9)), jnp.int32)
+
+    def start():  # the state holding ``cached`` tokens (made twice: a call may donate it)
+        return model.prefill_fn(params, jd.init_state(c, 3, 64), early, jnp.asarray(cached),
+                                kernels=xla)[1]
+    state, cache = speculative._prefill(params, start(), empty, prompts, lengths, 4, 512, xla)
+    _, want_state, hidden = model.prefill_hidden_fn(params, start(), prompts, lengths - 1,
+                                                    kernels=xla)
     following = jnp.concatenate([prompts[:, 1:], prompts[:, :1]], axis=1)  # last: padding
     _, _, want = model.mtp_forward(params, empty, hidden, following, jnp.zeros((3,), jnp.int32),
                                    lengths - 1, xla, return_logits=False)
-    np.testing.assert_array_equal(np.asarray(state.lengths), np.asarray(lengths - 1))
+    np.testing.assert_array_equal(np.asarray(state.lengths),
+                                  np.asarray(cached) + np.asarray(lengths - 1))
     written = (np.arange(64)[None, :] < np.asarray(lengths - 1)[:, None])[:, None, :, None]
+    assert np.abs(np.where(written, want.k, 0)).max() > 0.1
     for got, ref in ((cache.k, want.k), (cache.v, want.v)):
         np.testing.assert_allclose(np.where(written, got, 0), np.where(written, ref, 0),
                                    rtol=0, atol=2e-5)

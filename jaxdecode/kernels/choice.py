@@ -103,15 +103,40 @@ def device_rows(batch_size: int, mesh: Mesh | None) -> int:
     return batch_size if batch_size % data else batch_size // data
 
 
+def row_specs(specs, rows: int, mesh: Mesh | None):
+    """A tree of ``PartitionSpec`` for arrays of ``rows`` rows on ``mesh``: as given where the
+    rows divide "data", with "data" dropped where they do not (the rows then whole on each data
+    group, :func:`device_rows`). Used for the kernels' ``shard_map`` specs (:func:`_on_mesh`)
+    and the state's layout (``sharding.constrain_state``), so the two agree."""
+    if mesh is None or device_rows(rows, mesh) * mesh.shape[DATA] == rows:
+        return specs
+    return jax.tree.map(lambda s: P(*(None if a == DATA else a for a in s)), specs,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def resolve_kernels(kernels: Kernels | None, config: Config, batch_size: int, dtype,
+                    mesh: Mesh | None) -> Kernels:
+    """The kernels a call of ``batch_size`` rows runs with params on ``mesh``:
+    ``choose_kernels(config, batch_size, dtype=dtype, mesh=mesh)`` for ``kernels`` None, else
+    :func:`for_mesh` (ValueError as there)."""
+    if kernels is None:
+        return choose_kernels(config, batch_size, dtype=dtype, mesh=mesh)
+    return for_mesh(kernels, mesh)
+
+
 def for_mesh(kernels: Kernels, mesh: Mesh | None) -> Kernels:
     """``kernels`` for a call whose params are on ``mesh`` (None: one device): its own mesh set
     where it has none (``jd.Kernels()`` passed for sharded params: XLA's forms on their mesh;
     the mesh is how a step lays out the state it creates). ValueError: ``kernels`` of another
-    mesh, or of a mesh for params on one device."""
+    mesh, of a mesh for params on one device, or that cannot run on a mesh (:class:`Kernels`)."""
     if kernels.mesh == mesh:
         return kernels
     if kernels.mesh is None:
-        return dataclasses.replace(kernels, mesh=mesh)
+        try:
+            return dataclasses.replace(kernels, mesh=mesh)
+        except ValueError as e:  # Kernels' own message, which does not say why a mesh
+            raise ValueError(f"the params are on a mesh ({mesh}), so the kernels run on it: "
+                             f"{e}") from None
     raise ValueError(f"kernels.mesh is {kernels.mesh} but the params are on "
                      f"{'one device' if mesh is None else mesh}: pass kernels for the params' "
                      "mesh (choose_kernels(..., mesh=...)), or kernels without one")
@@ -224,10 +249,7 @@ def _on_mesh(kernels: Kernels, fn, in_specs, out_specs):
         return fn
 
     def call(*args):
-        specs = (in_specs, out_specs)
-        if args[0].shape[0] % kernels.mesh.shape[DATA]:
-            specs = jax.tree.map(lambda s: P(*(None if a == DATA else a for a in s)), specs,
-                                 is_leaf=lambda x: isinstance(x, P))
+        specs = row_specs((in_specs, out_specs), args[0].shape[0], kernels.mesh)
         return jax.shard_map(fn, mesh=kernels.mesh, in_specs=specs[0], out_specs=specs[1],
                              check_vma=False)(*args)
     return call
