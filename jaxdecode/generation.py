@@ -311,7 +311,7 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
           stop_sequences=None, state: DecodeState | None = None, return_state: bool = False,
           prefill_chunk_size: int | None = None, activation_budget: int | None = None,
           return_logprobs: bool = False, top_logprobs: int = 0,
-          reserve: tuple[int, str] = (0, "")) -> _Plan:
+          num_speculative_tokens: int = 0) -> _Plan:
     check_params(params)
     if kernels is not None and not isinstance(kernels, Kernels):
         raise ValueError(f"kernels={kernels!r} must be a jaxdecode.Kernels (or None)")
@@ -361,8 +361,9 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
             raise ValueError(f"{max_len=} must be a positive int")
         if max_len > limit:
             raise ValueError(f"{max_len=} exceeds the model's max_position_embeddings={limit}")
-    # reserve: (tokens, why) of cache room past the budget (a speculative verify step's k)
-    extra, why = reserve
+    # a speculative verify step's k tokens of cache room past the budget
+    extra = num_speculative_tokens
+    why = f"num_speculative_tokens={extra} (the verify step's room)"
     need = cached + prompt_lengths + budgets + extra
     for cap, what in ((limit, "the model's max_position_embeddings"), (max_len, "max_len")):
         if cap is not None and (need > cap).any():
@@ -429,7 +430,7 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
     mesh = sharding.mesh_of(params)
     key = jax.random.key(0) if key is None else key
     key = key if isinstance(key, jax.Array) else jnp.asarray(key)
-    key = sharding.onto_mesh(key, mesh)  # e.g. a key committed to one device
+    key = sharding.onto_devices_of(key, params)  # e.g. a key committed to another device
     typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
     if not typed and (key.dtype != jnp.uint32 or key.ndim not in (1, 2) or key.shape[-1] != 2):
         raise ValueError(f"key must be a PRNG key (jax.random.key(seed)) or one per output row "
@@ -440,11 +441,16 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
         raise ValueError(f"key must be one PRNG key or one per output row ({rows}); got "
                          f"{key.shape=}")
     kernels = resolve_kernels(kernels, config, rows, params.dtype, mesh)
-    # Memory, before any device work: the new state, the forked one, the prefill's activations.
+    # Memory, before any device work: the new state, the forked one, a speculative loop's MTP
+    # cache (one attention layer's), the prefill's activations.
     new_rows = [n for n, new in ((num_prompts, state is None), (rows, num_samples > 1)) if new]
-    memory.check_fits(f"generate's state ({sum(new_rows)} rows x {max_len} positions)",
+    mtp = (memory.kv_cache_bytes(config, rows, int(max_len), params.dtype)
+           if num_speculative_tokens else 0)
+    memory.check_fits(f"generate's state ({sum(new_rows)} rows x {max_len} positions)"
+                      + (" and the MTP layer's cache" if num_speculative_tokens else ""),
                       sum(memory.state_bytes(config, n, int(max_len), params.dtype)
-                          // sharding.state_spread(n, mesh) for n in new_rows),
+                          // sharding.state_spread(n, mesh) for n in new_rows)
+                      + mtp // sharding.state_spread(rows, mesh),
                       None if mesh is None else mesh.devices.flat[0])
     prefill = plan_prefill(params, num_prompts, t_bucket, int(max_len), mesh=mesh,
                            prefill_chunk_size=prefill_chunk_size,
@@ -570,8 +576,8 @@ _DOC_ARGS = """
         "stop" (an EOS id ending it: "eos").
       state: a :class:`~jaxdecode.DecodeState` with P rows to continue (from ``jd.prefill`` or
         an earlier ``.state``), donated: the prompts are appended to its rows (>= 1 token each;
-        it holds no logits), its ``max_len`` is the capacity; forked after them for
-        ``num_samples``. None: a new state.
+        it holds no logits), its ``max_len`` is the capacity; with ``num_samples`` > 1 forked
+        after them (speculative: before) and not donated. None: a new state.
       return_state: return the final state (``.state``) also without ``state=``. It holds each
         output row's prompt and every token it generated, the last included (one extra decode
         step): ``lengths = lengths before + prompt lengths + num_generated``; to continue pass
@@ -693,7 +699,7 @@ def _generate_speculative(params: Params, prompts, max_new_tokens, sampling, key
                  activation_budget=activation_budget, stop_sequences=stop_sequences,
                  return_logprobs=return_logprobs, top_logprobs=top_logprobs, state=state,
                  return_state=return_state,
-                 reserve=(int(k), f"num_speculative_tokens={k} (the verify step's room)"))
+                 num_speculative_tokens=int(k))
     if sampling_lib.features_of(plan.sampling).penalties:
         raise ValueError("num_speculative_tokens does not yet apply repetition, presence or "
                          "frequency penalties; leave them at their defaults")

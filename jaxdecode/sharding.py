@@ -500,12 +500,18 @@ def checkpoint_placer(config: Config, mesh: Mesh) -> Callable[[str, np.ndarray],
     return place
 
 
-def onto_mesh(x: jax.Array, mesh: Mesh | None) -> jax.Array:
-    """``x`` replicated on ``mesh`` where it is committed to other devices than the mesh's
-    (e.g. one of them: jit refuses the mix, "incompatible devices"); otherwise ``x``."""
-    if mesh is None or not x.committed or x.sharding.device_set == set(mesh.devices.flat):
+def onto_devices_of(x: jax.Array, params: Params) -> jax.Array:
+    """``x`` (e.g. a PRNG key) replicated on the devices ``params`` are committed to, where ``x``
+    is committed to others (jit refuses the mix: "incompatible devices"); otherwise ``x``."""
+    where = getattr(params.embed_tokens, "sharding", None)
+    if (not x.committed or not getattr(params.embed_tokens, "committed", False)
+            or x.sharding.device_set == where.device_set):
         return x
-    return jax.device_put(x, NamedSharding(mesh, P()))
+    if isinstance(where, NamedSharding):
+        return jax.device_put(x, NamedSharding(where.mesh, P()))
+    if len(where.device_set) == 1:
+        return jax.device_put(x, next(iter(where.device_set)))
+    return x
 
 
 def mesh_of(x) -> Mesh | None:
@@ -524,6 +530,7 @@ def mesh_of(x) -> Mesh | None:
 def check_params_on(params: Params, mesh: Mesh | None) -> None:
     """Raises ValueError if ``params`` are not placed on ``mesh`` (every call would move them)."""
     if mesh_of(params) != mesh:
-        raise ValueError(f"params are on mesh {mesh_of(params)} but the state on {mesh}; place "
-                         "both with sharding.shard_params / shard_state (or load_checkpoint(..., "
-                         "mesh=mesh), init_state_sharded)")
+        where = lambda m: "one device" if m is None else f"mesh {m}"  # noqa: E731
+        raise ValueError(f"the params are on {where(mesh_of(params))} but the state is on "
+                         f"{where(mesh)}; place both with sharding.shard_params / shard_state "
+                         "(or load_checkpoint(..., mesh=mesh), init_state_sharded)")

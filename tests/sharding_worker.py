@@ -543,6 +543,11 @@ def check_generate(params) -> dict:
             res["committed_key_equal"] = bool(np.array_equal(*(
                 jd.generate(sp, prompts, max_new_tokens=4, sampling=sampling, key=k).tokens
                 for k in (jax.device_put(key, jax.devices()[5]), key))))
+            # ... and with params committed to one device, another than the key's
+            res["committed_key_one_device_equal"] = bool(np.array_equal(*(
+                jd.generate(p, prompts, max_new_tokens=4, sampling=sampling, key=k).tokens
+                for p, k in ((jax.device_put(params, jax.devices()[3]),
+                              jax.device_put(key, jax.devices()[5])), (params, key)))))
             old = jax.tree.leaves(got.state)
             jd.decode_step(sp, got.state, np.zeros(rows, np.int32))
             res["decode_step_donated"] = all(x.is_deleted() for x in old)

@@ -74,6 +74,23 @@ def test_generate_checks_its_state_and_prefill_before_device_work(small_device):
         jd.generate(params, [[1, 2, 3]] * 8, 8, max_len=4096)
 
 
+def test_speculative_generate_counts_the_mtp_layers_cache(monkeypatch):
+    """The speculative loop's MTP cache (one attention layer's K/V for every row) is checked
+    with the state: free memory for the state alone, not both, is a ValueError naming it."""
+    config = tiny(mtp_num_hidden_layers=1)
+    params = jd.init_params(config, jax.random.key(0))
+    state = memory.state_bytes(config, 8, 4096, "float32")
+    mtp = memory.kv_cache_bytes(config, 8, 4096, "float32")
+    assert 0 < mtp < state
+    monkeypatch.setattr(memory, "free_bytes", lambda device=None: state + mtp // 2)
+    budget = 2**30  # the prefill's activations are not what this checks
+    jd.generate(params, [[1, 2, 3]] * 8, 4, max_len=4096, activation_budget=budget)  # plain fits
+    with pytest.raises(ValueError, match=r"generate's state \(8 rows x 4096 positions\) and the "
+                                         r"MTP layer's cache needs"):
+        jd.generate(params, [[1, 2, 3]] * 8, 4, max_len=4096, activation_budget=budget,
+                    num_speculative_tokens=2)
+
+
 def test_plan_prefill_chunks_under_the_budget():
     c = jd.Config.from_preset("qwen3.5-9b")
     per_token = memory.prefill_token_bytes(c, "bfloat16")

@@ -121,7 +121,7 @@ def test_one_device_mesh_runs_in_process():
     params = sharding.shard_params(plain, mesh)
     state = sharding.init_state_sharded(config, mesh, batch_size=1, max_len=16)
     assert sharding.mesh_of(state) == mesh and sharding.mesh_of(params) == mesh
-    with pytest.raises(ValueError, match=r"params are on mesh None but the state on"):
+    with pytest.raises(ValueError, match=r"params are on one device but the state is on mesh"):
         jd.prefill(plain, state, [[1, 2, 3]], [3])
     logits, state = jd.prefill(params, state, [[1, 2, 3]], [3])
     kernels = jd.choose_kernels(config, 1, dtype="float32", mesh=mesh)
@@ -136,7 +136,7 @@ def test_one_device_mesh_runs_in_process():
     assert sharding.mesh_of(state) == mesh
     assert logits.sharding.is_equivalent_to(
         jax.sharding.NamedSharding(mesh, sharding.logits_partition_spec()), 2)
-    with pytest.raises(ValueError, match=r"params are on mesh None but the state on"):
+    with pytest.raises(ValueError, match=r"params are on one device but the state is on mesh"):
         jd.decode_step(plain, state, [4])
 
 
@@ -180,7 +180,7 @@ def test_generate_on_a_mesh_splits_rows_over_data(meshes):
     """jd.generate with sharded params lays out the state it creates (rows over "data": a
     device's loop holds its shard of the cache, never the whole) and equals one device; the
     returned state continues in place with decode_step; a PRNG key committed to one device
-    samples as the same key uncommitted. Rows that do not divide "data" run whole
+    samples as the same key uncommitted (params on the mesh, or committed to another device). Rows that do not divide "data" run whole
     on each data group, continue with generate(state=), and decode_step refuses them."""
     split, whole = meshes["generate"]["8"], meshes["generate"]["3"]
     assert split["tokens_equal"] and split["mismatches"] == [], split
@@ -189,6 +189,7 @@ def test_generate_on_a_mesh_splits_rows_over_data(meshes):
     assert shapes["global"] == 0 and shapes["shard"] > 0, shapes
     assert split["decode_step_donated"], split
     assert split["committed_key_equal"], split  # a key device_put to one device
+    assert split["committed_key_one_device_equal"], split  # params on another one
     assert whole["tokens_equal"] and whole["continued_equal"], whole
     assert whole["spec"] == [None, "model"], whole
     assert "batch_size=3 must be divisible by the 'data' mesh axis size 4" in (
@@ -468,7 +469,7 @@ def test_public_decode_step_on_a_sharded_state_runs_on_its_mesh(meshes):
                       "built_for_the_mesh_kernels": True, "mismatches": [],
                       "logits_equal": True, "out_equal_and_donated": True}
     # params on one device, or on another mesh, are refused by name (not moved every step)
-    assert len(errors) == 2 and all(e and "params are on mesh" in e and "but the state on" in e
+    assert len(errors) == 2 and all(e and "params are on " in e and "but the state is on mesh" in e
                                     for e in errors), errors
 
 
