@@ -713,13 +713,11 @@ def _generate_speculative(params: Params, prompts, max_new_tokens, sampling, key
             params, len(plan.budgets), plan.prompts.shape[1], plan.max_len, mesh=mesh,
             prefill_chunk_size=prefill_chunk_size, activation_budget=activation_budget,
             kernels=plan.kernels))
-    if state is not None and n > 1:  # each prompt's rows continue its row (``state`` kept)
-        state = sharding.constrain_state(fork(state, n), mesh)
-    elif state is None and mesh is None:
-        state = init_state(params.config, len(plan.budgets), plan.max_len, params.dtype)
-    elif state is None:  # created in its layout (its memory was checked by _plan)
+    if state is None:  # created in its layout (its memory was checked by _plan)
         state = sharding.laid_out_state(params.config, mesh, len(plan.budgets), plan.max_len,
                                         params.dtype)
+    elif n > 1:  # each prompt's rows continue its row (``state`` kept)
+        state = sharding.constrain_state(fork(state, n), mesh)
     loop = speculative_generate_jit(
         params, state, jnp.asarray(np.repeat(plan.prompts, n, axis=0)),
         jnp.asarray(np.repeat(plan.prompt_lengths, n, axis=0)),

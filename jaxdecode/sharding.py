@@ -431,15 +431,16 @@ def init_state_sharded(config: Config, mesh: Mesh, batch_size: int, max_len: int
     return laid_out_state(config, mesh, batch_size, max_len, dtype)
 
 
-def laid_out_state(config: Config, mesh: Mesh, batch_size: int, max_len: int,
+def laid_out_state(config: Config, mesh: Mesh | None, batch_size: int, max_len: int,
                    dtype="float32") -> DecodeState:
-    """``init_state`` created on ``mesh`` in :func:`constrain_state`'s layout (any row count),
-    without :func:`init_state_sharded`'s checks: for callers that made them (``generate``)."""
+    """``init_state`` created on ``mesh`` in :func:`constrain_state`'s layout (any row count;
+    None: the default device), without :func:`init_state_sharded`'s checks: for callers that
+    made them (``generate``)."""
     return _init_state_jit(config, mesh, batch_size, max_len, jnp.dtype(dtype).name)()
 
 
 @functools.cache
-def _init_state_jit(config: Config, mesh: Mesh, batch_size: int, max_len: int, dtype: str):
+def _init_state_jit(config: Config, mesh: Mesh | None, batch_size: int, max_len: int, dtype: str):
     return jax.jit(lambda: constrain_state(
         init_state(config, batch_size, max_len, dtype, check_memory=False), mesh))
 

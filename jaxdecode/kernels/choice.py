@@ -108,7 +108,7 @@ def row_specs(specs, rows: int, mesh: Mesh | None):
     rows divide "data", with "data" dropped where they do not (the rows then whole on each data
     group, :func:`device_rows`). Used for the kernels' ``shard_map`` specs (:func:`_on_mesh`)
     and the state's layout (``sharding.constrain_state``), so the two agree."""
-    if mesh is None or device_rows(rows, mesh) * mesh.shape[DATA] == rows:
+    if mesh is None or rows % mesh.shape[DATA] == 0:
         return specs
     return jax.tree.map(lambda s: P(*(None if a == DATA else a for a in s)), specs,
                         is_leaf=lambda x: isinstance(x, P))
