@@ -269,7 +269,7 @@ def speculative_generate_fn(params: Params, state: DecodeState, prompts: Array,
     cache = state.kv_cache[0]
     cache = KVCache(k=jnp.zeros_like(cache.k), v=jnp.zeros_like(cache.v))
     base = state.lengths  # MTP positions count from here (module docstring)
-    state, cache = _prefill(params, state, cache, prompts, prompt_lengths,
+    state, cache = _prefill(params, state, cache, base, prompts, prompt_lengths,
                             prefill_chunk_size or length, query_block, kernels)
     # The last prompt token through verify_fn: its logits give the first token, its hidden
     # state the first MTP pair.
@@ -362,14 +362,14 @@ def speculative_generate_fn(params: Params, state: DecodeState, prompts: Array,
     return loop
 
 
-def _prefill(params: Params, state: DecodeState, cache: KVCache, prompts: Array,
+def _prefill(params: Params, state: DecodeState, cache: KVCache, base: Array, prompts: Array,
              prompt_lengths: Array, chunk: int, query_block: int, kernels: Kernels):
     """The target over each prompt but its last token, ``chunk`` tokens at a time (a
     ``lax.scan`` of continuations) after the tokens ``state`` holds, and the MTP layer over the
     prompt's pairs (the hidden state at p, the prompt token at p + 1) for p < length - 1, at MTP
-    positions counted from ``state.lengths`` (module docstring). Returns (state, MTP cache)."""
+    positions counted from ``base`` [R] (the input state's lengths; module docstring). Returns
+    (state, MTP cache)."""
     rows, length = prompts.shape
-    base = state.lengths
     n = -(-length // chunk)
     nxt = jnp.concatenate([prompts[:, 1:], jnp.zeros((rows, 1), prompts.dtype)], axis=1)
     split = lambda x: jnp.moveaxis(  # noqa: E731  [R, T] -> [n, R, chunk]

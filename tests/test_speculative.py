@@ -497,7 +497,9 @@ def test_prompt_prefill_in_chunks_fills_the_mtp_cache(params, cached):
     def start():  # the state holding ``cached`` tokens (made twice: a call may donate it)
         return model.prefill_fn(params, jd.init_state(c, 3, 64), early, jnp.asarray(cached),
                                 kernels=xla)[1]
-    state, cache = speculative._prefill(params, start(), empty, prompts, lengths, 4, 512, xla)
+    state = start()
+    state, cache = speculative._prefill(params, state, empty, state.lengths, prompts, lengths, 4,
+                                        512, xla)
     _, want_state, hidden = model.prefill_hidden_fn(params, start(), prompts, lengths - 1,
                                                     kernels=xla)
     following = jnp.concatenate([prompts[:, 1:], prompts[:, :1]], axis=1)  # last: padding
