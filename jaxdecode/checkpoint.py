@@ -148,8 +148,9 @@ def _index_tensors(files: list[str], problems: list[str], fp8: set[str], mtp: bo
                 elif info.get_dtype() == FP8_DTYPE:
                     fp8.add(name)
                 elif info.get_dtype() not in FLOAT_DTYPES:
+                    allowed = FLOAT_DTYPES + (() if name.endswith(SCALE_SUFFIX) else (FP8_DTYPE,))
                     problems.append(f"tensor {stored} has dtype {info.get_dtype()}, expected a "
-                                    f"float type {FLOAT_DTYPES + (FP8_DTYPE,)}")
+                                    f"float type {allowed}")
                 found[name] = (path, stored, tuple(info.get_shape()))
     return found
 
@@ -184,9 +185,12 @@ def _pair_scales(config: Config, found: dict, fp8: set[str], block, problems: li
     for name in [n for n in found if n.endswith(SCALE_SUFFIX)]:
         entry = found.pop(name)
         weight = name[:-len(SCALE_SUFFIX)]
-        if weight not in fp8:
+        if weight not in found:
+            problems.append(f"unexpected tensor {entry[1]} with shape {entry[2]} (no weight "
+                            f"{weight} stored beside it)")
+        elif weight not in fp8:
             problems.append(f"unexpected tensor {entry[1]} with shape {entry[2]} (its weight "
-                            f"{weight} is not stored as {FP8_DTYPE})")
+                            f"{found[weight][1]} is stored as another dtype, not {FP8_DTYPE})")
         else:
             scales[weight] = entry
     for name in sorted(fp8):
@@ -293,7 +297,8 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
         (``Config.from_hf_config``) or index file; one message listing every missing,
         unexpected, misshapen (both shapes), duplicated or non-float tensor, by its name in the
         checkpoint (``params.checkpoint_specs``); a config that cannot be split over ``mesh``
-        (``sharding.check_mesh``); both ``place`` and ``mesh``.
+        (``sharding.check_mesh``); both ``place`` and ``mesh``; ``mtp`` with a config.json
+        whose ``mtp_num_hidden_layers`` is not 1.
     """
     directory = os.fspath(directory)
     files = None
@@ -304,6 +309,13 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
         raise FileNotFoundError(f"no config.json in {directory!r}")
     config = Config.from_json_file(config_path)
     if mtp:
+        with open(config_path) as f:
+            top = json.load(f)
+        layers = (top.get("text_config") or top).get("mtp_num_hidden_layers", 1)
+        if layers != 1:
+            raise ValueError(f"mtp=True, but config.json has mtp_num_hidden_layers={layers!r}: "
+                             "jaxdecode runs one MTP layer (as every published Qwen3.5 and "
+                             "Qwen3-Next checkpoint holds)")
         config = dataclasses.replace(config, mtp_num_hidden_layers=1)
     dtype = model_dtype(dtype)
     if quantize not in (None, "fp8"):

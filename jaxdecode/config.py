@@ -253,6 +253,12 @@ class Config:
                              f"{text['num_experts']} (mixture-of-experts models are "
                              f"{MOE_MODEL_TYPES + NEXT_MODEL_TYPES})")
         problems = []
+        experts = text.get("num_experts")
+        if (model_type in MOE_MODEL_TYPES and isinstance(experts, int)
+                and not isinstance(experts, bool) and experts <= 0):
+            problems.append(f"num_experts={experts} (model_type {model_type!r} is a "
+                            "mixture-of-experts model: num_experts > 0; a dense Qwen3.5 is "
+                            "'qwen3_5' / 'qwen3_5_text')")
         if text.get("hidden_act", "silu") != "silu":
             problems.append(f"hidden_act={text['hidden_act']!r} (only 'silu')")
         if text.get("attention_bias", False):

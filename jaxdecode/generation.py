@@ -637,7 +637,8 @@ def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParam
     ``max_len`` then needs room for k more tokens; log-probabilities as plain decoding's (from
     the verify step's logits); ``num_samples`` rows prefilled apart; with ``state``, the MTP
     layer drafts from this call's tokens only (``jaxdecode.speculative``). Not yet together with
-    penalties, ``progress``/``executables`` or ``batch_invariant`` kernels (ValueError).
+    penalties, ``progress``/``executables`` (so not from :func:`precompile`) or
+    ``batch_invariant`` kernels (ValueError), nor in :func:`generate_stream`.
     ``draft_vocab``: token ids [V'] the drafts are chosen from (``jaxdecode.speculative``: a
     cheaper draft, the same output; distinct ids in [0, vocab_size), else ValueError; only with
     ``num_speculative_tokens``).
@@ -787,7 +788,16 @@ def precompile(params: Params, prompts, max_new_tokens=64, sampling: SamplingPar
                state: DecodeState | None = None, **kwargs) -> Executables:
     """Compiles (without running) what :func:`generate` (or, with ``stream``,
     :func:`generate_stream`) runs for these arguments (the same keywords; ``state`` is read, not
-    donated), so compile time can be timed apart; pass the result as their ``executables=``."""
+    donated), so compile time can be timed apart; pass the result as their ``executables=``.
+    ValueError: as theirs, and for speculative decoding (``num_speculative_tokens``,
+    ``draft_vocab``), which compiles in ``generate``'s own call."""
+    speculative_args = {name: kwargs.pop(name) for name in ("num_speculative_tokens", "draft_vocab")
+                        if name in kwargs}
+    if (speculative_args.get("num_speculative_tokens", 0) != 0
+            or speculative_args.get("draft_vocab") is not None):
+        raise ValueError("precompile compiles plain decoding; speculative decoding "
+                         "(num_speculative_tokens, draft_vocab) compiles in generate's first "
+                         "call, which takes no executables")
     chunk_size = chunk_size or (1 if stream else 8)
     plan = _plan(params, prompts, max_new_tokens, sampling, key, eos_token_ids, state=state,
                  chunk_size=chunk_size, **{"max_len": None, "num_samples": 1, "pad_id": -1,

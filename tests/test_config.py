@@ -23,6 +23,10 @@ def test_config_errors():
         jd.Config.from_hf_config({**moe, "decoder_sparse_step": 2})
     with pytest.raises(ValueError, match=r"missing the required field 'moe_intermediate_size'"):
         jd.Config.from_hf_config({k: v for k, v in moe.items() if k != "moe_intermediate_size"})
+    for experts in (0, -2):
+        with pytest.raises(ValueError, match=rf"num_experts={experts} \(model_type "
+                                             r"'qwen3_5_moe_text' is a mixture-of-experts model"):
+            jd.Config.from_hf_config({**moe, "num_experts": experts})
     with pytest.raises(ValueError, match=r"num_experts_per_tok=9 > num_experts=8"):
         jd.Config.from_hf_config({**moe, "num_experts": 8, "num_experts_per_tok": 9})
     with pytest.raises(ValueError, match=r"\{'moe_intermediate_size': 64\} given without "

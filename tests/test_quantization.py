@@ -133,11 +133,11 @@ def test_fp8_model_equals_the_model_with_dequantised_weights():
 
 
 def _save(path, tensors: dict):
-    """A safetensors file of float32 / bfloat16 / float8_e4m3fn numpy arrays, written from the
+    """A safetensors file of float32 / bfloat16 / float8_e4m3fn (/ uint8) numpy arrays, written from the
     format's spec (8-byte header size, JSON header, data), since safetensors' numpy writer has
     no float8."""
     codes = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.bfloat16): "BF16",
-             np.dtype(FP8): "F8_E4M3"}
+             np.dtype(FP8): "F8_E4M3", np.dtype(np.uint8): "U8"}
     header, blobs, offset = {}, [], 0
     for name, x in tensors.items():
         data = np.ascontiguousarray(x).tobytes()
@@ -175,11 +175,11 @@ _RELEASE_FP8 = re.compile(r"(mlp\.experts\.\d+\.(gate|up|down)_proj|in_proj_qkvz
 
 
 def _write_fp8_checkpoint(path, params, *, scale_dtype=ml_dtypes.bfloat16, change=None,
-                          block=quantization.DEFAULT_BLOCK):
+                          block=quantization.DEFAULT_BLOCK, drop=()):
     """An FP8 release's layout from float32 params: the quantised Linears (the routed experts
     per expert, Qwen3-Next's in_proj_qkvz) as F8_E4M3 + a weight_scale_inv (``scale_dtype``) in
     ``block`` blocks, the rest float32; also the dequantised checkpoint beside it (path /
-    "dequantised"). ``change``: {name: array} replacing stored tensors."""
+    "dequantised"). ``change``: {name: array} replacing stored tensors; ``drop``: names left out."""
     hf = {k: np.asarray(v, np.float32) for k, v in params_to_hf(params).items()}
     hf = _split_experts(hf, params.config)
     fp8, dense = {}, {}
@@ -192,6 +192,7 @@ def _write_fp8_checkpoint(path, params, *, scale_dtype=ml_dtypes.bfloat16, chang
         else:
             fp8[name] = dense[name] = w
     fp8.update(change or {})
+    fp8 = {name: w for name, w in fp8.items() if name not in drop}
     config = params.config.to_hf_config()
     for where, tensors, extra in ((path, fp8, {"quantization_config": {
             "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -250,6 +251,24 @@ def test_fp8_checkpoint_problems_name_the_tensor_and_both_shapes(tmp_path):
         name + "_scale_inv": scale.astype(FP8)})
     with pytest.raises(ValueError, match=rf"{name}_scale_inv has dtype F8_E4M3; block scales"):
         jd.load_checkpoint(f8_scale, dtype="float32")
+    u8_scale = _write_fp8_checkpoint(tmp_path / "u8_scale", params, change={
+        name + "_scale_inv": np.ones((1, 1), np.uint8)})
+    with pytest.raises(ValueError, match=rf"{name}_scale_inv has dtype U8, expected a float "
+                                         r"type \('F32', 'BF16', 'F16', 'F64'\)"):
+        jd.load_checkpoint(u8_scale, dtype="float32")
+    # a scale whose weight is absent, and one beside a float32 weight: each said as it is
+    for case, change in (("absent", None), ("float", hf[name])):
+        where = _write_fp8_checkpoint(
+            tmp_path / case, params, drop=(name,) if change is None else (),
+            change=None if change is None else {name: np.asarray(change, np.float32)})
+        with pytest.raises(ValueError) as e:
+            jd.load_checkpoint(where, dtype="float32")
+        if change is None:
+            assert f"unexpected tensor {name}_scale_inv with shape (1, 1) (no weight " in str(e.value)
+            assert f"missing tensor {name}" in str(e.value)
+        else:
+            assert (f"unexpected tensor {name}_scale_inv with shape (1, 1) (its weight {name} is "
+                    "stored as another dtype, not F8_E4M3)") in str(e.value)
 
 
 def test_fp8_tensor_of_an_unquantised_leaf_is_dequantised_at_load(tmp_path):

@@ -9,6 +9,7 @@ from a draft vocabulary (greedy tokens unchanged, sampled ones in distribution);
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import jax
@@ -362,6 +363,11 @@ def test_speculative_errors(params):
                     num_speculative_tokens=2)
     with pytest.raises(ValueError, match=r"does not yet work with \['progress'\]"):
         jd.generate(params, [[1, 2]], 4, progress=print, num_speculative_tokens=2)
+    for speculative_args in (dict(num_speculative_tokens=2), dict(num_speculative_tokens=-5),
+                             dict(draft_vocab=[1, 2])):
+        with pytest.raises(ValueError, match="precompile compiles plain decoding"):
+            generation.precompile(params, [[1, 2]], 4, **speculative_args)
+    generation.precompile(params, [[1, 2]], 4, num_speculative_tokens=0, draft_vocab=None)
     with pytest.raises(ValueError, match="num_speculative_tokens=3 .* exceeds max_len=16"):
         jd.generate(params, [[1, 2]], 4, state=jd.generate(
             params, [[5] * 8], 1, max_len=16, return_state=True).state, num_speculative_tokens=3)
@@ -476,6 +482,15 @@ def test_load_checkpoint_with_mtp(tmp_path, params):
     damaged = write_checkpoint(tmp_path / "no_fc", params, drop=("mtp.fc.weight",))
     with pytest.raises(ValueError, match=r"missing tensor mtp\.fc\.weight"):
         jd.load_checkpoint(damaged, dtype="float32", mtp=True)
+    hf = json.loads((path / "config.json").read_text())
+    text = hf.get("text_config", hf)
+    for layers in (2, 0):
+        text["mtp_num_hidden_layers"] = layers
+        (path / "config.json").write_text(json.dumps(hf))
+        with pytest.raises(ValueError, match=rf"mtp=True, but config.json has "
+                                             rf"mtp_num_hidden_layers={layers}: jaxdecode runs one"):
+            jd.load_checkpoint(path, dtype="float32", mtp=True)
+        assert jd.load_checkpoint(path, dtype="float32").mtp is None  # plain loading is unaffected
 
 
 @pytest.mark.parametrize("cached", [(0, 0, 0), (5, 0, 9)])
