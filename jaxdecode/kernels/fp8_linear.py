@@ -26,7 +26,9 @@ hopper_mixed_type_matmul_mgpu.py``; Marlin, Frantar et al., 2024, for the weight
   row block's float32 partial [128, M] to its slot of [S, N, M'] (S: the most programs sharing a
   row block; M' the rows padded) and XLA adds the written slots, transposes and casts.
 * A pipeline step copies ``cols_per_step`` column blocks at once ([128, 128·c] FP8, 128·c-byte
-  rows per TMA copy): fewer, larger steps issue fewer instructions per byte.
+  rows per TMA copy): fewer, larger steps issue fewer instructions per byte. A 4-block step's
+  wgmmas share one accumulator scope (:data:`SCOPE_MIN_COLS`): block j + 1 is converted while
+  block j's wgmma runs, and the step waits for them once.
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ DEFAULT_NUM_SMS = 132  # H100/H200 SXM; choose_config's ranges only
 # relative time per [128, 128] block by blocks a pipeline step (12288 x 4096, one row, H100:
 # 24.5, 25.4, 27.4 us): choose_config trades wider steps against even ranges with it
 BLOCK_COST = {4: 1.0, 2: 1.04, 1: 1.12}
+# a step of at least this many blocks shares one accumulator scope (measured faster at 4 blocks,
+# not at 2); narrower steps take one scope a block
+SCOPE_MIN_COLS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +158,7 @@ def _kernel(x_gmem, w_gmem, s_gmem, o_gmem, scoped, *, steps_per_program, steps_
     wait_for_inputs(interpret)
     (w_smem, x_smem, o_smem2, w_tmp2), (w_barriers, x_barriers), consumed = scoped
     program, wg = lax.axis_index("p"), lax.axis_index("wg")
+    scope = cols if cols >= SCOPE_MIN_COLS else 1  # blocks per accumulator scope
     start = program * steps_per_program  # this program's first step over all row blocks
     steps = jnp.minimum(total_steps - start, steps_per_program)
 
@@ -177,19 +183,26 @@ def _kernel(x_gmem, w_gmem, s_gmem, o_gmem, scoped, *, steps_per_program, steps_
             next_scale = scales(i + 1)
             slot = lax.rem(i, num_stages)
             plgpu.barrier_wait(w_barriers.at[slot])
-            for j in range(cols):
-                block = pl.ds(j * BLOCK, BLOCK)
-                w8 = plgpu.load(w_smem.at[slot, rows, block],
+
+            def convert(j):  # block j of the step: e4m3 -> x's dtype times its scale
+                w8 = plgpu.load(w_smem.at[slot, rows, pl.ds(j * BLOCK, BLOCK)],
                                 layout=plgpu.Layout.WGMMA_UPCAST_2X, optimized=not interpret)
                 w = (w8.astype(jnp.float16).astype(jnp.float32) * scale[j]).astype(dtype)
-                w = plgpu.layout_cast(w, layout)
-                if j == 0:
-                    plgpu.barrier_wait(x_barriers.at[slot])
-                w = _register_operand(w, w_tmp2.at[wg] if interpret else None,
-                                      interpret=interpret)
+                return plgpu.layout_cast(w, layout)
 
-                def mma(acc_ref, w=w, block=block):
-                    plgpu.wgmma(acc_ref, w, x_smem.at[slot, :, block].T)
+            # a scope's wgmmas are waited for once, block j + 1 converting while j's runs
+            for first in range(0, cols, scope):
+                w = convert(first)
+                if first == 0:
+                    plgpu.barrier_wait(x_barriers.at[slot])
+
+                def mma(acc_ref, first=first, w=w):
+                    for j in range(first, first + scope):
+                        following = convert(j + 1) if j + 1 < first + scope else None
+                        w = _register_operand(w, w_tmp2.at[wg] if interpret else None,
+                                              interpret=interpret)
+                        plgpu.wgmma(acc_ref, w, x_smem.at[slot, :, pl.ds(j * BLOCK, BLOCK)].T)
+                        w = following
 
                 acc = _accumulate(acc, mma, interpret=interpret)
             plgpu.barrier_arrive(consumed.at[slot])
