@@ -484,7 +484,7 @@ def test_load_checkpoint_with_mtp(tmp_path, params):
         jd.load_checkpoint(damaged, dtype="float32", mtp=True)
     hf = json.loads((path / "config.json").read_text())
     text = hf.get("text_config", hf)
-    for layers in (2, 0):
+    for layers in (2, 3):
         text["mtp_num_hidden_layers"] = layers
         (path / "config.json").write_text(json.dumps(hf))
         with pytest.raises(ValueError, match=rf"mtp=True, but config.json has "
