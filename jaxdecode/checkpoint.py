@@ -29,7 +29,7 @@ import numpy as np
 from safetensors import safe_open
 
 from jaxdecode import quantization, sharding
-from jaxdecode.config import Config, model_dtype
+from jaxdecode.config import Config, model_dtype, read_json
 from jaxdecode.params import (Params, checkpoint_specs, hf_to_internal, leaf_dtype, param_specs,
                               params_from_flat, split_fused)
 from jaxdecode.quantization import SCALE_SUFFIX, Fp8Linear
@@ -155,11 +155,9 @@ def _index_tensors(files: list[str], problems: list[str], fp8: set[str], mtp: bo
     return found
 
 
-def quantization_block(directory: str) -> tuple[int, int]:
-    """``weight_block_size`` of ``config.json``'s ``quantization_config`` ((128, 128) without
-    one). ValueError: a quantisation other than block FP8 e4m3 (``quant_method: fp8``)."""
-    with open(os.path.join(directory, "config.json")) as f:
-        top = json.load(f)
+def quantization_block(top: dict) -> tuple[int, int]:
+    """``weight_block_size`` of a ``config.json`` dict's ``quantization_config`` ((128, 128)
+    without one). ValueError: a quantisation other than block FP8 e4m3 (``quant_method: fp8``)."""
     q = top.get("quantization_config") or (top.get("text_config") or {}).get(
         "quantization_config")
     if not q:
@@ -307,10 +305,9 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
     config_path = os.path.join(directory, "config.json")
     if not os.path.exists(config_path):
         raise FileNotFoundError(f"no config.json in {directory!r}")
-    config = Config.from_json_file(config_path)
+    top = read_json(config_path)  # read once: the config, the MTP check, the FP8 blocks
+    config = Config.from_hf_config(top)
     if mtp:
-        with open(config_path) as f:
-            top = json.load(f)
         layers = (top.get("text_config") or top).get("mtp_num_hidden_layers", 1)
         if layers not in (0, 1):  # 0: as to_hf_config writes a config holding no MTP layer
             raise ValueError(f"mtp=True, but config.json has mtp_num_hidden_layers={layers!r}: "
@@ -320,7 +317,7 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
     dtype = model_dtype(dtype)
     if quantize not in (None, "fp8"):
         raise ValueError(f"quantize={quantize!r} must be None or 'fp8'")
-    block = quantization_block(directory)
+    block = quantization_block(top)
     if mesh is not None:
         if place is not None:
             raise ValueError("pass place or mesh to load_checkpoint, not both")

@@ -336,12 +336,7 @@ class Config:
     def from_json_file(cls, path: str | os.PathLike) -> "Config":
         """Reads an HF ``config.json`` file (:meth:`from_hf_config`); ValueError for malformed JSON
         (naming the file) or an unsupported config."""
-        with open(path) as f:
-            try:
-                data = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{os.fspath(path)!r} is not valid JSON: {e}") from None
-        return cls.from_hf_config(data)
+        return cls.from_hf_config(read_json(path))
 
     @classmethod
     def from_preset(cls, name: str) -> "Config":
@@ -448,3 +443,13 @@ PRESETS: dict[str, Config] = {
         rope_theta=10_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
         max_position_embeddings=262_144, eos_token_id=(248_044,)),
 }
+
+
+def read_json(path: str | os.PathLike):
+    """The parsed JSON of a file (an HF ``config.json``); ValueError naming the file if it is not
+    valid JSON."""
+    with open(path) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{os.fspath(path)!r} is not valid JSON: {e}") from None
