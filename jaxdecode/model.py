@@ -21,6 +21,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from flax import struct
 
 from jaxdecode import invariance
@@ -31,7 +32,7 @@ from jaxdecode.kernels import choice
 from jaxdecode.kernels.choice import Kernels
 from jaxdecode.params import AttentionParams, GatedDeltaNetParams, MLPParams, MoEParams, Params
 from jaxdecode.quantization import Fp8Linear
-from jaxdecode.state import DecodeState, KVCache, conv_slot_position, conv_window
+from jaxdecode.state import DecodeState, KVCache, conv_slot, conv_window
 
 Array = jax.Array
 f32 = jnp.float32
@@ -204,28 +205,26 @@ def gated_delta_net(p: GatedDeltaNetParams, x: Array, conv_state: Array, recurre
         return deltanet_output(p, o[:, None], z, c, kernels), new_conv_state, new_state
 
     window = conv_window(conv_state, start).astype(mixed.dtype)  # [B, Kc-1, C], start-Kc+1 ..
-    new_conv_state = conv_ring_update(conv_state, window, mixed, start, num_new)
+    new_conv_state = conv_ring_update(conv_state, mixed, start, num_new)
     q, k, v, g, beta = _delta_rule_inputs(p, mixed, window, b, a, valid, c)
     o, new_state = choice.chunk_gated_delta_rule(kernels, q, k, v, g, beta, recurrent_state)
     return deltanet_output(p, o, z, c, kernels), new_conv_state, new_state
 
 
-def conv_ring_update(conv_state: Array, window: Array, mixed: Array, start: Array,
-                     num_new: Array) -> Array:
+def conv_ring_update(conv_state: Array, mixed: Array, start: Array, num_new: Array) -> Array:
     """The [B, Kc, C] conv ring after each row's first ``num_new[b]`` of the T new pre-conv
-    inputs ``mixed`` [B, T, C], from the old ring, its ``window`` before them ([B, Kc-1, C],
-    ``conv_window``) and ``start`` [B]: slot s holds the last real position p in it
-    (``conv_slot_position``), which is hist[p - start + Kc - 1] of hist = [window | mixed]."""
+    inputs ``mixed`` [B, T, C] at positions ``start[b]`` on ([B] int32): position p goes to slot
+    ``conv_slot(p)``; only the last min(Kc, T) of a row can stay, so at most that many entries a
+    row are written, by a scatter that XLA applies to the ring's own buffer (a loop's carry is
+    updated in place, not copied)."""
     kc, length = conv_state.shape[1], mixed.shape[1]
-    # With no new token (num_new = 0) the slot of p = start - Kc keeps its old value (index
-    # -1), and every other slot gets its old value back from the window.
-    end = start + num_new
-    slot = jnp.arange(kc, dtype=jnp.int32)[None, :]
-    idx = (conv_slot_position(end[:, None], slot, kc) - start[:, None] + kc - 1)[:, :, None]
-    from_new = jnp.take_along_axis(mixed, jnp.clip(idx - (kc - 1), 0, length - 1), axis=1)
-    from_window = jnp.take_along_axis(window, jnp.clip(idx, 0, kc - 2), axis=1)
-    new_conv_state = jnp.where(idx >= kc - 1, from_new, from_window).astype(conv_state.dtype)
-    return jnp.where(idx >= 0, new_conv_state, conv_state)
+    width = min(kc, length)
+    first = jnp.clip(num_new - width, 0, length - width)  # [B]: the first token written
+    tail = jax.vmap(lambda m, f: lax.dynamic_slice_in_dim(m, f, width))(mixed, first)
+    t = first[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]  # [B, width] token index
+    slot = jnp.where(t < num_new[:, None], conv_slot(start[:, None], t, kc), kc)  # kc: dropped
+    return jax.vmap(lambda ring, s, v: ring.at[s].set(v.astype(ring.dtype), mode="drop"))(
+        conv_state, slot, tail)
 
 
 def _delta_rule_inputs(p: GatedDeltaNetParams, mixed: Array, window: Array, b: Array, a: Array,
@@ -538,8 +537,7 @@ def commit_fn(pending: DecodeState, traces: tuple[DeltaNetTrace, ...],
     n = num_accepted.astype(jnp.int32)
     conv, rec = [], []
     for ring, old, t in zip(pending.conv_state, pending.recurrent_state, traces):
-        window = conv_window(ring, start).astype(t.mixed.dtype)
-        conv.append(conv_ring_update(ring, window, t.mixed, start, n))
+        conv.append(conv_ring_update(ring, t.mixed, start, n))
         kept = jnp.take_along_axis(t.states, jnp.maximum(n - 1, 0)[:, None, None, None, None],
                                    axis=1)[:, 0]
         rec.append(jnp.where((n > 0)[:, None, None, None], kept, old))

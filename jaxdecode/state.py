@@ -92,12 +92,6 @@ def conv_slot(position, offset, kernel_size: int):
     return (position % kernel_size + offset % kernel_size) % kernel_size
 
 
-def conv_slot_position(end, slot, kernel_size: int):
-    """Inverse of :func:`conv_slot`: the last position before ``end`` (>= 0) in ring ``slot``
-    (in ``[0, Kc)``), ``end - 1 - ((end - 1 - slot) mod Kc)``; below 0 if there is none."""
-    return end - 1 - conv_slot(end - 1, -slot, kernel_size)
-
-
 def conv_window_slots(lengths: Array, kernel_size: int) -> Array:
     """[B, Kc-1] int32: the ring slots of positions ``lengths - Kc + 1 .. lengths - 1`` (oldest
     first), the conv window of the token at position ``lengths`` (``lengths`` [B] int32 >= 0)."""

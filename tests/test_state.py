@@ -82,21 +82,48 @@ def test_conv_window_slots_at_every_position(kernel_size):
     np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("kernel_size", [2, 4, 7])
-def test_conv_slot_position_inverts_conv_slot(kernel_size):
-    """conv_slot_position(end, s) is the last position before end in ring slot s (searched
-    downward in Python), also below 0 and near 2**31; and conv_slot maps it back to s."""
-    from jaxdecode.state import conv_slot, conv_slot_position
-    ends = [0, 1, kernel_size - 1, kernel_size, 38, 2**31 - 1]
-    slots = np.arange(kernel_size, dtype=np.int32)
-    got = np.asarray(conv_slot_position(jnp.asarray(ends, jnp.int32)[:, None],
-                                        jnp.asarray(slots)[None, :], kernel_size))
-    want = [[next(p for p in range(end - 1, end - 1 - kernel_size, -1) if p % kernel_size == s)
-             for s in slots] for end in ends]
+@pytest.mark.parametrize("kernel_size,length", [(4, 1), (4, 3), (4, 4), (4, 9), (2, 5)])
+def test_conv_ring_update_matches_positions(kernel_size, length):
+    """model.conv_ring_update against a ring rebuilt position by position in numpy: each real
+    new input p goes to slot p % Kc, later ones overwrite earlier ones, other slots keep their
+    values; rows with 0, some and all T tokens real, starts near 0 and far."""
+    from jaxdecode.model import conv_ring_update
+    rng = np.random.default_rng(kernel_size * 10 + length)
+    batch, channels = 5, 3
+    ring = rng.standard_normal((batch, kernel_size, channels)).astype(np.float32)
+    mixed = rng.standard_normal((batch, length, channels)).astype(np.float32)
+    start = np.array([0, 1, 7, 1000, kernel_size - 1], np.int32)
+    num_new = np.array([0, length, max(length - 1, 0), 1, length], np.int32)
+    got = np.asarray(jax.jit(conv_ring_update)(jnp.asarray(ring), jnp.asarray(mixed),
+                                                jnp.asarray(start), jnp.asarray(num_new)))
+    want = ring.copy()
+    for b in range(batch):
+        for t in range(num_new[b]):
+            want[b, (start[b] + t) % kernel_size] = mixed[b, t]
     np.testing.assert_array_equal(got, want)
-    nonneg = got >= 0
-    back = np.asarray(conv_slot(jnp.asarray(np.maximum(got, 0)), 0, kernel_size))
-    np.testing.assert_array_equal(back[nonneg], np.broadcast_to(slots, got.shape)[nonneg])
+
+
+def test_conv_ring_update_in_place_in_a_loop():
+    """A while loop carrying a conv ring that conv_ring_update rewrites every iteration updates
+    the carry's buffer in place: no copy of the ring in the compiled body (the form before, a
+    gather, cost the speculative loop one copy per DeltaNet layer and step)."""
+    import re
+
+    from jaxdecode.model import conv_ring_update
+    shape = (2, 4, 96)
+
+    def loop(ring, mixed):
+        def body(carry):
+            i, ring = carry
+            rows = jnp.ones((2,), jnp.int32)
+            return i + 1, conv_ring_update(ring, mixed + i.astype(mixed.dtype), 3 * i * rows,
+                                           jnp.minimum(i, 3) * rows)
+        return jax.lax.while_loop(lambda c: c[0] < 5, body, (jnp.zeros((), jnp.int32), ring))
+
+    hlo = jax.jit(loop, donate_argnums=0).lower(
+        jnp.ones(shape, jnp.bfloat16), jnp.ones((2, 4, 96), jnp.bfloat16)).compile().as_text()
+    copies = re.findall(r"= bf16\[2,4,96\]\{[\d,]*\} copy\(", hlo)
+    assert not copies, f"{len(copies)} copies of the ring in the compiled loop"
 
 
 # ----- dtype names (issue 22)
