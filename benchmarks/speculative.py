@@ -209,7 +209,9 @@ def end_to_end(params, tokens, k, ps, kernels, draft_vocab=None, profile=False):
         kernels_run = None
         if profile and not oracles:
             host_loop = lambda: oracle_run(draft, _loop_without_graph_loops)  # noqa: E731
-            kernels_run = (timed(host_loop)[0] / tokens, cupti_kernels(host_loop))
+            hlo = oracle_run(draft, lambda *a, **kw: _loop_without_graph_loops.lower(
+                *a, **kw).compile().as_text())
+            kernels_run = (timed(host_loop)[0] / tokens, cupti_kernels(host_loop), phase_of(hlo))
         oracles.append((p, t_oracle / tokens,
                         float(loop.accepted) / max(int(loop.iterations), 1),
                         int(loop.iterations), np.array_equal(np.asarray(loop.tokens), reference),
@@ -219,11 +221,23 @@ def end_to_end(params, tokens, k, ps, kernels, draft_vocab=None, profile=False):
     return t_plain / tokens, t_own / tokens, oracles, first_differing
 
 
+def phase_of(hlo_text: str) -> dict[str, str]:
+    """Instruction name -> the phase of the speculative loop's body it belongs to (the named
+    scopes ``draft``, ``verify``, ``accept``, ``commit`` in its metadata), else "unscoped"
+    (the prefill, the first token, the loop's keys and condition)."""
+    out = {}
+    for m in re.finditer(r"%?([\w.\-]+) = [^\n]*?op_name=\"([^\"]*)\"", hlo_text):
+        phase = re.search(r"/(draft|verify|accept|commit)(?:/|$)", m.group(2))
+        out[m.group(1)] = out[m.group(1).replace(".", "_")] = (
+            phase.group(1) if phase else "unscoped")
+    return out
+
+
 def print_profile(oracle, tokens):
     """The oracle's loop compiled without loops in command buffers: its kernel time per verify
     step against its wall time per step (the whole call: prefill and first token included) and
     the library loop's, and its largest kernels by name."""
-    p, t_oracle, _, iterations, _, (t_host_loop, listing) = oracle
+    p, t_oracle, _, iterations, _, (t_host_loop, listing, phases) = oracle
     if not listing:
         print("\n(no CUPTI kernels: not on a GPU)")
         return
@@ -240,6 +254,26 @@ def print_profile(oracle, tokens):
     print(f"kernel sum {total:.2f} ms, {len(listing)} kernels; per step: kernels "
           f"{total / iterations:.3f} ms ({len(listing) / iterations:.0f} kernels), wall "
           f"{per_step(t_host_loop):.3f} ms (the library's loop: {per_step(t_oracle):.3f} ms)\n")
+    # Phases run in launch order (draft, verify, accept, commit, then the next step's draft);
+    # a kernel XLA names after an instruction of a later phase starts it. XLA reuses one
+    # compiled kernel for identical fusions under the first one's name (the verify's 4-row
+    # GEMMs run as the first MTP pass's), so a name of an earlier phase, an unscoped one or a
+    # library kernel's (cuBLAS) counts in the phase under way.
+    order = ("draft", "verify", "accept", "commit")
+    by_phase, phase = collections.defaultdict(collections.Counter), "unscoped"
+    for name, t in listing:
+        named = phases.get(name)
+        if named in order and (phase not in order or order.index(named) > order.index(phase)
+                               or (phase, named) == ("commit", "draft")):
+            phase = named
+        by_phase[phase][re.sub(r"[._]\d+$", "", name)[:40]] += t
+        by_phase[phase][""] += t
+    print("| phase | ms per step | largest kernels, ms per step |")
+    print("|---|---:|---|")
+    for phase, names in sorted(by_phase.items(), key=lambda kv: -kv[1][""]):
+        top = ", ".join(f"`{n}` {t / iterations:.3f}" for n, t in names.most_common(7) if n)
+        print(f"| {phase} | {names[''] / iterations:.3f} | {top} |")
+    print()
     print("| kernel | ms in all | calls |")
     print("|---|---:|---:|")
     for name, t in by_name.most_common(15):

@@ -307,54 +307,60 @@ def speculative_generate_fn(params: Params, state: DecodeState, prompts: Array,
         # last of them drafting the first token; then k - 1 drafts on the MTP's own output.
         step_keys = jax.vmap(lambda key, n: jax.random.split(jax.random.fold_in(key, n),
                                                              k + 1))(keys, loop.num_generated)
-        lg, d, cache = mtp_forward(params, loop.mtp_cache, loop.pair_hidden, loop.pair_tokens,
-                                   loop.pair_start, live * loop.pair_count, kernels,
-                                   lm_head=head)
-        at = jnp.maximum(loop.pair_count - 1, 0)
-        tok, q = choose_draft(jnp.take_along_axis(lg, at[:, None, None], axis=1)[:, 0],
-                              step_keys[:, 0])
-        h = jnp.take_along_axis(d, at[:, None, None], axis=1)[:, 0]
-        drafts, qs = [tok], [q]
-        position = loop.pair_start + loop.pair_count  # of the next draft pair
-        for j in range(1, k):
-            lg, d, cache = mtp_forward(params, cache, h[:, None], tok[:, None],
-                                       position + j - 1, live, kernels, lm_head=head)
-            tok, q = choose_draft(lg[:, 0], step_keys[:, j])
-            h = d[:, 0]
-            drafts.append(tok)
-            qs.append(q)
-        drafts = jnp.stack(drafts, axis=1)  # [R, k]
-        if draft is not None:
-            drafts = draft(loop, drafts)
-            qs = [jax.nn.one_hot(drafts[:, j], vocab) for j in range(k)]
+        with jax.named_scope("draft"):  # scopes name the phases in profiles
+            lg, d, cache = mtp_forward(params, loop.mtp_cache, loop.pair_hidden,
+                                       loop.pair_tokens, loop.pair_start,
+                                       live * loop.pair_count, kernels, lm_head=head)
+            at = jnp.maximum(loop.pair_count - 1, 0)
+            tok, q = choose_draft(jnp.take_along_axis(lg, at[:, None, None], axis=1)[:, 0],
+                                  step_keys[:, 0])
+            h = jnp.take_along_axis(d, at[:, None, None], axis=1)[:, 0]
+            drafts, qs = [tok], [q]
+            position = loop.pair_start + loop.pair_count  # of the next draft pair
+            for j in range(1, k):
+                lg, d, cache = mtp_forward(params, cache, h[:, None], tok[:, None],
+                                           position + j - 1, live, kernels, lm_head=head)
+                tok, q = choose_draft(lg[:, 0], step_keys[:, j])
+                h = d[:, 0]
+                drafts.append(tok)
+                qs.append(q)
+            drafts = jnp.stack(drafts, axis=1)  # [R, k]
+            if draft is not None:
+                drafts = draft(loop, drafts)
+                qs = [jax.nn.one_hot(drafts[:, j], vocab) for j in range(k)]
         verify = jnp.concatenate([loop.last[:, None], drafts], axis=1)  # [R, k + 1]
-        logits, hidden, pending, traces = verify_fn(params, loop.state, verify, live * (k + 1),
-                                                    kernels)
-        if greedy:
-            target = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [R, k + 1]
-            target = jnp.where(sampling_lib.invalid(logits), -1, target)  # a draft never matches
-            match = jnp.cumprod((drafts == target[:, :k]).astype(jnp.int32), axis=1)
-            emitted, count = target, jnp.sum(match, axis=1) + 1
-        else:
-            emitted, count = accept_drafts(distribution(logits, sampling, features),
-                                           jnp.stack(qs, axis=1), drafts, step_keys[:, k])
-            emitted = jnp.where(sampling_lib.invalid(logits), -1, emitted)
-        loop = loop.replace(mtp_cache=cache)
-        loop, took = _emit(loop, emitted, count, eos_ids, budgets, stop_sequences,
-                           logprobs_of(logits, emitted))
-        # took tokens emitted = took - 1 accepted drafts and the token after them: ``last`` and
-        # those drafts enter the state; the last emitted token is the next ``last``, and
-        # (hidden at each verified position, the token emitted after it) the next pairs.
-        at = jnp.maximum(took - 1, 0)
-        moved = took > 0
-        return loop.replace(
-            state=commit_fn(pending, traces, took),
-            last=jnp.where(moved, jnp.take_along_axis(emitted, at[:, None], axis=1)[:, 0],
-                           loop.last),
-            pair_hidden=hidden, pair_tokens=emitted, pair_count=jnp.where(moved, took, 0),
-            pair_start=loop.state.lengths - base,
-            accepted=loop.accepted + jnp.sum(jnp.where(moved, took - 1, 0)),
-            iterations=loop.iterations + 1)
+        with jax.named_scope("verify"):
+            logits, hidden, pending, traces = verify_fn(params, loop.state, verify,
+                                                        live * (k + 1), kernels)
+        with jax.named_scope("accept"):
+            if greedy:
+                target = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [R, k + 1]
+                # an invalid row's -1: a draft never matches
+                target = jnp.where(sampling_lib.invalid(logits), -1, target)
+                match = jnp.cumprod((drafts == target[:, :k]).astype(jnp.int32), axis=1)
+                emitted, count = target, jnp.sum(match, axis=1) + 1
+            else:
+                emitted, count = accept_drafts(distribution(logits, sampling, features),
+                                               jnp.stack(qs, axis=1), drafts, step_keys[:, k])
+                emitted = jnp.where(sampling_lib.invalid(logits), -1, emitted)
+            loop = loop.replace(mtp_cache=cache)
+            loop, took = _emit(loop, emitted, count, eos_ids, budgets, stop_sequences,
+                               logprobs_of(logits, emitted))
+        with jax.named_scope("commit"):
+            # took tokens emitted = took - 1 accepted drafts and the token after them: ``last``
+            # and those drafts enter the state; the last emitted token is the next ``last``,
+            # and (hidden at each verified position, the token emitted after it) the next
+            # pairs.
+            at = jnp.maximum(took - 1, 0)
+            moved = took > 0
+            return loop.replace(
+                state=commit_fn(pending, traces, took),
+                last=jnp.where(moved, jnp.take_along_axis(emitted, at[:, None], axis=1)[:, 0],
+                               loop.last),
+                pair_hidden=hidden, pair_tokens=emitted, pair_count=jnp.where(moved, took, 0),
+                pair_start=loop.state.lengths - base,
+                accepted=loop.accepted + jnp.sum(jnp.where(moved, took - 1, 0)),
+                iterations=loop.iterations + 1)
 
     loop = lax.while_loop(lambda loop: jnp.any(loop.stop_reason == STOP_RUNNING), body, loop)
     if return_state:
