@@ -149,13 +149,14 @@ def test_score_fn_gradient_remat_and_finite_differences(params):
 def test_grpo_example_raises_the_reward():
     """examples/grpo.py: generate (G samples per prompt, raw log-probs), group-normalised
     advantages, a clipped policy-gradient step through score_fn with optax; the mean reward
-    of the last 3 of 12 steps is well above the first 3's, and the trainer's log-probs match
-    the rollout's (the ratio is 1 up to float32 rounding)."""
+    of the last 3 of the example's 20 steps is well above the first 3's, and the trainer's
+    log-probs match the rollout's (the ratio is 1 up to float32 rounding). (At 12 steps the
+    rise was 0.13-0.2 depending on the CPU's float rounding of the sampled trajectory.)"""
     import importlib.util
     path = ROOT / "examples" / "grpo.py"
     spec = importlib.util.spec_from_file_location("grpo_example", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    history = mod.main(["--steps", "12"])
-    assert len(history) == 12 and all(0 <= r <= 1 for r in history)
+    history = mod.main(["--steps", "20"])
+    assert len(history) == 20 and all(0 <= r <= 1 for r in history)
     assert np.mean(history[-3:]) > np.mean(history[:3]) + 0.15, history
