@@ -16,7 +16,9 @@ End to end at batch 1 and k = 3 (``--tokens`` new tokens, greedy, EOS off): ``jd
 speculative with the MTP's own drafts (random weights accept almost none: the floor); and
 speculative with an oracle draft (``speculative_generate_fn``'s ``draft`` hook) that is right with
 probability ``--oracle`` per draft (the MTP-draft run's tokens, wrong ones shifted by one id; a
-comma-separated list runs one each): its measured drafts accepted per step beside its tokens/s.
+comma-separated list runs one each): its measured drafts accepted per step beside its tokens/s,
+timed twice: each call with the last call's output alive (as every row), and with it freed first
+(the new call's buffers may then take the same addresses).
 
 ``--draft-vocab N``: the drafts (MTP pass and end to end) from N fixed random ids
 (``generate``'s ``draft_vocab``: the LM head's rows of those ids only); 0, the default, the whole
@@ -168,15 +170,18 @@ def end_to_end(params, tokens, k, ps, kernels, draft_vocab=None, profile=False):
     probability in ``ps``: (p, seconds per token, mean drafts accepted per verify step, verify
     steps, whether its tokens equal the own-draft run's, and with ``profile`` the first
     oracle's loop without graph loops: (its seconds per token, its kernels under CUPTI
-    [(name, ms)]), else None)."""
+    [(name, ms)]), else None; seconds per token with the last call's output freed before each
+    call, where the others keep it alive during the next: its buffers then sit elsewhere)."""
     c = params.config
     prompt = [list(np.random.default_rng(2).integers(0, 1000, 16))]
 
-    def timed(fn, repeats=3):  # best of ``repeats`` after a first (compiling) call
+    def timed(fn, repeats=3, keep=True):  # best of ``repeats`` after a first (compiling) call
         out = fn()
         jax.block_until_ready(out)
         best = float("inf")
         for _ in range(repeats):
+            if not keep:  # the last call's buffers freed first: this call may reuse them
+                out = None
             t0 = time.perf_counter()
             out = fn()
             jax.block_until_ready(out)
@@ -206,6 +211,7 @@ def end_to_end(params, tokens, k, ps, kernels, draft_vocab=None, profile=False):
     for p in ps:
         draft = oracle_draft(reference, k, p)  # one function per p: the loop's jit key
         t_oracle, loop = timed(lambda: oracle_run(draft))
+        t_freed = timed(lambda: oracle_run(draft), keep=False)[0]
         kernels_run = None
         if profile and not oracles:
             host_loop = lambda: oracle_run(draft, _loop_without_graph_loops)  # noqa: E731
@@ -215,7 +221,7 @@ def end_to_end(params, tokens, k, ps, kernels, draft_vocab=None, profile=False):
         oracles.append((p, t_oracle / tokens,
                         float(loop.accepted) / max(int(loop.iterations), 1),
                         int(loop.iterations), np.array_equal(np.asarray(loop.tokens), reference),
-                        kernels_run))
+                        kernels_run, t_freed / tokens))
     differ = np.flatnonzero(np.asarray(plain.tokens)[0] != reference[0])
     first_differing = int(differ[0]) if differ.size else None
     return t_plain / tokens, t_own / tokens, oracles, first_differing
@@ -237,7 +243,7 @@ def print_profile(oracle, tokens):
     """The oracle's loop compiled without loops in command buffers: its kernel time per verify
     step against its wall time per step (the whole call: prefill and first token included) and
     the library loop's, and its largest kernels by name."""
-    p, t_oracle, _, iterations, _, (t_host_loop, listing, phases) = oracle
+    p, t_oracle, _, iterations, _, (t_host_loop, listing, phases), _ = oracle
     if not listing:
         print("\n(no CUPTI kernels: not on a GPU)")
         return
@@ -350,10 +356,12 @@ def main():
     print(f"| plain `jd.generate` | {t_plain * 1e3:.3f} | {1 / t_plain:.0f} | 1.00x | - |")
     print(f"| speculative, MTP drafts (random weights) | {t_own * 1e3:.3f} | {1 / t_own:.0f} | "
           f"{t_plain / t_own:.2f}x | - |")
-    for p, t_oracle, accepted, iterations, _, _ in oracles:
+    for p, t_oracle, accepted, iterations, _, _, t_freed in oracles:
         print(f"| speculative, oracle right with p = {p} | {t_oracle * 1e3:.3f} | "
               f"{1 / t_oracle:.0f} | {t_plain / t_oracle:.2f}x | {accepted:.2f} "
               f"({iterations} steps) |")
+        print(f"| ... the same, the last call's output freed before each call | "
+              f"{t_freed * 1e3:.3f} | {1 / t_freed:.0f} | {t_plain / t_freed:.2f}x | |")
     same = all(o[4] for o in oracles)
     if args.profile:
         print_profile(oracles[0], tokens)
