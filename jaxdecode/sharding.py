@@ -436,7 +436,7 @@ def laid_out_state(config: Config, mesh: Mesh | None, batch_size: int, max_len: 
     """``init_state`` created on ``mesh`` in :func:`constrain_state`'s layout (any row count;
     None: the default device), without :func:`init_state_sharded`'s checks: for callers that
     made them (``generate``)."""
-    return _init_state_jit(config, mesh, batch_size, max_len, jnp.dtype(dtype).name)()
+    return _init_state_jit(config, mesh, batch_size, max_len, model_dtype(dtype).name)()
 
 
 @functools.cache

@@ -19,6 +19,7 @@ import warnings
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh
@@ -138,6 +139,19 @@ def test_one_device_mesh_runs_in_process():
         jax.sharding.NamedSharding(mesh, sharding.logits_partition_spec()), 2)
     with pytest.raises(ValueError, match=r"params are on one device but the state is on mesh"):
         jd.decode_step(plain, state, [4])
+
+
+def test_sharded_state_takes_init_states_dtype_names():
+    """``init_state_sharded`` accepts the dtype spellings ``init_state`` does ("bf16", "fp32", a
+    dtype) and refuses the same others."""
+    mesh = sharding.make_mesh(1, 1)
+    for name, dtype in (("bf16", jnp.bfloat16), ("fp32", jnp.float32),
+                        (jnp.bfloat16, jnp.bfloat16), ("float32", jnp.float32)):
+        state = sharding.init_state_sharded(TINY, mesh, 1, 16, name)
+        assert state.kv_cache[0].k.dtype == dtype and state.conv_state[0].dtype == dtype
+        assert state.recurrent_state[0].dtype == jnp.float32
+    with pytest.raises(ValueError, match="dtype="):
+        sharding.init_state_sharded(TINY, mesh, 1, 16, "float16")
 
 
 def test_mesh_of():
