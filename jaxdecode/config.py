@@ -79,10 +79,13 @@ class Config:
         for name in ("layer_types", "mlp_only_layers"):
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
-        if isinstance(self.eos_token_id, (list, int)):
-            ids = (self.eos_token_id,) if isinstance(self.eos_token_id, int) else self.eos_token_id
-            object.__setattr__(self, "eos_token_id", tuple(ids))
         problems = []
+        eos = _token_ids(self.eos_token_id)
+        if eos is None:
+            problems.append(f"eos_token_id={self.eos_token_id!r} must be a non-negative int or a "
+                            "flat sequence of them")
+        else:  # a tuple of Python ints: Config is hashable (a static jit argument)
+            object.__setattr__(self, "eos_token_id", eos)
         moe = ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
                "shared_expert_intermediate_size")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -392,6 +395,23 @@ def model_dtype(dtype) -> np.dtype:
     except (KeyError, TypeError):
         raise ValueError(f"dtype={dtype!r} must be 'bfloat16' (or 'bf16') or 'float32' (or "
                          "'fp32')") from None
+
+
+def _token_ids(value) -> tuple[int, ...] | None:
+    """``value`` (an int, or a flat list/tuple/1-D array of ints, numpy integers included; None:
+    none, as HF's ``eos_token_id: null``) as a tuple of non-negative Python ints; None if it is
+    anything else (bools, floats, nesting)."""
+    if value is None:
+        return ()
+    items = value if isinstance(value, (list, tuple, np.ndarray)) else [value]
+    if isinstance(value, np.ndarray) and value.ndim != 1:
+        return None
+    ids = []
+    for x in items:
+        if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) or x < 0:
+            return None
+        ids.append(int(x))
+    return tuple(ids)
 
 
 def _schedule(num_layers: int, interval: int = 4) -> tuple[str, ...]:

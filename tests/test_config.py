@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 import jaxdecode as jd
@@ -49,6 +50,22 @@ def test_config_errors():
     with pytest.raises(ValueError, match=r"num_attention_heads=8 must be divisible by "
                                          r"num_key_value_heads=3"):
         jd.Config.from_hf_config({**base, "num_key_value_heads": 3})
+
+
+def test_eos_token_id_becomes_a_tuple_of_ints():
+    """Config is a static jit argument, so it must hash: every spelling of the EOS ids becomes a
+    tuple of Python ints (numpy arrays and integers included), and anything else is refused."""
+    for given, want in ((np.array([5, 7]), (5, 7)), ([np.int64(3)], (3,)), (np.int32(9), (9,)),
+                        (4, (4,)), ([1, 2], (1, 2)), (None, ()), ([], ())):
+        config = dataclasses.replace(TINY, eos_token_id=given)
+        assert config.eos_token_id == want
+        assert all(type(i) is int for i in config.eos_token_id)
+        hash(config)
+    for bad in ([[1, 2]], np.array([[1]]), [True], 1.5, [-1], "2"):
+        with pytest.raises(ValueError, match=r"eos_token_id=.* must be a non-negative int or a "
+                                             r"flat sequence of them"):
+            dataclasses.replace(TINY, eos_token_id=bad)
+    assert jd.Config.from_hf_config({**TINY.to_hf_config(), "eos_token_id": None}).eos_token_id == ()
 
 
 def test_config_round_trip_and_multimodal_layout():
