@@ -25,13 +25,13 @@ from jaxdecode.params import Params, init_params, num_params, param_specs, quant
 from jaxdecode.quantization import Fp8Linear
 from jaxdecode.sampling import Logprobs, SamplingParams, sample
 from jaxdecode.scoring import ScoreOutput, score
-from jaxdecode.state import DecodeState, KVCache, fork, init_state
+from jaxdecode.state import DecodeState, KVCache, MTPCache, fork, init_state
 from jaxdecode.step import COMPILER_OPTIONS, decode_step, prefill
 from jaxdecode.tokenizer import load_tokenizer
 
 __all__ = [
     "__version__", "COMPILER_OPTIONS", "Config", "DecodeState", "GenerateOutput", "KVCache",
-    "Fp8Linear", "Kernels", "Logprobs",
+    "Fp8Linear", "Kernels", "Logprobs", "MTPCache",
     "PRESETS", "Params", "SamplingParams", "StreamChunk", "choose_kernels", "decode_step",
     "fork", "generate", "generate_stream", "init_params", "init_state", "load_checkpoint",
     "load_tokenizer", "memory", "model", "num_params", "param_specs", "prefill", "quantize_fp8", "sample",

@@ -441,16 +441,15 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
         raise ValueError(f"key must be one PRNG key or one per output row ({rows}); got "
                          f"{key.shape=}")
     kernels = resolve_kernels(kernels, config, rows, params.dtype, mesh)
-    # Memory, before any device work: the new state, the forked one, a speculative loop's MTP
-    # cache (one attention layer's), the prefill's activations.
+    # Memory, before any device work: the new state, the forked one (with the MTP layer's
+    # pairs for speculative decoding or where the given state keeps them), the prefill's
+    # activations.
     new_rows = [n for n, new in ((num_prompts, state is None), (rows, num_samples > 1)) if new]
-    mtp = (memory.kv_cache_bytes(config, rows, int(max_len), params.dtype)
-           if num_speculative_tokens else 0)
+    mtp = bool(num_speculative_tokens) or (state is not None and state.mtp is not None)
     memory.check_fits(f"generate's state ({sum(new_rows)} rows x {max_len} positions)"
-                      + (" and the MTP layer's cache" if num_speculative_tokens else ""),
-                      sum(memory.state_bytes(config, n, int(max_len), params.dtype)
-                          // sharding.state_spread(n, mesh) for n in new_rows)
-                      + mtp // sharding.state_spread(rows, mesh),
+                      + (" with the MTP layer's pairs" if mtp else ""),
+                      sum(memory.state_bytes(config, n, int(max_len), params.dtype, mtp=mtp)
+                          // sharding.state_spread(n, mesh) for n in new_rows),
                       None if mesh is None else mesh.devices.flat[0])
     prefill = plan_prefill(params, num_prompts, t_bucket, int(max_len), mesh=mesh,
                            prefill_chunk_size=prefill_chunk_size,
@@ -635,8 +634,9 @@ def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParam
     (``load_checkpoint(..., mtp=True)``; ``jaxdecode.speculative``): greedy rows give the same
     tokens as plain greedy decoding, sampled rows the same distribution (other draws);
     ``max_len`` then needs room for k more tokens; log-probabilities as plain decoding's (from
-    the verify step's logits); ``num_samples`` rows prefilled apart; with ``state``, the MTP
-    layer drafts from this call's tokens only (``jaxdecode.speculative``). Not yet together with
+    the verify step's logits); ``num_samples`` rows prefilled apart; a ``state`` must keep the
+    MTP layer's pairs (``init_state(..., mtp=True)``; ValueError otherwise), and the MTP then
+    drafts from every token in it. Not yet together with
     penalties, ``progress``/``executables`` (so not from :func:`precompile`) or
     ``batch_invariant`` kernels (ValueError), nor in :func:`generate_stream`.
     ``draft_vocab``: token ids [V'] the drafts are chosen from (``jaxdecode.speculative``: a
@@ -692,6 +692,10 @@ def _generate_speculative(params: Params, prompts, max_new_tokens, sampling, key
         ("kernels.batch_invariant", kernels is not None and kernels.batch_invariant)) if used]
     if unsupported:
         raise ValueError(f"num_speculative_tokens does not yet work with {unsupported}")
+    if isinstance(state, DecodeState) and state.mtp is None:
+        raise ValueError("num_speculative_tokens continues a state only if it keeps the MTP "
+                         "layer's pairs: make it with jd.init_state(..., mtp=True) (prefill, "
+                         "decode_step and generate then keep them)")
     if draft_vocab is not None:
         draft_vocab = speculative.check_draft_vocab(draft_vocab, params.config.vocab_size)
     plan = _plan(params, prompts, max_new_tokens, sampling, key, eos_token_ids,
@@ -716,7 +720,7 @@ def _generate_speculative(params: Params, prompts, max_new_tokens, sampling, key
             kernels=plan.kernels))
     if state is None:  # created in its layout (its memory was checked by _plan)
         state = sharding.laid_out_state(params.config, mesh, len(plan.budgets), plan.max_len,
-                                        params.dtype)
+                                        params.dtype, mtp=True)
     elif n > 1:  # each prompt's rows continue its row (``state`` kept)
         state = sharding.constrain_state(fork(state, n), mesh)
     loop = speculative_generate_jit(

@@ -58,20 +58,23 @@ def host_available_bytes() -> int | None:
     return None
 
 
-def state_bytes(config: Config, batch_size: int, max_len: int, dtype) -> int:
-    """Bytes of ``init_state(config, batch_size, max_len, dtype)``'s buffers (exact)."""
+def state_bytes(config: Config, batch_size: int, max_len: int, dtype, *,
+                mtp: bool = False) -> int:
+    """Bytes of ``init_state(config, batch_size, max_len, dtype, mtp=mtp)``'s buffers (exact)."""
     c, e = config, np.dtype(model_dtype(dtype)).itemsize
     conv = batch_size * c.linear_conv_kernel_dim * c.linear_conv_dim * e
     rec = (batch_size * c.linear_num_value_heads * c.linear_key_head_dim
            * c.linear_value_head_dim * 4)
+    pairs = (kv_cache_bytes(c, batch_size, max_len, dtype) + batch_size * c.hidden_size * e
+             if mtp else 0)
     return (len(c.linear_attention_layers) * (conv + rec)
             + len(c.full_attention_layers) * kv_cache_bytes(c, batch_size, max_len, dtype)
-            + 4 * batch_size)
+            + pairs + 4 * batch_size)
 
 
 def kv_cache_bytes(config: Config, batch_size: int, max_len: int, dtype) -> int:
     """Bytes of one attention layer's ``KVCache`` (k and v, [B, Hkv, S, D] each): a full-attention
-    layer's, or the MTP layer's in speculative decoding."""
+    layer's, or the MTP layer's."""
     e = np.dtype(model_dtype(dtype)).itemsize
     return 2 * batch_size * config.num_key_value_heads * max_len * config.head_dim * e
 

@@ -32,7 +32,7 @@ from jaxdecode.kernels import choice
 from jaxdecode.kernels.choice import Kernels
 from jaxdecode.params import AttentionParams, GatedDeltaNetParams, MLPParams, MoEParams, Params
 from jaxdecode.quantization import Fp8Linear
-from jaxdecode.state import DecodeState, KVCache, conv_slot, conv_window
+from jaxdecode.state import DecodeState, KVCache, MTPCache, conv_slot, conv_window
 
 Array = jax.Array
 f32 = jnp.float32
@@ -357,7 +357,9 @@ def _forward(params: Params, state: DecodeState, tokens: Array, num_new: Array |
     or, for decode (T == 1), ``active`` [B] bool with ``num_new`` None. ``trace``
     (:func:`verify_fn`): DeltaNet layers through :func:`gated_delta_net_trace`, their state not
     advanced; returns (logits, state, final-norm hidden [B, T, H], traces). ``return_hidden``:
-    returns (logits, state, final-norm hidden [B, T, H]) (the MTP layer's input)."""
+    returns (logits, state, final-norm hidden [B, T, H]) (the MTP layer's input). A state
+    keeping MTP pairs (``state.mtp``) gets the new tokens' (:func:`mtp_append`), but in
+    ``trace`` (:func:`commit_fn` appends the accepted ones)."""
     decode = active is not None
     c = params.config
     batch, length = tokens.shape
@@ -402,8 +404,9 @@ def _forward(params: Params, state: DecodeState, tokens: Array, num_new: Array |
         with jax.named_scope(f"layer{i}_mlp"):
             x = _mlp_block(layer, x, c, kernels)
 
-    hidden = None  # the final-norm hidden states of every token, for trace / return_hidden
-    if (trace or return_hidden) and not return_all_logits and length > 1:
+    hidden = None  # the final-norm hidden states of every token: trace, return_hidden, MTP pairs
+    keep_pairs = state.mtp is not None and not trace
+    if (trace or return_hidden or keep_pairs) and not return_all_logits and length > 1:
         hidden = rms_norm(x, params.norm, c.rms_norm_eps)
     if not return_all_logits and length > 1:  # only each row's last real token: the LM head
         last = jnp.maximum(num_new - 1, 0)
@@ -417,8 +420,10 @@ def _forward(params: Params, state: DecodeState, tokens: Array, num_new: Array |
     logits = jnp.where(rejected[:, None, None], jnp.nan, logits)
     if not return_all_logits:
         logits = logits[:, 0]
+    mtp = (mtp_append(params, state.mtp, hidden, tokens, start, num_new, kernels) if keep_pairs
+           else state.mtp)
     new_state = DecodeState(conv_state=tuple(conv_state), recurrent_state=tuple(recurrent_state),
-                            kv_cache=tuple(kv_cache), lengths=start + num_new)
+                            kv_cache=tuple(kv_cache), lengths=start + num_new, mtp=mtp)
     if trace:
         return logits, new_state.replace(lengths=start), hidden, tuple(traces)
     if return_hidden:
@@ -494,8 +499,12 @@ def _decode_invariant(params: Params, state: DecodeState, tokens: Array, active:
                         (params.norm, params.lm_head_weight), x)[:, 0]
     logits = jnp.where(valid, logits, 0.0)
     logits = jnp.where(rejected[:, None], jnp.nan, logits)
+    mtp = state.mtp
+    if mtp is not None:
+        hidden = groups(lambda w, x: rms_norm(x, w, c.rms_norm_eps), params.norm, x)
+        mtp = mtp_append(params, mtp, hidden, tokens, start, num_new, kernels, groups)
     new_state = DecodeState(conv_state=tuple(conv_state), recurrent_state=tuple(recurrent_state),
-                            kv_cache=tuple(kv_cache), lengths=start + num_new)
+                            kv_cache=tuple(kv_cache), lengths=start + num_new, mtp=mtp)
     return logits, new_state
 
 
@@ -526,15 +535,21 @@ def verify_fn(params: Params, state: DecodeState, tokens: Array, num_new: Array,
     return logits, hidden, pending, traces
 
 
-def commit_fn(pending: DecodeState, traces: tuple[DeltaNetTrace, ...],
-              num_accepted: Array) -> DecodeState:
+def commit_fn(params: Params, pending: DecodeState, traces: tuple[DeltaNetTrace, ...],
+              tokens: Array, hidden: Array, num_accepted: Array,
+              kernels: Kernels = choice.XLA) -> DecodeState:
     """The state after each row's first ``num_accepted[b]`` (in [0, T]) of :func:`verify_fn`'s
-    tokens, without recomputing: the conv ring from the kept pre-conv inputs
-    (:func:`conv_ring_update`), the recurrent state kept after token ``num_accepted - 1`` (the
-    old one at 0), ``lengths + num_accepted``; keys/values past the new length are never read
-    (the next write overwrites them). HF has no such step; vLLM keeps per-token state slots."""
+    tokens [B, T] (its hidden [B, T, H]), without recomputing: the conv ring from the kept
+    pre-conv inputs (:func:`conv_ring_update`), the recurrent state kept after token
+    ``num_accepted - 1`` (the old one at 0), the MTP pairs of the accepted tokens
+    (:func:`mtp_append`, where ``pending.mtp`` is kept), ``lengths + num_accepted``;
+    keys/values past the new length are never read (the next write overwrites them). HF has no
+    such step; vLLM keeps per-token state slots."""
     start = pending.lengths
     n = num_accepted.astype(jnp.int32)
+    if pending.mtp is not None:
+        pending = pending.replace(mtp=mtp_append(params, pending.mtp, hidden, tokens, start, n,
+                                                 kernels))
     conv, rec = [], []
     for ring, old, t in zip(pending.conv_state, pending.recurrent_state, traces):
         conv.append(conv_ring_update(ring, t.mixed, start, n))
@@ -559,18 +574,10 @@ def mtp_forward(params: Params, cache: KVCache, hidden: Array, tokens: Array, st
     ``lm_head`` [V', H]: the rows of the LM head to score (a draft vocabulary; logits [B, T,
     V']), default the whole head. ValueError if ``params`` holds no MTP layer.
     """
-    if params.mtp is None:
-        raise ValueError("these params hold no MTP layer: load the checkpoint with "
-                         "load_checkpoint(..., mtp=True) (or a config with "
-                         "mtp_num_hidden_layers=1 for init_params)")
+    u = _mtp_input(params, hidden, tokens, kernels)  # ValueError first: no MTP layer
     c, m = params.config, params.mtp
     num_new = num_new.astype(jnp.int32)
     valid = token_mask(tokens.shape[1], num_new)
-    in_vocab = (tokens >= 0) & (tokens < c.vocab_size)
-    e = jnp.take(params.embed_tokens, jnp.where(in_vocab, tokens, 0), axis=0)
-    e = rms_norm(e.astype(params.dtype), m.pre_fc_norm_embedding, c.rms_norm_eps)
-    h = rms_norm(hidden.astype(params.dtype), m.pre_fc_norm_hidden, c.rms_norm_eps)
-    u = linear(jnp.concatenate([e, h], axis=-1), m.fc, kernels=kernels)  # embedding first
     a = rms_norm(u, m.layer.input_layernorm, c.rms_norm_eps)
     a, cache = gated_attention(m.layer.self_attn, a, cache, start, num_new, valid, c,
                                decode=False, kernels=kernels)
@@ -581,6 +588,52 @@ def mtp_forward(params: Params, cache: KVCache, hidden: Array, tokens: Array, st
     head = params.lm_head_weight if lm_head is None else lm_head
     logits = linear(d, head, out_dtype=f32, kernels=kernels)
     return jnp.where(valid[..., None], logits, 0.0), d, cache
+
+
+def _mtp_input(params: Params, hidden: Array, tokens: Array, kernels: Kernels) -> Array:
+    """The MTP layer's input [B, T, H]: ``fc`` over the normed embedding of ``tokens`` [B, T]
+    and the normed ``hidden`` [B, T, H], embedding first (spec §6). ValueError if ``params``
+    hold no MTP layer."""
+    if params.mtp is None:
+        raise ValueError("these params hold no MTP layer: load the checkpoint with "
+                         "load_checkpoint(..., mtp=True) (or a config with "
+                         "mtp_num_hidden_layers=1 for init_params)")
+    c, m = params.config, params.mtp
+    in_vocab = (tokens >= 0) & (tokens < c.vocab_size)
+    e = jnp.take(params.embed_tokens, jnp.where(in_vocab, tokens, 0), axis=0)
+    e = rms_norm(e.astype(params.dtype), m.pre_fc_norm_embedding, c.rms_norm_eps)
+    h = rms_norm(hidden.astype(params.dtype), m.pre_fc_norm_hidden, c.rms_norm_eps)
+    return linear(jnp.concatenate([e, h], axis=-1), m.fc, kernels=kernels)
+
+
+def mtp_append(params: Params, mtp: MTPCache, hidden: Array, tokens: Array, start: Array,
+               num_new: Array, kernels: Kernels = choice.XLA, groups=None) -> MTPCache:
+    """``mtp`` after ``num_new[b]`` tokens (tokens [B, T] int32, their final-norm hidden states
+    [B, T, H]) were appended at ``start[b]``: pair ``start + t - 1`` joins the hidden state at
+    that position (``mtp.hidden`` for t = 0; none before position 0) with ``tokens[:, t]``, and
+    ``hidden`` becomes the last new token's. Only the MTP attention's keys and values are
+    computed (what later pairs attend to; :func:`mtp_forward`'s projections). ``groups``:
+    ``invariance.map_row_groups`` to compute them batch-invariantly (the rest moves bits
+    without arithmetic)."""
+    c, m = params.config, params.mtp
+    length = tokens.shape[1]
+    num_new = num_new.astype(jnp.int32)
+    before = jnp.concatenate([mtp.hidden[:, None].astype(hidden.dtype), hidden[:, :-1]], axis=1)
+    skip = (start == 0).astype(jnp.int32)  # a row's first token has no pair
+    t = jnp.minimum(jnp.arange(length)[None, :] + skip[:, None], length - 1)  # [B, T]
+    positions = jnp.maximum(start - 1, 0)[:, None] + jnp.arange(length)[None, :]
+
+    def keys_values(params, h, tok, positions):
+        a = rms_norm(_mtp_input(params, h, tok, kernels), m.layer.input_layernorm,
+                     c.rms_norm_eps)
+        return attention_projections(m.layer.self_attn, a, positions, c, kernels)[2:]
+    pairs = (jnp.take_along_axis(before, t[..., None], axis=1),
+             jnp.take_along_axis(tokens, t, axis=1), positions)
+    k, v = keys_values(params, *pairs) if groups is None else groups(keys_values, params, *pairs)
+    kv = write_kv(mtp.kv, k, v, positions, token_mask(length, jnp.maximum(num_new - skip, 0)))
+    last = jnp.take_along_axis(hidden, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
+    return MTPCache(kv=kv, hidden=jnp.where((num_new > 0)[:, None],
+                                            last.astype(mtp.hidden.dtype), mtp.hidden))
 
 
 def _rejected(config: Config, state: DecodeState, tokens: Array, num_new: Array) -> Array:

@@ -55,7 +55,7 @@ from jaxdecode.config import Config, model_dtype
 from jaxdecode.kernels.choice import DATA, MODEL, device_rows, row_specs
 from jaxdecode.params import (Params, check_key, init_leaf, param_specs, params_from_flat,
                               params_to_flat)
-from jaxdecode.state import DecodeState, KVCache, init_state
+from jaxdecode.state import DecodeState, KVCache, MTPCache, init_state
 from jaxdecode.quantization import DEFAULT_BLOCK, SCALE_SUFFIX, Fp8Linear
 
 AXIS_NAMES = (DATA, MODEL)
@@ -100,6 +100,7 @@ STATE_RULES: dict[str, P] = {
     "recurrent_state": P(DATA, MODEL, None, None),  # [B, Hv, dk, dv]
     "kv_cache": P(DATA, MODEL, None, None),  # [B, Hkv, S, D] (k and v)
     "lengths": P(DATA),  # [B]
+    "mtp_hidden": P(DATA, None),  # [B, H] (the MTP cache's keys/values as "kv_cache")
 }
 
 _LAYER_PREFIX = re.compile(r"^model\.layers\.\d+\.|^model\.|^mtp\.layers\.\d+\.|^mtp\.")
@@ -260,17 +261,21 @@ def param_partition_specs(config: Config) -> Params:
                                      for name in param_specs(config)})
 
 
-def state_partition_specs(config: Config) -> DecodeState:
-    """A :class:`DecodeState` whose leaves are the ``PartitionSpec`` of each state array."""
-    return _state_specs(len(config.linear_attention_layers), len(config.full_attention_layers))
+def state_partition_specs(config: Config, *, mtp: bool = False) -> DecodeState:
+    """A :class:`DecodeState` whose leaves are the ``PartitionSpec`` of each state array
+    (``mtp``: of a state keeping MTP pairs, ``init_state(..., mtp=True)``)."""
+    return _state_specs(len(config.linear_attention_layers), len(config.full_attention_layers),
+                        mtp)
 
 
-def _state_specs(num_linear: int, num_full: int) -> DecodeState:
+def _state_specs(num_linear: int, num_full: int, mtp: bool) -> DecodeState:
     kv = STATE_RULES["kv_cache"]
     return DecodeState(conv_state=(STATE_RULES["conv_state"],) * num_linear,
                        recurrent_state=(STATE_RULES["recurrent_state"],) * num_linear,
                        kv_cache=(KVCache(k=kv, v=kv),) * num_full,
-                       lengths=STATE_RULES["lengths"])
+                       lengths=STATE_RULES["lengths"],
+                       mtp=MTPCache(kv=KVCache(k=kv, v=kv), hidden=STATE_RULES["mtp_hidden"])
+                       if mtp else None)
 
 
 def logits_partition_spec(return_all_logits: bool = False) -> P:
@@ -293,10 +298,11 @@ def param_shardings(config: Config, mesh: Mesh) -> Params:
     return _named(mesh, param_partition_specs(config))
 
 
-def state_shardings(config: Config, mesh: Mesh, batch_size: int | None = None) -> DecodeState:
+def state_shardings(config: Config, mesh: Mesh, batch_size: int | None = None, *,
+                    mtp: bool = False) -> DecodeState:
     """:func:`state_partition_specs` as ``NamedSharding`` on ``mesh`` (checked first)."""
     check_mesh(config, mesh, batch_size)
-    return _named(mesh, state_partition_specs(config))
+    return _named(mesh, state_partition_specs(config, mtp=mtp))
 
 
 def _put(x, sharding: NamedSharding) -> jax.Array:
@@ -391,7 +397,7 @@ def shard_state(state: DecodeState, mesh: Mesh) -> DecodeState:
     channels the ``"model"`` axis (naming the leaf; a state built from a config whose KV heads
     :func:`shard_params` repeated gets that hint)."""
     check_state_rows(state, mesh)
-    specs = _state_specs(len(state.conv_state), len(state.kv_cache))
+    specs = _state_specs(len(state.conv_state), len(state.kv_cache), state.mtp is not None)
     problems = []
     for (path, leaf), spec in zip(jax.tree_util.tree_leaves_with_path(state),
                                   jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)),
@@ -420,29 +426,31 @@ def check_state_rows(state: DecodeState, mesh: Mesh, advice: str = "") -> None:
 
 
 def init_state_sharded(config: Config, mesh: Mesh, batch_size: int, max_len: int,
-                       dtype="float32") -> DecodeState:
+                       dtype="float32", *, mtp: bool = False) -> DecodeState:
     """:func:`jaxdecode.init_state` created directly in its sharding (each device allocates only
     its shard); arguments as ``init_state`` plus ``mesh``, ValueError also :func:`check_mesh`
     and a shard larger than a device's free memory."""
     check_mesh(config, mesh, batch_size)
-    shard = memory.state_bytes(config, batch_size, max_len, dtype) // mesh.size
+    shard = memory.state_bytes(config, batch_size, max_len, dtype, mtp=mtp) // mesh.size
     memory.check_fits(f"a state shard of {batch_size} rows x {max_len} positions over "
                       f"{mesh.size} devices", shard, mesh.devices.flat[0])
-    return laid_out_state(config, mesh, batch_size, max_len, dtype)
+    return laid_out_state(config, mesh, batch_size, max_len, dtype, mtp=mtp)
 
 
 def laid_out_state(config: Config, mesh: Mesh | None, batch_size: int, max_len: int,
-                   dtype="float32") -> DecodeState:
+                   dtype="float32", *, mtp: bool = False) -> DecodeState:
     """``init_state`` created on ``mesh`` in :func:`constrain_state`'s layout (any row count;
     None: the default device), without :func:`init_state_sharded`'s checks: for callers that
     made them (``generate``)."""
-    return _init_state_jit(config, mesh, batch_size, max_len, model_dtype(dtype).name)()
+    return _init_state_jit(config, mesh, batch_size, max_len, model_dtype(dtype).name,
+                           bool(mtp))()
 
 
 @functools.cache
-def _init_state_jit(config: Config, mesh: Mesh | None, batch_size: int, max_len: int, dtype: str):
+def _init_state_jit(config: Config, mesh: Mesh | None, batch_size: int, max_len: int, dtype: str,
+                    mtp: bool):
     return jax.jit(lambda: constrain_state(
-        init_state(config, batch_size, max_len, dtype, check_memory=False), mesh))
+        init_state(config, batch_size, max_len, dtype, mtp=mtp, check_memory=False), mesh))
 
 
 def constrain_state(state: DecodeState, mesh: Mesh | None) -> DecodeState:
@@ -453,8 +461,8 @@ def constrain_state(state: DecodeState, mesh: Mesh | None) -> DecodeState:
     ``jd.prefill``/``jd.decode_step`` refuse that state."""
     if mesh is None:
         return state
-    specs = row_specs(_state_specs(len(state.conv_state), len(state.kv_cache)),
-                      state.batch_size, mesh)
+    specs = row_specs(_state_specs(len(state.conv_state), len(state.kv_cache),
+                                   state.mtp is not None), state.batch_size, mesh)
     return jax.lax.with_sharding_constraint(state, _named(mesh, specs))
 
 

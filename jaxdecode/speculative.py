@@ -22,16 +22,13 @@ allows, so the output is unchanged: greedy tokens equal plain greedy's, sampled 
 target's distribution. Only the acceptance rate can fall (a target token outside the set is
 never drafted).
 
-The MTP layer's cache holds one pair per position p (the main model's final-norm hidden state at p,
-the token at p + 1): the prompt's pairs are computed with its prefill, and each step first writes
-the pairs of the tokens the last step accepted (the target's hidden states, not the draft's own),
-as vLLM's MTP proposer does; the last of them drafts the first token.
-
-A call that continues a state (``generate(..., state=)``) builds the MTP cache from the state's
-end: the hidden states of the tokens already in it are not kept, so the MTP attends to the pairs
-of this call's prompt and output only, at positions counted from the state's length (rotary
-attention depends on position differences only, so that equals masking the earlier positions).
-The drafts may be accepted less often; the output is unchanged (as any draft's).
+The MTP layer's pairs live in the state (``DecodeState.mtp``, ``init_state(..., mtp=True)``):
+pair p joins the main model's final-norm hidden state at p with the token at p + 1. The prompt's
+prefill and every commit append the pairs of the tokens they add (the target's hidden states,
+not the draft's own), as vLLM's MTP proposer does; each step's first draft comes from the pair
+of the last accepted position and the token emitted after it. So a state continued here
+(``generate(..., state=)``), whether prefilled, decoded or generated before, drafts with the
+MTP attending to every token in it.
 """
 
 from __future__ import annotations
@@ -45,12 +42,11 @@ from jax import lax
 from jaxdecode import sampling as sampling_lib
 from jaxdecode.kernels import choice
 from jaxdecode.kernels.choice import Kernels
-from jaxdecode.model import (commit_fn, decode_step_fn, mtp_forward, prefill_hidden_fn,
-                             verify_fn)
+from jaxdecode.model import commit_fn, decode_step_fn, mtp_forward, prefill_fn, verify_fn
 from jaxdecode.params import Params
 from jaxdecode.sampling import (Logprobs, SamplingFeatures, SamplingParams, is_sampled,
                                 processed_logits)
-from jaxdecode.state import DecodeState, KVCache
+from jaxdecode.state import DecodeState
 from jaxdecode.stopping import STOP_RUNNING, stop_reason, token_ends
 
 Array = jax.Array
@@ -62,15 +58,9 @@ MAX_SPECULATIVE_TOKENS = 16
 
 @struct.dataclass
 class SpeculativeLoop:
-    """The loop's carry (R rows, N output slots, k drafts). MTP positions count from the input
-    state's length (module docstring)."""
-    state: DecodeState  # the target; ``lengths`` tokens processed (all but ``last``)
-    mtp_cache: KVCache  # the MTP layer's keys/values, [R, Hkv, S, D] each; position p: pair p
+    """The loop's carry (R rows, N output slots)."""
+    state: DecodeState  # the target and its MTP pairs; ``lengths`` tokens (all but ``last``)
     last: Array  # [R] int32 the last emitted token (not yet processed)
-    pair_hidden: Array  # [R, k + 1, H] the MTP pairs the last step made: target hidden states
-    pair_tokens: Array  # [R, k + 1] int32 ... and the token after each (the emitted ones)
-    pair_count: Array  # [R] int32 pairs in use (the last: the one the next draft starts from)
-    pair_start: Array  # [R] int32 position of the first pair
     tokens: Array  # [R, N] int32 emitted tokens, pad_id after each row's last
     num_generated: Array  # [R] int32
     stop_reason: Array  # [R] int32, 0 while running
@@ -230,8 +220,9 @@ def speculative_generate_fn(params: Params, state: DecodeState, prompts: Array,
                             return_state: bool = False) -> SpeculativeLoop:
     """Speculative generation; pure, un-jitted, unvalidated (``generate`` checks).
 
-    state: R rows, empty or holding earlier tokens the prompts continue, with room for prompt +
-    budget + k more tokens; prompts [R, T]
+    state: R rows keeping MTP pairs (``init_state(..., mtp=True)``; ValueError otherwise), empty
+    or holding earlier tokens the prompts continue, with room for prompt + budget + k more
+    tokens; prompts [R, T]
     int32 right-padded, prompt_lengths [R] >= 1, budgets [R] >= 1, eos_ids [E] (-1 pads);
     ``sampling`` (leaves [R]; None: greedy) without penalties, ``keys`` [R] per-row keys (a
     row's draws at a step use ``fold_in(key, num_generated)``); statics:
@@ -266,22 +257,20 @@ def speculative_generate_fn(params: Params, state: DecodeState, prompts: Array,
 
     def choose_draft(logits, key):  # MTP logits [R, V'] -> (ids [R], q [R, V] or None)
         return draft_tokens(*choose(logits, key), draft_vocab, vocab)
-    cache = state.kv_cache[0]
-    cache = KVCache(k=jnp.zeros_like(cache.k), v=jnp.zeros_like(cache.v))
-    base = state.lengths  # MTP positions count from here (module docstring)
-    state, cache = _prefill(params, state, cache, base, prompts, prompt_lengths,
-                            prefill_chunk_size or length, query_block, kernels)
-    # The last prompt token through verify_fn: its logits give the first token, its hidden
-    # state the first MTP pair.
+    if state.mtp is None:
+        raise ValueError("speculative decoding needs a state keeping the MTP layer's pairs: "
+                         "init_state(..., mtp=True)")
+    # The target over each prompt but its last token (its MTP pairs appended with it), then the
+    # last one through verify_fn: its logits give the first token.
+    state = prefill_fn(params, state, prompts, prompt_lengths - 1,
+                       prefill_chunk_size=prefill_chunk_size, query_block=query_block,
+                       kernels=kernels)[1]
     last_prompt = jnp.take_along_axis(prompts, (prompt_lengths - 1)[:, None], axis=1)
     logits, hidden, pending, traces = verify_fn(params, state, last_prompt, one, kernels)
     first, _ = choose(logits[:, 0], jax.vmap(jax.random.fold_in)(keys, 0 * one))
     first = jnp.where(sampling_lib.invalid(logits[:, 0]), -1, first)  # as sample's -1
-    pad = lambda x: jnp.pad(x, ((0, 0), (0, k)) + ((0, 0),) * (x.ndim - 2))  # noqa: E731
     loop = SpeculativeLoop(
-        state=commit_fn(pending, traces, one), mtp_cache=cache, last=first,
-        pair_hidden=pad(hidden), pair_tokens=pad(first[:, None]), pair_count=one,
-        pair_start=prompt_lengths - 1,
+        state=commit_fn(params, pending, traces, last_prompt, hidden, one, kernels), last=first,
         tokens=jnp.full((rows, max_new_tokens), pad_id, jnp.int32),
         num_generated=jnp.zeros((rows,), jnp.int32), stop_reason=jnp.zeros((rows,), jnp.int32),
         recent=jnp.full((rows, stop_sequences.shape[1] - 1), -1, jnp.int32),
@@ -303,23 +292,23 @@ def speculative_generate_fn(params: Params, state: DecodeState, prompts: Array,
     def body(loop: SpeculativeLoop) -> SpeculativeLoop:
         running = loop.stop_reason == STOP_RUNNING
         live = running.astype(jnp.int32)
-        # The last step's pairs (target hidden states, emitted tokens) into the MTP cache, the
-        # last of them drafting the first token; then k - 1 drafts on the MTP's own output.
+        # The first draft from the pair (hidden state at lengths - 1, ``last``), then k - 1 on
+        # the MTP's own output. Their pairs go into the state's MTP cache at lengths - 1 on;
+        # commit_fn rewrites the accepted ones from the target's hidden states, and later
+        # drafts overwrite the rest before any pair reads them.
         step_keys = jax.vmap(lambda key, n: jax.random.split(jax.random.fold_in(key, n),
                                                              k + 1))(keys, loop.num_generated)
+        state = loop.state
         with jax.named_scope("draft"):  # scopes name the phases in profiles
-            lg, d, cache = mtp_forward(params, loop.mtp_cache, loop.pair_hidden,
-                                       loop.pair_tokens, loop.pair_start,
-                                       live * loop.pair_count, kernels, lm_head=head)
-            at = jnp.maximum(loop.pair_count - 1, 0)
-            tok, q = choose_draft(jnp.take_along_axis(lg, at[:, None, None], axis=1)[:, 0],
-                                  step_keys[:, 0])
-            h = jnp.take_along_axis(d, at[:, None, None], axis=1)[:, 0]
+            lg, d, cache = mtp_forward(params, state.mtp.kv, state.mtp.hidden[:, None],
+                                       loop.last[:, None], state.lengths - 1, live, kernels,
+                                       lm_head=head)
+            tok, q = choose_draft(lg[:, 0], step_keys[:, 0])
+            h = d[:, 0]
             drafts, qs = [tok], [q]
-            position = loop.pair_start + loop.pair_count  # of the next draft pair
             for j in range(1, k):
                 lg, d, cache = mtp_forward(params, cache, h[:, None], tok[:, None],
-                                           position + j - 1, live, kernels, lm_head=head)
+                                           state.lengths + j - 1, live, kernels, lm_head=head)
                 tok, q = choose_draft(lg[:, 0], step_keys[:, j])
                 h = d[:, 0]
                 drafts.append(tok)
@@ -328,10 +317,11 @@ def speculative_generate_fn(params: Params, state: DecodeState, prompts: Array,
             if draft is not None:
                 drafts = draft(loop, drafts)
                 qs = [jax.nn.one_hot(drafts[:, j], vocab) for j in range(k)]
+            state = state.replace(mtp=state.mtp.replace(kv=cache))
         verify = jnp.concatenate([loop.last[:, None], drafts], axis=1)  # [R, k + 1]
         with jax.named_scope("verify"):
-            logits, hidden, pending, traces = verify_fn(params, loop.state, verify,
-                                                        live * (k + 1), kernels)
+            logits, hidden, pending, traces = verify_fn(params, state, verify, live * (k + 1),
+                                                        kernels)
         with jax.named_scope("accept"):
             if greedy:
                 target = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [R, k + 1]
@@ -343,22 +333,18 @@ def speculative_generate_fn(params: Params, state: DecodeState, prompts: Array,
                 emitted, count = accept_drafts(distribution(logits, sampling, features),
                                                jnp.stack(qs, axis=1), drafts, step_keys[:, k])
                 emitted = jnp.where(sampling_lib.invalid(logits), -1, emitted)
-            loop = loop.replace(mtp_cache=cache)
             loop, took = _emit(loop, emitted, count, eos_ids, budgets, stop_sequences,
                                logprobs_of(logits, emitted))
         with jax.named_scope("commit"):
             # took tokens emitted = took - 1 accepted drafts and the token after them: ``last``
-            # and those drafts enter the state; the last emitted token is the next ``last``,
-            # and (hidden at each verified position, the token emitted after it) the next
-            # pairs.
+            # and those drafts enter the state (with their MTP pairs); the last emitted token is
+            # the next ``last``.
             at = jnp.maximum(took - 1, 0)
             moved = took > 0
             return loop.replace(
-                state=commit_fn(pending, traces, took),
+                state=commit_fn(params, pending, traces, verify, hidden, took, kernels),
                 last=jnp.where(moved, jnp.take_along_axis(emitted, at[:, None], axis=1)[:, 0],
                                loop.last),
-                pair_hidden=hidden, pair_tokens=emitted, pair_count=jnp.where(moved, took, 0),
-                pair_start=loop.state.lengths - base,
                 accepted=loop.accepted + jnp.sum(jnp.where(moved, took - 1, 0)),
                 iterations=loop.iterations + 1)
 
@@ -366,33 +352,4 @@ def speculative_generate_fn(params: Params, state: DecodeState, prompts: Array,
     if return_state:
         loop = loop.replace(state=decode_step_fn(params, loop.state, loop.last, None, kernels)[1])
     return loop
-
-
-def _prefill(params: Params, state: DecodeState, cache: KVCache, base: Array, prompts: Array,
-             prompt_lengths: Array, chunk: int, query_block: int, kernels: Kernels):
-    """The target over each prompt but its last token, ``chunk`` tokens at a time (a
-    ``lax.scan`` of continuations) after the tokens ``state`` holds, and the MTP layer over the
-    prompt's pairs (the hidden state at p, the prompt token at p + 1) for p < length - 1, at MTP
-    positions counted from ``base`` [R] (the input state's lengths; module docstring). Returns
-    (state, MTP cache)."""
-    rows, length = prompts.shape
-    n = -(-length // chunk)
-    nxt = jnp.concatenate([prompts[:, 1:], jnp.zeros((rows, 1), prompts.dtype)], axis=1)
-    split = lambda x: jnp.moveaxis(  # noqa: E731  [R, T] -> [n, R, chunk]
-        jnp.pad(x, ((0, 0), (0, n * chunk - length))).reshape(rows, n, chunk), 1, 0)
-
-    def body(carry, xs):
-        state, cache = carry
-        tok, following, i = xs
-        nn = jnp.clip(prompt_lengths - 1 - i * chunk, 0, chunk)
-        _, new_state, hidden = prefill_hidden_fn(params, state, tok, nn,
-                                                 query_block=query_block, kernels=kernels)
-        _, _, cache = mtp_forward(params, cache, hidden, following, state.lengths - base, nn,
-                                  kernels, return_logits=False)
-        return (new_state, cache), None
-
-    (state, cache), _ = lax.scan(body, (state, cache),
-                                 (split(prompts), split(nxt), jnp.arange(n)))
-    return state, cache
-
 

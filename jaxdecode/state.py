@@ -35,6 +35,17 @@ class KVCache:
 
 
 @struct.dataclass
+class MTPCache:
+    """The multi-token-prediction layer's state (spec §6), kept beside the target's so drafting
+    can continue any state: pair p joins the target's final-norm hidden state at position p with
+    the token at p + 1. With ``lengths = L`` pairs 0 .. L - 2 are in ``kv`` and ``hidden`` holds
+    position L - 1's, waiting for the token at L (vLLM's MTP proposer likewise caches the pairs
+    of every accepted token); positions from L - 1 on hold don't-care values (drafts)."""
+    kv: KVCache  # the MTP layer's keys/values, [B, Hkv, S, D] each; position p: pair p
+    hidden: Array  # [B, H] model dtype: the final-norm hidden state at L - 1 (zeros at L = 0)
+
+
+@struct.dataclass
 class DecodeState:
     """Per-row decoding state; one entry per Gated DeltaNet / full-attention layer, in layer order.
     ``conv_state`` channels are grouped per key head (``params.conv_channel_order``)."""
@@ -42,6 +53,9 @@ class DecodeState:
     recurrent_state: tuple[Array, ...]  # [B, Hv, dk, dv] float32 delta-rule state (as HF)
     kv_cache: tuple[KVCache, ...]
     lengths: Array  # [B] int32 tokens written per row = next write index = next position
+    # The MTP layer's pairs (``init_state(..., mtp=True)``): every step that appends tokens
+    # appends their pairs; speculative decoding drafts from them. None: not kept.
+    mtp: MTPCache | None = None
 
     @property
     def batch_size(self) -> int:
@@ -55,15 +69,18 @@ class DecodeState:
 
 
 def init_state(config: Config, batch_size: int, max_len: int, dtype="float32", *,
-               check_memory: bool = True) -> DecodeState:
+               mtp: bool = False, check_memory: bool = True) -> DecodeState:
     """An empty :class:`DecodeState` of ``batch_size`` rows (zeros, ``lengths = 0``).
 
     ``max_len``: cache capacity S per row (prompt + generated); on GPU a multiple of 64
     (``MAX_LEN_ALIGN``), or the decode kernel copies the caches every step. ``dtype`` (of the
     conv rings and KV caches): the params' dtype, "float32" or "bfloat16"; the recurrent state is
-    float32. ValueError: non-positive sizes, ``max_len`` above ``max_position_embeddings``,
-    another dtype, or (``check_memory``) a state larger than the default device's free memory,
-    checked before allocating (``memory.state_bytes``; inside a ``jit`` pass False).
+    float32. ``mtp``: also keep the MTP layer's pairs (:class:`MTPCache`; one more attention
+    layer's cache), for speculative decoding from this state; needs
+    ``config.mtp_num_hidden_layers == 1``. ValueError: non-positive sizes, ``max_len`` above
+    ``max_position_embeddings``, another dtype, ``mtp`` without an MTP layer, or
+    (``check_memory``) a state larger than the default device's free memory, checked before
+    allocating (``memory.state_bytes``; inside a ``jit`` pass False).
     """
     batch_size = _positive_int("batch_size", batch_size)
     max_len = _positive_int("max_len", max_len)
@@ -71,15 +88,22 @@ def init_state(config: Config, batch_size: int, max_len: int, dtype="float32", *
         raise ValueError(f"{max_len=} exceeds the model's max_position_embeddings="
                          f"{config.max_position_embeddings}")
     dtype = model_dtype(dtype)
+    if not isinstance(mtp, (bool, np.bool_)):
+        raise ValueError(f"mtp={mtp!r} must be a bool")
+    mtp = bool(mtp)
+    if mtp and config.mtp_num_hidden_layers != 1:
+        raise ValueError(f"mtp=True needs a model with an MTP layer (mtp_num_hidden_layers=1); "
+                         f"this config has mtp_num_hidden_layers={config.mtp_num_hidden_layers} "
+                         "(load_checkpoint(..., mtp=True) keeps it)")
     if check_memory:
         memory.check_fits(f"a state of {batch_size} rows x {max_len} positions",
-                          memory.state_bytes(config, batch_size, max_len, dtype))
-    return _zeros(config, batch_size, max_len, dtype)
+                          memory.state_bytes(config, batch_size, max_len, dtype, mtp=mtp))
+    return _zeros(config, batch_size, max_len, dtype, mtp)
 
 
 # One compiled call for all buffers: eagerly, each jnp.zeros is a dispatch (65 for the 9B).
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _zeros(c: Config, batch_size: int, max_len: int, dtype) -> DecodeState:
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def _zeros(c: Config, batch_size: int, max_len: int, dtype, mtp: bool) -> DecodeState:
     conv = tuple(jnp.zeros((batch_size, c.linear_conv_kernel_dim, c.linear_conv_dim), dtype)
                  for _ in c.linear_attention_layers)
     rec = tuple(jnp.zeros((batch_size, c.linear_num_value_heads, c.linear_key_head_dim,
@@ -88,8 +112,11 @@ def _zeros(c: Config, batch_size: int, max_len: int, dtype) -> DecodeState:
     kv_shape = (batch_size, c.num_key_value_heads, max_len, c.head_dim)
     kv = tuple(KVCache(k=jnp.zeros(kv_shape, dtype), v=jnp.zeros(kv_shape, dtype))
                for _ in c.full_attention_layers)
+    pairs = None if not mtp else MTPCache(
+        kv=KVCache(k=jnp.zeros(kv_shape, dtype), v=jnp.zeros(kv_shape, dtype)),
+        hidden=jnp.zeros((batch_size, c.hidden_size), dtype))
     return DecodeState(conv_state=conv, recurrent_state=rec, kv_cache=kv,
-                       lengths=jnp.zeros((batch_size,), jnp.int32))
+                       lengths=jnp.zeros((batch_size,), jnp.int32), mtp=pairs)
 
 
 def conv_slot(position, offset, kernel_size: int):

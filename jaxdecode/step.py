@@ -25,7 +25,7 @@ from jaxdecode.config import Config
 from jaxdecode.kernels.choice import Kernels, device_rows, resolve_kernels
 from jaxdecode.params import MoEParams, Params, check_params
 from jaxdecode.quantization import Fp8Linear
-from jaxdecode.state import DecodeState, check_not_donated
+from jaxdecode.state import DecodeState, KVCache, MTPCache, check_not_donated
 
 # XLA options of every program the library compiles (other backends ignore them). The dot merger
 # threshold (default 32 MB) is raised so the MLP's gate and up projections become one GEMM.
@@ -83,6 +83,25 @@ def _check_state_layout(config: Config, dtype, treedef, avals) -> None:
         bad = [s for s in shapes if tuple(s) != expect[name]]
         if bad:
             problems.append(f"{name} shape {tuple(bad[0])} != expected {expect[name]}")
+    if state.mtp is not None and not (isinstance(state.mtp, MTPCache)
+                                      and isinstance(state.mtp.kv, KVCache)):
+        problems.append(f"mtp must be a jaxdecode.MTPCache (init_state(..., mtp=True)); got "
+                        f"{type(state.mtp).__name__}")
+    elif state.mtp is not None:
+        if c.mtp_num_hidden_layers != 1:
+            problems.append("state keeps MTP pairs (init_state(..., mtp=True)) but the params "
+                            "hold no MTP layer (load_checkpoint(..., mtp=True))")
+        for name, x, want in (("mtp.kv.k", state.mtp.kv.k, expect["kv_cache"]),
+                              ("mtp.kv.v", state.mtp.kv.v, expect["kv_cache"]),
+                              ("mtp.hidden", state.mtp.hidden, (batch, c.hidden_size))):
+            if not hasattr(x, "shape"):
+                problems.append(f"{name} is {type(x).__name__}, not an array")
+                continue
+            if tuple(x.shape) != want:
+                problems.append(f"{name} shape {tuple(x.shape)} != expected {want}")
+            if x.dtype != jnp.dtype(dtype):
+                problems.append(f"{name} dtype {x.dtype} != the params' dtype "
+                                f"{jnp.dtype(dtype)}")
     if problems:
         raise ValueError("state does not match params.config: " + "; ".join(problems))
 
@@ -154,15 +173,16 @@ def check_decode_step(params: Params, state: DecodeState, tokens, active=None) -
 
 @functools.cache
 def jit_prefill(config: Config, mesh: Mesh | None = None, return_all_logits: bool = False,
-                query_block: int = 512, kernels: Kernels | None = None):
+                query_block: int = 512, kernels: Kernels | None = None, mtp: bool = False):
     """``model.prefill_fn`` jitted with the state donated and :data:`COMPILER_OPTIONS` (on a mesh,
-    outputs in ``jaxdecode.sharding``'s layout); ``f(params, state, tokens, num_new)``, inputs
-    placed, no validation, no chunking (:func:`prefill` loops over chunks)."""
+    outputs in ``jaxdecode.sharding``'s layout; ``mtp``: for states keeping MTP pairs);
+    ``f(params, state, tokens, num_new)``, inputs placed, no validation, no chunking
+    (:func:`prefill` loops over chunks)."""
     fn = functools.partial(model.prefill_fn, return_all_logits=return_all_logits,
                            query_block=query_block, kernels=kernels)
     out = None if mesh is None else (
         NamedSharding(mesh, sharding.logits_partition_spec(return_all_logits)),
-        sharding.state_shardings(config, mesh))
+        sharding.state_shardings(config, mesh, mtp=mtp))
     return jax.jit(fn, donate_argnums=1, out_shardings=out, compiler_options=COMPILER_OPTIONS)
 
 
@@ -222,7 +242,8 @@ def dequantized_copy_bytes(params: Params) -> int:
 
 
 @functools.cache
-def jit_decode_step(config: Config, kernels: Kernels, logits_out: bool = False):
+def jit_decode_step(config: Config, kernels: Kernels, logits_out: bool = False,
+                    mtp: bool = False):
     """``model.decode_step_fn`` with ``kernels``, jitted as :func:`jit_prefill` on
     ``kernels.mesh``; ``f(params, state, tokens, active)`` (``active`` may be None).
     ``logits_out``: ``f(params, state, tokens, active, out)``, ``out`` a [B, V] float32 array
@@ -230,7 +251,7 @@ def jit_decode_step(config: Config, kernels: Kernels, logits_out: bool = False):
     fn = functools.partial(model.decode_step_fn, kernels=kernels)
     shardings = None if kernels.mesh is None else (
         NamedSharding(kernels.mesh, sharding.logits_partition_spec()),
-        sharding.state_shardings(config, kernels.mesh))
+        sharding.state_shardings(config, kernels.mesh, mtp=mtp))
     if not logits_out:
         return jax.jit(fn, donate_argnums=1, out_shardings=shardings,
                        compiler_options=COMPILER_OPTIONS)
@@ -342,7 +363,9 @@ def prefill(params: Params, state: DecodeState, tokens, num_new, *,
                         return_all_logits=return_all_logits,
                         prefill_chunk_size=prefill_chunk_size,
                         activation_budget=activation_budget, kernels=kernels)
-    run = jit_prefill(params.config, mesh, return_all_logits, plan.query_block, kernels)
+    # mtp passed only when set: a call spelled without it keeps its cache key
+    mtp = {"mtp": True} if state.mtp is not None else {}
+    run = jit_prefill(params.config, mesh, return_all_logits, plan.query_block, kernels, **mtp)
     chunk = plan.prefill_chunk_size
     if chunk is None or (kernels is not None and kernels.batch_invariant):
         return run(params, state, _batch_input(tokens, mesh, jnp.int32),
@@ -413,6 +436,7 @@ def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
     kernels = resolve_kernels(kernels, params.config, state.batch_size, params.dtype, mesh)
     args = (params, state, _batch_input(tokens, mesh, jnp.int32),
             None if active is None else _batch_input(active, mesh, jnp.bool_))
+    mtp = {"mtp": True} if state.mtp is not None else {}  # as in prefill
     if out is None:
-        return jit_decode_step(params.config, kernels)(*args)
-    return jit_decode_step(params.config, kernels, logits_out=True)(*args, out)
+        return jit_decode_step(params.config, kernels, **mtp)(*args)
+    return jit_decode_step(params.config, kernels, logits_out=True, **mtp)(*args, out)

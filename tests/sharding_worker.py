@@ -673,7 +673,25 @@ def check_speculative() -> dict:
             got.tokens, jd.generate(params, more, 5, state=want.state).tokens))
         if rows == BATCH:
             out[rows]["state_mismatches"] = spec_mismatches(
-                got.state, sharding.state_partition_specs(config), mesh)
+                got.state, sharding.state_partition_specs(config, mtp=True), mesh)
+    # A state keeping MTP pairs through jd.prefill and jd.decode_step on the mesh: one device's
+    # pairs, in the state layout.
+    tokens = np.asarray(rng.integers(0, config.vocab_size, (BATCH, 12)), np.int32)
+    lengths = np.asarray([12, 5, 9, 1, 12, 7, 3, 10], np.int32)
+    states = []
+    for p, state in ((params, jd.init_state(config, BATCH, MAX_LEN, mtp=True)),
+                     (sp, sharding.init_state_sharded(sp.config, mesh, BATCH, MAX_LEN, mtp=True))):
+        _, state = jd.prefill(p, state, tokens, lengths)
+        _, state = jd.decode_step(p, state, tokens[:, 0])
+        states.append(state)
+    want, got = states
+    out["pairs"] = {
+        "error": max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+                     for a, b in ((got.mtp.kv.k, want.mtp.kv.k), (got.mtp.kv.v, want.mtp.kv.v),
+                                  (got.mtp.hidden, want.mtp.hidden))),
+        "scale": float(np.abs(np.asarray(want.mtp.kv.k)).max()),
+        "mismatches": spec_mismatches(got, sharding.state_partition_specs(sp.config, mtp=True),
+                                      mesh)}
     return out
 
 

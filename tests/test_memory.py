@@ -25,6 +25,13 @@ def test_state_bytes_is_what_init_state_allocates():
     rec = 2 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
     kv = 2 * (2 * c.num_key_value_heads * 16 * c.head_dim * e)
     assert memory.state_bytes(c, 2, 16, "bf16") == 3 * (conv + rec) + kv + 2 * 4
+    # with the MTP layer's pairs: one more attention layer's cache and a hidden state a row
+    m = tiny(mtp_num_hidden_layers=1)
+    state = jd.init_state(m, 3, 64, "bfloat16", mtp=True)
+    held = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+    assert memory.state_bytes(m, 3, 64, "bfloat16", mtp=True) == held
+    assert held - memory.state_bytes(m, 3, 64, "bfloat16") == (
+        memory.kv_cache_bytes(m, 3, 64, "bfloat16") + 3 * m.hidden_size * 2)
 
 
 def test_free_bytes_is_none_on_the_cpu():
@@ -75,18 +82,19 @@ def test_generate_checks_its_state_and_prefill_before_device_work(small_device):
 
 
 def test_speculative_generate_counts_the_mtp_layers_cache(monkeypatch):
-    """The speculative loop's MTP cache (one attention layer's K/V for every row) is checked
-    with the state: free memory for the state alone, not both, is a ValueError naming it."""
+    """Speculative generate's state keeps the MTP layer's pairs (one more attention layer's K/V
+    and a hidden state for every row), checked with the rest: free memory for the state alone,
+    not both, is a ValueError naming them."""
     config = tiny(mtp_num_hidden_layers=1)
     params = jd.init_params(config, jax.random.key(0))
     state = memory.state_bytes(config, 8, 4096, "float32")
-    mtp = memory.kv_cache_bytes(config, 8, 4096, "float32")
-    assert 0 < mtp < state
+    mtp = memory.state_bytes(config, 8, 4096, "float32", mtp=True) - state
+    assert memory.kv_cache_bytes(config, 8, 4096, "float32") < mtp < state
     monkeypatch.setattr(memory, "free_bytes", lambda device=None: state + mtp // 2)
     budget = 2**30  # the prefill's activations are not what this checks
     jd.generate(params, [[1, 2, 3]] * 8, 4, max_len=4096, activation_budget=budget)  # plain fits
-    with pytest.raises(ValueError, match=r"generate's state \(8 rows x 4096 positions\) and the "
-                                         r"MTP layer's cache needs"):
+    with pytest.raises(ValueError, match=r"generate's state \(8 rows x 4096 positions\) with "
+                                         r"the MTP layer's pairs needs"):
         jd.generate(params, [[1, 2, 3]] * 8, 4, max_len=4096, activation_budget=budget,
                     num_speculative_tokens=2)
 

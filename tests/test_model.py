@@ -203,6 +203,15 @@ def test_batch_invariant_mode_runs_every_batch_in_one_shape(dtype):
     assert all(shape[0] in ("1", "64") for shape in lhs), lhs  # per-row attention/DeltaNet
     # Two fences per group computation: 3 per layer (projections, residual blocks, LM head).
     assert text.count("stablehlo.optimization_barrier") >= 2 * (2 * 4 + 1)
+    # a state keeping MTP pairs: their keys/values (fc, k/v projections) in row groups too
+    mtp = dataclasses.replace(params.config, mtp_num_hidden_layers=1)
+    text = jax.jit(model.decode_step_fn, static_argnames="kernels").lower(
+        jd.init_params(mtp, jax.random.key(0), dtype), jd.init_state(mtp, 5, 512, dtype, mtp=True),
+        np.zeros(5, np.int32), None, inv).as_text()
+    lhs = [re.search(r": \(tensor<([0-9x]+)x[a-z0-9]+>", line).group(1).split("x")
+           for line in text.splitlines() if "stablehlo.dot_general" in line]
+    assert len([shape for shape in lhs if shape[0] == "64"]) >= 4 * 4 + 3, lhs
+    assert all(shape[0] in ("1", "64") for shape in lhs), lhs
     text = jax.jit(model.prefill_fn, static_argnames="kernels").lower(
         params, state, np.zeros((5, 300), np.int32), np.full(5, 300), kernels=inv).as_text()
     shapes = {tuple(m.group(1).split("x")) for m in re.finditer(

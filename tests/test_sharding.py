@@ -103,6 +103,13 @@ def test_specs_mirror_the_pytrees_and_match_leaf_ranks():
     assert specs.recurrent_state[0] == P("data", "model", None, None)
     assert specs.kv_cache[0].k == P("data", "model", None, None)
     assert specs.lengths == P("data")
+    m = dataclasses.replace(config, mtp_num_hidden_layers=1)  # a state keeping MTP pairs
+    state = jax.eval_shape(lambda: jd.init_state(m, 2, 16, mtp=True))
+    specs = sharding.state_partition_specs(m, mtp=True)
+    assert jax.tree.structure(state) == jax.tree.structure(
+        specs, is_leaf=lambda x: isinstance(x, P))
+    assert specs.mtp.kv.v == P("data", "model", None, None)
+    assert specs.mtp.hidden == P("data", None)
 
 
 def test_every_weight_but_the_norm_gains_is_split_over_model():
@@ -227,11 +234,16 @@ def test_pallas_kernels_take_rows_that_do_not_divide_data(meshes):
 def test_speculative_generate_on_a_mesh_equals_one_device(meshes):
     """num_speculative_tokens=2 with params on a (4, 2) mesh, 8 rows and 3: one device's
     speculative tokens, plain greedy decoding's; the returned state, continued speculatively,
-    gives plain greedy's continuation (and stays in the state layout)."""
-    res = meshes["speculative"]
+    gives plain greedy's continuation (and stays in the state layout); a state keeping MTP
+    pairs, through jd.prefill and jd.decode_step on the mesh, holds one device's pairs in the
+    state layout."""
+    res = dict(meshes["speculative"])
+    pairs = res.pop("pairs")
     assert res == {"8": {"one_device": True, "plain": True, "continued": True,
                          "state_mismatches": []},
                    "3": {"one_device": True, "plain": True, "continued": True}}, res
+    assert pairs["scale"] > 0.1 and pairs["error"] <= REL_TOL * pairs["scale"], pairs
+    assert pairs["mismatches"] == [], pairs
 
 
 @pytest.mark.slow

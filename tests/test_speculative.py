@@ -1,6 +1,8 @@
 """The MTP layer and greedy speculative decoding (jaxdecode.speculative, model.verify_fn /
 commit_fn / mtp_forward): the MTP forward against a float64 numpy reference of spec §6's
-equations; a verify step committed after n tokens against a prefill of those n tokens; speculative
+equations; the MTP pairs a state keeps (``init_state(..., mtp=True)``), however its tokens came,
+against one MTP forward over the whole sequence; a verify step committed after n tokens against a
+prefill of those n tokens; speculative
 greedy generation against plain greedy generation token for token, with drafts from an oracle
 that is right at set positions (long accepted runs, an EOS inside one, ragged budgets); drafts
 from a draft vocabulary (greedy tokens unchanged, sampled ones in distribution); loading
@@ -103,34 +105,73 @@ def test_mtp_forward_against_float64_reference(params):
     assert np.abs(got_d - want_d).max() <= 1e-4 * np.abs(want_d).max()
 
 
-def test_mtp_positions_from_a_continued_state(params):
-    """A speculative call on a state holding s tokens runs the MTP at positions counted from s
-    (``jaxdecode.speculative``): the rotary attention scores depend on position differences
-    only, so that equals the pairs at their true positions with the earlier ones masked; the
-    true positions in a cache with nothing before them would instead attend to s empty slots."""
+def mtp_pairs_of(params, tokens, lengths, max_len=64):
+    """The MTP pairs of each row's first ``lengths[b]`` tokens, made apart from the state's own
+    bookkeeping: the target's final-norm hidden states of one prefill, and ``mtp_forward`` over
+    (hidden at p, token at p + 1), p < length - 1, into an empty cache. Returns (KVCache,
+    hidden [B, H] at length - 1, written [B, 1, S, 1] mask of the pair positions)."""
+    c = params.config
+    rows = tokens.shape[0]
+    _, _, hidden = model.prefill_hidden_fn(params, jd.init_state(c, rows, max_len), tokens,
+                                           lengths, kernels=jd.Kernels())
+    kv = (rows, c.num_key_value_heads, max_len, c.head_dim)
+    empty = jd.KVCache(k=jnp.zeros(kv), v=jnp.zeros(kv))
+    following = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)  # last: padding
+    _, _, cache = model.mtp_forward(params, empty, hidden, following,
+                                    jnp.zeros((rows,), jnp.int32), lengths - 1, jd.Kernels(),
+                                    return_logits=False)
+    last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    written = (np.arange(max_len)[None, :] < np.asarray(lengths - 1)[:, None])[:, None, :, None]
+    return cache, last, written
+
+
+def assert_pairs_close(state, want, atol=2e-5):
+    """``state.mtp`` against :func:`mtp_pairs_of`'s (cache, hidden, written)."""
+    cache, hidden, written = want
+    assert np.abs(np.where(written, cache.k, 0)).max() > 0.1
+    for got, ref in ((state.mtp.kv.k, cache.k), (state.mtp.kv.v, cache.v)):
+        np.testing.assert_allclose(np.where(written, got, 0), np.where(written, ref, 0),
+                                   rtol=0, atol=atol)
+    np.testing.assert_allclose(np.asarray(state.mtp.hidden), np.asarray(hidden), rtol=0,
+                               atol=atol)
+
+
+@pytest.mark.parametrize("how", ["one prefill", "chunks", "two prefills", "decode steps",
+                                 "jd.prefill and decode_step", "batch invariant"])
+def test_a_state_keeps_the_mtp_pairs_of_every_token(params, how):
+    """``init_state(..., mtp=True)``: however its tokens came in (one prefill, chunked, two
+    calls, one decode step at a time, the public jits, the batch-invariant paths), the state's
+    MTP cache holds pair p = (hidden at p, token p + 1) for p < length - 1 and the hidden state
+    at length - 1, as one MTP forward over the whole sequence gives; ragged rows, one of a
+    single token (no pair)."""
     c = CONFIG
     rng = np.random.default_rng(4)
-    q, k = (jnp.asarray(rng.standard_normal((1, 5, 2, c.head_dim)), jnp.float32)
-            for _ in range(2))
-    scores = []
-    for shift in (0, 37, 1000):
-        cos, sin = model.rope_cos_sin(jnp.arange(5)[None, :] + shift, c)
-        qr, kr = (model.apply_rope(x, cos, sin) for x in (q, k))
-        scores.append(np.asarray(jnp.einsum("bqhd,bkhd->bhqk", qr, kr)))
-    assert np.abs(scores[0]).max() > 1.0
-    for other in scores[1:]:
-        np.testing.assert_allclose(other, scores[0], rtol=0, atol=1e-4)
-
-    hidden = jnp.asarray(rng.standard_normal((2, 6, c.hidden_size)), jnp.float32)
-    tokens = jnp.asarray(rng.integers(0, c.vocab_size, (2, 6)), jnp.int32)
-    kv = (2, c.num_key_value_heads, 64, c.head_dim)
-    empty = jd.KVCache(k=jnp.zeros(kv), v=jnp.zeros(kv))
-    num = jnp.asarray([6, 4], jnp.int32)
-    want, _, _ = model.mtp_forward(params, empty, hidden, tokens, jnp.zeros(2, jnp.int32), num)
-    absolute, _, _ = model.mtp_forward(params, empty, hidden, tokens, jnp.asarray([37, 50]), num)
-    real = (np.arange(6)[None, :] < np.asarray(num)[:, None])[..., None]
-    assert np.abs(np.where(real, np.asarray(absolute - want), 0)).max() > 1e-3 * float(
-        jnp.abs(want).max())
+    lengths = jnp.array([11, 6, 1])
+    tokens = jnp.asarray(rng.integers(0, c.vocab_size, (3, 12)), jnp.int32)
+    state = jd.init_state(c, 3, 64, mtp=True)
+    xla, invariant = jd.Kernels(), jd.Kernels(batch_invariant=True)
+    if how == "one prefill":
+        _, state = model.prefill_fn(params, state, tokens, lengths, kernels=xla)
+    elif how == "chunks":
+        _, state = model.prefill_fn(params, state, tokens, lengths, prefill_chunk_size=4,
+                                    kernels=xla)
+    elif how == "two prefills":
+        _, state = model.prefill_fn(params, state, tokens[:, :5], jnp.minimum(lengths, 5),
+                                    kernels=xla)
+        _, state = model.prefill_fn(params, state, tokens[:, 5:], jnp.maximum(lengths - 5, 0),
+                                    kernels=xla)
+    elif how == "decode steps":
+        for t in range(tokens.shape[1]):
+            _, state = model.decode_step_fn(params, state, tokens[:, t], t < lengths, xla)
+    elif how == "jd.prefill and decode_step":
+        _, state = jd.prefill(params, state, tokens[:, :3], jnp.minimum(lengths, 3))
+        for t in range(3, tokens.shape[1]):
+            _, state = jd.decode_step(params, state, tokens[:, t], active=t < lengths)
+    else:
+        _, state = model.decode_step_fn(params, state, tokens[:, 0], None, invariant)
+        _, state = model.prefill_fn(params, state, tokens[:, 1:], lengths - 1, kernels=invariant)
+    np.testing.assert_array_equal(np.asarray(state.lengths), np.asarray(lengths))
+    assert_pairs_close(state, mtp_pairs_of(params, tokens, lengths))
 
 
 def test_verify_then_commit_equals_prefill_of_the_accepted_tokens(params):
@@ -140,16 +181,23 @@ def test_verify_then_commit_equals_prefill_of_the_accepted_tokens(params):
     prompt = jnp.asarray(rng.integers(0, c.vocab_size, (rows, 9)), jnp.int32)
     new = jnp.asarray(rng.integers(0, c.vocab_size, (rows, t)), jnp.int32)
     xla = jd.Kernels()
-    _, state = model.prefill_fn(params, jd.init_state(c, rows, 64), prompt,
+    _, state = model.prefill_fn(params, jd.init_state(c, rows, 64, mtp=True), prompt,
                                 jnp.array([9, 6, 1, 3]), kernels=xla)
     logits, hidden, pending, traces = model.verify_fn(params, state, new, jnp.full((rows,), t))
     accepted = jnp.array([0, 2, 5, 1])
-    got = model.commit_fn(pending, traces, accepted)
+    got = model.commit_fn(params, pending, traces, new, hidden, accepted)
     want_logits, want = model.prefill_fn(params, state, new, accepted, return_all_logits=True,
                                          kernels=xla)
     np.testing.assert_array_equal(got.lengths, want.lengths)
     for a, b in zip(got.conv_state + got.recurrent_state, want.conv_state + want.recurrent_state):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5)
+    # the MTP pairs of the accepted tokens, as the prefill of them appends
+    written = (np.arange(64)[None, :] < np.asarray(want.lengths - 1)[:, None])[:, None, :, None]
+    for a, b in ((got.mtp.kv.k, want.mtp.kv.k), (got.mtp.kv.v, want.mtp.kv.v)):
+        np.testing.assert_allclose(np.where(written, a, 0), np.where(written, b, 0), rtol=0,
+                                   atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got.mtp.hidden), np.asarray(want.mtp.hidden), rtol=0,
+                               atol=1e-5)
     real = (np.arange(t)[None, :] < np.asarray(accepted)[:, None])[..., None]
     scale = float(jnp.abs(want_logits).max())
     assert np.abs(np.where(real, np.asarray(logits - want_logits), 0)).max() <= 1e-5 * scale
@@ -230,7 +278,7 @@ def test_speculative_greedy_equals_plain_greedy(params):
 
     oracle = oracle_draft(ref, k)
     n = plain.tokens.shape[1]
-    state = jd.init_state(c, 3, 64)
+    state = jd.init_state(c, 3, 64, mtp=True)
     padded = padded_prompts(prompts)
     eos_ids = jnp.asarray([eos] + [-1] * 7, jnp.int32)
     loop = generation.speculative_generate_jit(
@@ -277,7 +325,7 @@ def test_speculative_stop_sequences_equal_plain(params):
     for i, stop in enumerate(stops):
         stop_padded[i, 4 - len(stop):] = stop
     loop = generation.speculative_generate_jit(
-        params, jd.init_state(c, 3, 64), jnp.asarray(padded),
+        params, jd.init_state(c, 3, 64, mtp=True), jnp.asarray(padded),
         jnp.asarray([len(p) for p in prompts]), jnp.asarray(budgets),
         jnp.full((8,), -1, jnp.int32), -1, num_speculative_tokens=k,
         max_new_tokens=ref.shape[1], kernels=jd.Kernels(), draft=oracle,
@@ -310,9 +358,9 @@ def assert_states_close(got, want):
 
 def test_speculative_returns_and_continues_a_state_as_plain_decoding(params):
     """return_state: the state after every emitted token, plain greedy's; state=: new ragged
-    prompts after it give plain greedy's tokens and state (the MTP drafting from this call's
-    tokens only), with num_samples = 2 too (each prompt's rows continue its row; the given state
-    stays valid, as plain generate's)."""
+    prompts after it give plain greedy's tokens and state, with num_samples = 2 too (each
+    prompt's rows continue its row; the given state stays valid, as plain generate's); a state
+    without MTP pairs is refused."""
     c = CONFIG
     rng = np.random.default_rng(11)
     prompts = [list(rng.integers(0, c.vocab_size, n)) for n in (7, 3)]
@@ -326,31 +374,40 @@ def test_speculative_returns_and_continues_a_state_as_plain_decoding(params):
     spec = run(more, 8, state=spec.state, num_speculative_tokens=2)
     np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(plain.tokens))
     assert_states_close(spec.state, plain.state)
-    kept = plain.state
-    plain = run([[1], [2, 3]], 6, state=kept, num_samples=2)
+    kept_plain, kept = plain.state, spec.state
+    with pytest.raises(ValueError, match=r"init_state\(\.\.\., mtp=True\)"):
+        run([[1], [2]], 6, state=kept_plain, num_speculative_tokens=2)
+    plain = run([[1], [2, 3]], 6, state=kept_plain, num_samples=2)
     spec = run([[1], [2, 3]], 6, state=kept, num_samples=2, num_speculative_tokens=2)
     np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(plain.tokens))
     assert_states_close(spec.state, plain.state)
-    assert not any(x.is_deleted() for x in jax.tree.leaves(kept))
+    assert not any(x.is_deleted() for x in jax.tree.leaves((kept, kept_plain)))
 
 
-def test_the_loop_writes_mtp_pairs_from_slot_zero_on_a_continued_state(params):
-    """On a state holding 40 tokens, the loop's MTP cache fills slots from 0 (its positions count
-    from the state's length), the prompt's pairs and every step's, none at 40 and after."""
+def test_speculative_continues_a_prefilled_state_with_its_mtp_pairs(params):
+    """A state prefilled with 40 tokens (jd.prefill, keeping MTP pairs), continued by speculative
+    generate: the returned state's MTP pairs are those of all its tokens (the 40, the prompts,
+    every emitted token), as one MTP forward over the whole sequence gives; its tokens are plain
+    greedy's from the same state."""
     c = CONFIG
     rng = np.random.default_rng(12)
-    _, state = model.prefill_fn(params, jd.init_state(c, 2, 64),
-                                jnp.asarray(rng.integers(0, c.vocab_size, (2, 40)), jnp.int32),
-                                jnp.asarray([40, 40]))
-    prompts = jnp.asarray(rng.integers(0, c.vocab_size, (2, 4)), jnp.int32)
-    loop = generation.speculative_generate_jit(
-        params, state, prompts, jnp.asarray([4, 2]), jnp.asarray([10, 10]),
-        jnp.full((8,), -1, jnp.int32), -1, num_speculative_tokens=2, max_new_tokens=16,
-        kernels=jd.Kernels())
-    assert (np.asarray(loop.num_generated) == 10).all()
-    used = np.abs(np.asarray(loop.mtp_cache.k)).max(axis=(1, 3))  # [R, S]
-    # pairs: the prompt's (3 and 1), then one per emitted token, the last two steps' drafts
-    assert (used[:, :8] > 0).all() and (used[:, 40:] == 0).all(), used
+    early = jnp.asarray(rng.integers(0, c.vocab_size, (2, 40)), jnp.int32)
+    start = lambda: jd.prefill(params, jd.init_state(c, 2, 64, mtp=True), early,  # noqa: E731
+                               [40, 40])[1]
+    prompts = [[5, 9, 2, 7], [3, 1]]
+    spec = jd.generate(params, prompts, 10, eos_token_ids=[], state=start(),
+                       num_speculative_tokens=2)
+    plain = jd.generate(params, prompts, 10, eos_token_ids=[], state=start())
+    np.testing.assert_array_equal(np.asarray(spec.tokens), np.asarray(plain.tokens))
+    assert_states_close(spec.state, plain.state)
+    everything = np.zeros((2, 64), np.int32)
+    for row, prompt in enumerate(prompts):
+        seq = list(np.asarray(early[row])) + prompt + list(np.asarray(spec.tokens[row]))
+        everything[row, :len(seq)] = seq
+    lengths = spec.state.lengths
+    np.testing.assert_array_equal(np.asarray(lengths), [54, 52])
+    assert_pairs_close(spec.state, mtp_pairs_of(params, jnp.asarray(everything), lengths),
+                       atol=1e-4)
 
 
 def test_speculative_errors(params):
@@ -369,8 +426,9 @@ def test_speculative_errors(params):
             generation.precompile(params, [[1, 2]], 4, **speculative_args)
     generation.precompile(params, [[1, 2]], 4, num_speculative_tokens=0, draft_vocab=None)
     with pytest.raises(ValueError, match="num_speculative_tokens=3 .* exceeds max_len=16"):
-        jd.generate(params, [[1, 2]], 4, state=jd.generate(
-            params, [[5] * 8], 1, max_len=16, return_state=True).state, num_speculative_tokens=3)
+        jd.generate(params, [[1, 2]], 4, state=jd.prefill(
+            params, jd.init_state(CONFIG, 1, 16, mtp=True), [[5] * 9], [9])[1],
+            num_speculative_tokens=3)
     invariant = jd.choose_kernels(params.config, 1, dtype=params.dtype, batch_invariant=True)
     with pytest.raises(ValueError, match=r"does not yet work with \['kernels.batch_invariant'\]"):
         jd.generate(params, [[1, 2]], 4, kernels=invariant, num_speculative_tokens=2)
@@ -398,6 +456,26 @@ def test_speculative_errors(params):
         model.mtp_forward(no_mtp, None, None, jnp.zeros((1, 1), jnp.int32), None, None)
     with pytest.raises(ValueError, match="mtp_num_hidden_layers=2"):
         tiny(mtp_num_hidden_layers=2)
+    with pytest.raises(ValueError, match=r"mtp=True needs a model with an MTP layer"):
+        jd.init_state(tiny(), 1, 64, mtp=True)
+    with pytest.raises(ValueError, match=r"mtp='no' must be a bool"):
+        jd.init_state(CONFIG, 1, 64, mtp="no")
+    good = jd.init_state(CONFIG, 1, 64, mtp=True)
+    for bad, message in ((good.replace(mtp=(good.mtp.kv, good.mtp.hidden)),
+                          r"mtp must be a jaxdecode.MTPCache .* got tuple"),
+                         (good.replace(mtp=good.mtp.replace(hidden=good.mtp.hidden[:, :3])),
+                          r"mtp.hidden shape \(1, 3\) != expected \(1, 64\)"),
+                         (good.replace(mtp=good.mtp.replace(hidden=None)),
+                          r"mtp.hidden is NoneType, not an array")):
+        with pytest.raises(ValueError, match=message):
+            jd.decode_step(params, bad, [1])
+    pairs = jd.init_state(CONFIG, 1, 64, mtp=True)
+    for call in (lambda: jd.prefill(no_mtp, pairs, [[1, 2]], [2]),
+                 lambda: jd.decode_step(no_mtp, pairs, [1]),
+                 lambda: jd.generate(no_mtp, [[1, 2]], 4, state=pairs)):
+        with pytest.raises(ValueError, match=r"state keeps MTP pairs .* but the params hold "
+                                             r"no MTP layer"):
+            call()
 
 
 def test_speculative_logprobs_equal_plain(params):
@@ -419,7 +497,7 @@ def test_speculative_logprobs_equal_plain(params):
     oracle = oracle_draft(ref, k)
     padded = padded_prompts(prompts)
     loop = generation.speculative_generate_jit(
-        params, jd.init_state(c, 3, 64), jnp.asarray(padded),
+        params, jd.init_state(c, 3, 64, mtp=True), jnp.asarray(padded),
         jnp.asarray([len(p) for p in prompts]), jnp.asarray(budgets),
         jnp.asarray([eos] + [-1] * 7, jnp.int32), -1, num_speculative_tokens=k,
         max_new_tokens=ref.shape[1], kernels=jd.Kernels(), draft=oracle, logprobs=3)
@@ -491,44 +569,6 @@ def test_load_checkpoint_with_mtp(tmp_path, params):
                                              rf"mtp_num_hidden_layers={layers}: jaxdecode runs one"):
             jd.load_checkpoint(path, dtype="float32", mtp=True)
         assert jd.load_checkpoint(path, dtype="float32").mtp is None  # plain loading is unaffected
-
-
-@pytest.mark.parametrize("cached", [(0, 0, 0), (5, 0, 9)])
-def test_prompt_prefill_in_chunks_fills_the_mtp_cache(params, cached):
-    """speculative._prefill in chunks of 4 == one prefill of the prompt but its last token and one
-    MTP pass over its pairs (hidden at p, token at p + 1), ragged prompts (one of length 1); on a
-    state already holding ``cached`` tokens, the MTP's pairs from slot 0 (positions counted from
-    the state's length) and the target after the cached tokens."""
-    c = CONFIG
-    rng = np.random.default_rng(4)
-    lengths = jnp.array([11, 6, 1])
-    prompts = jnp.asarray(rng.integers(0, c.vocab_size, (3, 12)), jnp.int32)
-    kv = (3, c.num_key_value_heads, 64, c.head_dim)
-    empty = jd.KVCache(k=jnp.zeros(kv), v=jnp.zeros(kv))
-    xla = jd.Kernels()
-
-    early = jnp.asarray(rng.integers(0, c.vocab_size, (3, 9)), jnp.int32)
-
-    def start():  # the state holding ``cached`` tokens (made twice: a call may donate it)
-        return model.prefill_fn(params, jd.init_state(c, 3, 64), early, jnp.asarray(cached),
-                                kernels=xla)[1]
-    state = start()
-    state, cache = speculative._prefill(params, state, empty, state.lengths, prompts, lengths, 4,
-                                        512, xla)
-    _, want_state, hidden = model.prefill_hidden_fn(params, start(), prompts, lengths - 1,
-                                                    kernels=xla)
-    following = jnp.concatenate([prompts[:, 1:], prompts[:, :1]], axis=1)  # last: padding
-    _, _, want = model.mtp_forward(params, empty, hidden, following, jnp.zeros((3,), jnp.int32),
-                                   lengths - 1, xla, return_logits=False)
-    np.testing.assert_array_equal(np.asarray(state.lengths),
-                                  np.asarray(cached) + np.asarray(lengths - 1))
-    written = (np.arange(64)[None, :] < np.asarray(lengths - 1)[:, None])[:, None, :, None]
-    assert np.abs(np.where(written, want.k, 0)).max() > 0.1
-    for got, ref in ((cache.k, want.k), (cache.v, want.v)):
-        np.testing.assert_allclose(np.where(written, got, 0), np.where(written, ref, 0),
-                                   rtol=0, atol=2e-5)
-    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(want_state)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=2e-5)
 
 
 def test_accept_drafts_keeps_the_target_distribution():
@@ -663,7 +703,7 @@ def test_draft_vocab_keeps_greedy_tokens_and_drafts_from_the_set(params):
     for i, p in enumerate(prompts):
         padded[i, :len(p)] = p
     loop = generation.speculative_generate_jit(
-        params, jd.init_state(c, 2, 32), jnp.asarray(padded), jnp.asarray([5, 9]),
+        params, jd.init_state(c, 2, 32, mtp=True), jnp.asarray(padded), jnp.asarray([5, 9]),
         jnp.asarray([12, 12]), jnp.full((8,), -1, jnp.int32), -1, num_speculative_tokens=k,
         max_new_tokens=12, kernels=jd.Kernels(), draft=oracle_if_in_set,
         draft_vocab=jnp.asarray(half, jnp.int32))
