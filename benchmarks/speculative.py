@@ -5,8 +5,10 @@ number of drafts accepted, in one run.
         [--context 1024] [--tokens 256] [--oracle 0.8,0.9] [--draft-vocab N] [--profile] [--smoke]
 
 Per (batch, k), ms per call (median of 3 repeats of 30 calls, compile apart): a plain decode step
-(``step.jit_decode_step``, the library's step), a verify step of k + 1 tokens
-(``model.verify_fn`` then ``model.commit_fn`` of all of them, jitted, state donated), and one MTP
+(``step.jit_decode_step``, the library's step; again on a state keeping the MTP layer's pairs,
+``init_state(..., mtp=True)``, whose step also appends its token's pair), a verify step of k + 1 tokens
+(``model.verify_fn`` then ``model.commit_fn`` of all of them, on a state keeping MTP pairs as the
+loop's does, so the commit appends their pairs; jitted, state donated), and one MTP
 draft pass (``model.mtp_forward`` of one pair), both compiled with the library's
 ``COMPILER_OPTIONS``; the verify / plain ratio; and the tokens/s a speculative step would reach
 with ``a`` drafts accepted on average, ``(a + 1) / (t_verify + k · t_draft)``, against
@@ -83,8 +85,8 @@ def _per_call(f, args_fn, calls=30, repeats=3):
 def _verify(params, state, toks, *, kernels):
     """A verify step of all of ``toks`` [B, k+1], committed, lengths put back (stay at context)."""
     n = jnp.full((toks.shape[0],), toks.shape[1], jnp.int32)
-    logits, _, pending, traces = model.verify_fn(params, state, toks, n, kernels)
-    state = model.commit_fn(pending, traces, n)
+    logits, hidden, pending, traces = model.verify_fn(params, state, toks, n, kernels)
+    state = model.commit_fn(params, pending, traces, toks, hidden, n, kernels)
     return logits, state.replace(lengths=state.lengths - toks.shape[1])
 
 
@@ -106,24 +108,28 @@ _loop_without_graph_loops = jax.jit(
 
 
 def time_steps(params, batch, k, context, max_len, kernels, draft_vocab=None):
-    """(plain, verify, draft) seconds per call at this batch and k."""
+    """(plain, verify, draft, plain on a state keeping MTP pairs) seconds per call at this batch
+    and k."""
     c = params.config
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 1000, batch), jnp.int32)
-    fresh = lambda: randomize_state(jd.init_state(c, batch, max_len, params.dtype), context)  # noqa: E731
+    fresh = lambda mtp=False: randomize_state(  # noqa: E731
+        jd.init_state(c, batch, max_len, params.dtype, mtp=mtp), context)
 
-    plain_step = step.jit_decode_step(c, kernels)
-    state = fresh()
+    def plain(mtp):  # the library's step on a state without / with MTP pairs
+        state = fresh(mtp)
 
-    def plain_args(out):
-        nonlocal state
-        if out is not None:
-            state = out[1].replace(lengths=jnp.full((batch,), context, jnp.int32))
-        return params, state, tokens, None
+        def plain_args(out):
+            nonlocal state
+            if out is not None:
+                state = out[1].replace(lengths=jnp.full((batch,), context, jnp.int32))
+            return params, state, tokens, None
 
-    t_plain = _per_call(plain_step, plain_args)
+        return _per_call(step.jit_decode_step(c, kernels, mtp=mtp), plain_args)
+
+    t_plain, t_plain_mtp = plain(False), plain(True)
 
     vtoks = jnp.tile(tokens[:, None], (1, k + 1))
-    state = fresh()
+    state = fresh(mtp=True)
 
     def verify_args(out):
         nonlocal state
@@ -144,7 +150,7 @@ def time_steps(params, batch, k, context, max_len, kernels, draft_vocab=None):
         return params, cache, hidden, tokens, start, head
 
     t_draft = _per_call(lambda *a: _draft(*a, kernels=kernels), draft_args)
-    return t_plain, t_verify, t_draft
+    return t_plain, t_verify, t_draft, t_plain_mtp
 
 
 def oracle_draft(reference, k, p):
@@ -202,7 +208,7 @@ def end_to_end(params, tokens, k, ps, kernels, draft_vocab=None, profile=False):
 
     def oracle_run(draft, loop_fn=generation.speculative_generate_jit):
         return loop_fn(
-            params, jd.init_state(c, 1, max_len, params.dtype), jnp.asarray(padded),
+            params, jd.init_state(c, 1, max_len, params.dtype, mtp=True), jnp.asarray(padded),
             jnp.asarray([16]), jnp.asarray([tokens]), jnp.full((8,), -1, jnp.int32), -1,
             num_speculative_tokens=k, max_new_tokens=n, kernels=kernels, draft=draft,
             draft_vocab=draft_vocab)
@@ -330,24 +336,27 @@ def main():
     for batch in batches:
         kernels = kernels_for(params, batch)
         for k in ks:
-            t_plain, t_verify, t_draft = time_steps(params, batch, k, context, max_len, kernels,
-                                                    draft_vocab)
-            rows.append((batch, k, t_plain, t_verify, t_draft))
+            t_plain, t_verify, t_draft, t_plain_mtp = time_steps(params, batch, k, context,
+                                                                 max_len, kernels, draft_vocab)
+            rows.append((batch, k, t_plain, t_verify, t_draft, t_plain_mtp))
             print(f"batch {batch} k {k}: plain {t_plain * 1e3:.3f} ms, verify {t_verify * 1e3:.3f}"
-                  f" ms, draft {t_draft * 1e3:.3f} ms", flush=True)
+                  f" ms, draft {t_draft * 1e3:.3f} ms, plain keeping MTP pairs "
+                  f"{t_plain_mtp * 1e3:.3f} ms", flush=True)
     k_e2e = 3 if 3 in ks else ks[-1]
     e2e = end_to_end(params, tokens, k_e2e, ps, kernels_for(params, 1), draft_vocab,
                      args.profile)
 
     print(f"\n## Verify step against the plain step ({name}, context {context})\n")
-    print("| batch | k | plain ms | verify ms (k+1 tokens) | verify / plain | draft ms | "
+    print("| batch | k | plain ms | plain, MTP pairs kept | verify ms (k+1 tokens) | "
+          "verify / plain | draft ms | "
           + " | ".join(f"speed-up at a={a}" for a in range(max(ks) + 1)) + " |")
-    print("|---:|---:|---:|---:|---:|---:|" + "---:|" * (max(ks) + 1))
-    for batch, k, t_plain, t_verify, t_draft in rows:
+    print("|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * (max(ks) + 1))
+    for batch, k, t_plain, t_verify, t_draft, t_plain_mtp in rows:
         cells = []
         for a in range(max(ks) + 1):
             cells.append(f"{(a + 1) / (t_verify + k * t_draft) * t_plain:.2f}x" if a <= k else "")
-        print(f"| {batch} | {k} | {t_plain * 1e3:.3f} | {t_verify * 1e3:.3f} | "
+        print(f"| {batch} | {k} | {t_plain * 1e3:.3f} | {t_plain_mtp * 1e3:.3f} "
+              f"({t_plain_mtp / t_plain:.3f}x) | {t_verify * 1e3:.3f} | "
               f"{t_verify / t_plain:.3f} | {t_draft * 1e3:.3f} | " + " | ".join(cells) + " |")
     t_plain, t_own, oracles, first_differing = e2e
     print(f"\n## End to end, batch 1, k = {k_e2e}, {tokens} tokens, greedy\n")
