@@ -112,11 +112,18 @@ def route(p: MoEParams, x: Array, config: Config,
     """The router of HF ``Qwen3_5MoeTopKRouter`` (``Qwen3NextTopKRouter``) over x [N, H] (model
     dtype): logits in the model dtype, softmax in float32 over all E experts, top-k (per "data"
     shard on ``kernels.mesh``), renormalised to sum 1 (Qwen3-Next: only when
-    ``config.norm_topk_prob``). Returns (weights [N, k] model dtype, experts [N, k] int32)."""
-    probs = jax.nn.softmax(linear(x, p.gate).astype(f32), axis=-1)  # [N, E]
-    weights, chosen = choice.top_k(kernels, probs, config.num_experts_per_tok)  # [N, k]
-    if config.norm_topk_prob:  # else the k softmax probabilities as they are (sum < 1)
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    ``config.norm_topk_prob``). Returns (weights [N, k] model dtype, experts [N, k] int32).
+
+    Computed without the [N, E] softmax: softmax is increasing, so the top k logits pick the same
+    experts, and the renormalised weights are the softmax of those k logits (the max and the
+    normaliser cancel); without renormalising, ``exp(logit - logsumexp(all E logits))``. Equal
+    to HF's form up to float32 rounding."""
+    logits = linear(x, p.gate).astype(f32)  # [N, E]
+    top, chosen = choice.top_k(kernels, logits, config.num_experts_per_tok)  # [N, k]
+    if config.norm_topk_prob:
+        weights = jax.nn.softmax(top, axis=-1)
+    else:  # the k softmax probabilities as they are (sum < 1)
+        weights = jnp.exp(top - jax.nn.logsumexp(logits, axis=-1, keepdims=True))
     return weights.astype(x.dtype), chosen
 
 

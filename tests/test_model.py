@@ -22,6 +22,7 @@ import jaxdecode as jd
 from conftest import (FULL, GPU_ONLY, LIN, assert_logits_close, assert_rel_close,
                       hf_text_config, tiny)
 from jaxdecode import model
+from jaxdecode import params as params_lib
 from jaxdecode.kernels import choice
 from jaxdecode.kernels.deltanet_decode import deltanet_decode_xla
 from jaxdecode.kernels.gated_delta_decode import gated_delta_decode_reference
@@ -234,6 +235,35 @@ def test_batch_invariant_mode_covers_the_moe_block():
     for got in runs[1:]:
         assert_rel_close(got[0], runs[0][0], 1e-6, "prefill")
         assert_rel_close(got[1], runs[0][1], 1e-6, "decode")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_router_equals_hf_softmax_then_top_k_in_float64(dtype, norm_topk_prob):
+    """``model.route`` (top k of the logits, softmax over those k) against HF
+    ``Qwen3_5MoeTopKRouter``'s order of operations in float64: softmax over all E, top-k,
+    renormalise (or not: ``Qwen3NextTopKRouter`` without ``norm_topk_prob``)."""
+    n, e, k, h = 37, 64, 8, 48
+    config = dataclasses.replace(MOE_INVARIANT, num_experts=e, num_experts_per_tok=k,
+                                 model_type="qwen3_next", norm_topk_prob=norm_topk_prob)
+    rng = np.random.default_rng(5 + norm_topk_prob)
+    x = jnp.asarray(rng.standard_normal((n, h)), dtype)
+    gate = jnp.asarray(rng.standard_normal((e, h)) * 0.3, dtype)
+    p = params_lib.MoEParams(gate=gate, experts_gate_up_proj=None, experts_down_proj=None,
+                             shared_expert=None, shared_expert_gate=None)
+    weights, chosen = jax.jit(model.route, static_argnums=2)(p, x, config)
+    logits = np.asarray(jnp.dot(x, gate.T).astype(jnp.float32), np.float64)  # model dtype
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    want_ids = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+    want = np.take_along_axis(probs, want_ids, axis=-1)
+    if norm_topk_prob:
+        want /= want.sum(-1, keepdims=True)
+    assert weights.dtype == x.dtype and chosen.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(chosen), want_ids)
+    tol = 1e-6 if dtype == "float32" else 2 ** -8
+    np.testing.assert_allclose(np.asarray(weights.astype(jnp.float32)), want, rtol=tol,
+                               atol=1e-7)
 
 
 # The published 0.8B shapes (on Hopper the kernels run: the one-kernel DeltaNet core), 4 layers.
