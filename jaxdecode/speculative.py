@@ -238,7 +238,7 @@ def speculative_generate_fn(params: Params, state: DecodeState, prompts: Array,
     decode step, as ``generation.feed_last_fn``), else all but the last. Returns the final loop.
     """
     k = num_speculative_tokens
-    rows, length = prompts.shape
+    rows = prompts.shape[0]
     one = jnp.ones((rows,), jnp.int32)
     if stop_sequences is None:
         stop_sequences = jnp.full((1, 1), -1, jnp.int32)

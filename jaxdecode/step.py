@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import types
 
@@ -30,6 +31,23 @@ from jaxdecode.state import DecodeState, KVCache, MTPCache, check_not_donated
 # XLA options of every program the library compiles (other backends ignore them). The dot merger
 # threshold (default 32 MB) is raised so the MLP's gate and up projections become one GEMM.
 COMPILER_OPTIONS = types.MappingProxyType({"xla_gpu_dot_merger_threshold_mb": 1024})
+
+
+def _cache(builder):
+    """``functools.cache`` keyed on the bound arguments with defaults applied, so calls spelled
+    differently (positional, keyword, a default given or left out) get one jitted function and
+    its compiled executables. ``cache_info`` / ``cache_clear`` as functools'."""
+    signature = inspect.signature(builder)
+    cached = functools.cache(builder)
+
+    @functools.wraps(builder)
+    def build(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return cached(*bound.args)
+
+    build.cache_info, build.cache_clear = cached.cache_info, cached.cache_clear
+    return build
 
 
 def check_state(config: Config, state: DecodeState, dtype) -> None:
@@ -171,7 +189,7 @@ def check_decode_step(params: Params, state: DecodeState, tokens, active=None) -
         _check_token_ids(params.config, np.asarray(tokens), real)
 
 
-@functools.cache
+@_cache
 def jit_prefill(config: Config, mesh: Mesh | None = None, return_all_logits: bool = False,
                 query_block: int = 512, kernels: Kernels | None = None, mtp: bool = False):
     """``model.prefill_fn`` jitted with the state donated and :data:`COMPILER_OPTIONS` (on a mesh,
@@ -241,7 +259,7 @@ def dequantized_copy_bytes(params: Params) -> int:
     return most
 
 
-@functools.cache
+@_cache
 def jit_decode_step(config: Config, kernels: Kernels, logits_out: bool = False,
                     mtp: bool = False):
     """``model.decode_step_fn`` with ``kernels``, jitted as :func:`jit_prefill` on
@@ -363,9 +381,8 @@ def prefill(params: Params, state: DecodeState, tokens, num_new, *,
                         return_all_logits=return_all_logits,
                         prefill_chunk_size=prefill_chunk_size,
                         activation_budget=activation_budget, kernels=kernels)
-    # mtp passed only when set: a call spelled without it keeps its cache key
-    mtp = {"mtp": True} if state.mtp is not None else {}
-    run = jit_prefill(params.config, mesh, return_all_logits, plan.query_block, kernels, **mtp)
+    run = jit_prefill(params.config, mesh, return_all_logits, plan.query_block, kernels,
+                      mtp=state.mtp is not None)
     chunk = plan.prefill_chunk_size
     if chunk is None or (kernels is not None and kernels.batch_invariant):
         return run(params, state, _batch_input(tokens, mesh, jnp.int32),
@@ -436,7 +453,7 @@ def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
     kernels = resolve_kernels(kernels, params.config, state.batch_size, params.dtype, mesh)
     args = (params, state, _batch_input(tokens, mesh, jnp.int32),
             None if active is None else _batch_input(active, mesh, jnp.bool_))
-    mtp = {"mtp": True} if state.mtp is not None else {}  # as in prefill
+    mtp = state.mtp is not None
     if out is None:
-        return jit_decode_step(params.config, kernels, **mtp)(*args)
-    return jit_decode_step(params.config, kernels, logits_out=True, **mtp)(*args, out)
+        return jit_decode_step(params.config, kernels, mtp=mtp)(*args)
+    return jit_decode_step(params.config, kernels, logits_out=True, mtp=mtp)(*args, out)

@@ -99,6 +99,10 @@ def test_top_level_executables_carry_the_compiler_options(params):
     # the builders are cached: one jitted function per (config, kernels) / (config, mesh, all)
     assert step.jit_decode_step(CONFIG, _kernels()) is decode
     assert step.jit_prefill(CONFIG, None, True) is step.jit_prefill(CONFIG, None, True)
+    # ... whatever the spelling: defaults given or left out, positional or keyword
+    assert step.jit_decode_step(CONFIG, kernels=_kernels(), logits_out=False, mtp=False) is decode
+    assert step.jit_prefill(CONFIG) is step.jit_prefill(config=CONFIG, mesh=None, query_block=512)
+    assert step.jit_prefill(CONFIG, mtp=True) is not step.jit_prefill(CONFIG)
     # top level, the entry point runs that jitted function (built once, then cached)
     calls = step.jit_decode_step.cache_info()
     jd.decode_step(params, _copy(state), tokens)
