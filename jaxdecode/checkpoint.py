@@ -335,7 +335,12 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
         if stored_shape != expected:
             problems.append(f"tensor lm_head.weight has shape {stored_shape}, expected {expected}")
 
-    for name in specs.keys() - found.keys():
+    missing = specs.keys() - found.keys()
+    if mtp and not any(name.startswith(MTP_PREFIX) for name in found):  # one line, not each
+        problems.append(f"mtp=True, but the checkpoint holds no {MTP_PREFIX}* tensors (no MTP "
+                        "layer to draft with: load it without mtp)")
+        missing = {name for name in missing if not name.startswith(MTP_PREFIX)}
+    for name in missing:
         problems.append(f"missing tensor {name} (expected shape {specs[name].shape})")
     for name in found.keys() - specs.keys():
         problems.append(f"unexpected tensor {found[name][1]} with shape {found[name][2]}")

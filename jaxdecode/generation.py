@@ -444,9 +444,12 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
     # Memory, before any device work: the new state, the forked one (with the MTP layer's
     # pairs for speculative decoding or where the given state keeps them), the prefill's
     # activations.
-    new_rows = [n for n, new in ((num_prompts, state is None), (rows, num_samples > 1)) if new]
+    made = [(n, what) for n, what, new in ((num_prompts, "prompt", state is None),
+                                           (rows, "sample (forked)", num_samples > 1)) if new]
+    new_rows = [n for n, _ in made]
     mtp = bool(num_speculative_tokens) or (state is not None and state.mtp is not None)
-    memory.check_fits(f"generate's state ({sum(new_rows)} rows x {max_len} positions)"
+    memory.check_fits(f"generate's state ({' + '.join(f'{n} {what}' for n, what in made)} rows "
+                      f"x {max_len} positions)"
                       + (" with the MTP layer's pairs" if mtp else ""),
                       sum(memory.state_bytes(config, n, int(max_len), params.dtype, mtp=mtp)
                           // sharding.state_spread(n, mesh) for n in new_rows),

@@ -452,8 +452,8 @@ def check_key(key) -> None:
     raw = dtype == jnp.uint32 and shape == jax.eval_shape(
         lambda: jax.random.key_data(jax.random.key(0))).shape  # (abstract: no device work)
     if not ((typed and shape == ()) or raw):
-        raise ValueError(f"key must be one PRNG key (jax.random.key(seed)); got "
-                         f"{type(key).__name__} {dtype} {shape}")
+        got = type(key).__name__ if dtype is None else f"{type(key).__name__} {dtype}{list(shape)}"
+        raise ValueError(f"key must be one PRNG key (jax.random.key(seed)); got {got}")
 
 
 def num_params(params: Params) -> int:

@@ -169,9 +169,11 @@ def check_not_donated(state: DecodeState) -> None:
                          + hint)
     x = state.lengths
     if isinstance(x, jax.Array) and not isinstance(x, Tracer) and x.is_deleted():
-        raise ValueError("this DecodeState was donated to an earlier prefill, decode_step or "
-                         "generate call, which reused its buffers in place; pass the state that "
-                         "call returned (logits, state = jd.decode_step(params, state, tokens))")
+        raise ValueError("this DecodeState was donated to an earlier call (prefill, decode_step, "
+                         "generate, generate_stream), which reused its buffers in "
+                         "place; pass the state that call returned (logits, state = "
+                         "jd.decode_step(params, state, tokens); generate_stream's last chunk "
+                         "carries it, so a stream left early has used its state up)")
 
 
 def _positive_int(name: str, value) -> int:

@@ -77,8 +77,13 @@ def test_a_prefill_over_data_devices_plans_the_rows_one_device_holds():
 
 def test_generate_checks_its_state_and_prefill_before_device_work(small_device):
     params = jd.init_params(TINY, jax.random.key(0))
-    with pytest.raises(ValueError, match=r"generate's state \(8 rows x 4096 positions\) needs"):
+    with pytest.raises(ValueError, match=r"generate's state \(8 prompt rows x 4096 positions\) "
+                                         "needs"):
         jd.generate(params, [[1, 2, 3]] * 8, 8, max_len=4096)
+    # num_samples: the prompts' state and the samples' forked from it, both held at the fork
+    with pytest.raises(ValueError, match=r"generate's state \(2 prompt \+ 8 sample \(forked\) "
+                                         r"rows x 4096 positions\) needs"):
+        jd.generate(params, [[1, 2, 3]] * 2, 8, max_len=4096, num_samples=4)
 
 
 def test_speculative_generate_counts_the_mtp_layers_cache(monkeypatch):
@@ -93,7 +98,7 @@ def test_speculative_generate_counts_the_mtp_layers_cache(monkeypatch):
     monkeypatch.setattr(memory, "free_bytes", lambda device=None: state + mtp // 2)
     budget = 2**30  # the prefill's activations are not what this checks
     jd.generate(params, [[1, 2, 3]] * 8, 4, max_len=4096, activation_budget=budget)  # plain fits
-    with pytest.raises(ValueError, match=r"generate's state \(8 rows x 4096 positions\) with "
+    with pytest.raises(ValueError, match=r"generate's state \(8 prompt rows x 4096 positions\) with "
                                          r"the MTP layer's pairs needs"):
         jd.generate(params, [[1, 2, 3]] * 8, 4, max_len=4096, activation_budget=budget,
                     num_speculative_tokens=2)

@@ -560,6 +560,12 @@ def test_load_checkpoint_with_mtp(tmp_path, params):
     damaged = write_checkpoint(tmp_path / "no_fc", params, drop=("mtp.fc.weight",))
     with pytest.raises(ValueError, match=r"missing tensor mtp\.fc\.weight"):
         jd.load_checkpoint(damaged, dtype="float32", mtp=True)
+    # a checkpoint without an MTP layer: one line saying so, not a line per mtp.* tensor
+    none = write_checkpoint(tmp_path / "no_mtp", params.replace(
+        mtp=None, config=dataclasses.replace(params.config, mtp_num_hidden_layers=0)))
+    with pytest.raises(ValueError, match=r"\(1 problems\):\n  mtp=True, but the checkpoint "
+                                         r"holds no mtp\.\* tensors"):
+        jd.load_checkpoint(none, dtype="float32", mtp=True)
     hf = json.loads((path / "config.json").read_text())
     text = hf.get("text_config", hf)
     for layers in (2, 3):

@@ -581,7 +581,7 @@ def user_params():
     return jd.init_params(jd.Config.from_preset("tiny"), jax.random.key(0), "float32")
 
 
-DONATED = "was donated to an earlier prefill, decode_step or generate call"
+DONATED = r"was donated to an earlier call \(prefill, decode_step, generate"
 
 
 def test_a_donated_state_is_named(user_params):
