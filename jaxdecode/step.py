@@ -39,12 +39,15 @@ def _cache(builder):
     its compiled executables. ``cache_info`` / ``cache_clear`` as functools'."""
     signature = inspect.signature(builder)
     cached = functools.cache(builder)
+    every = len(signature.parameters)
 
     @functools.wraps(builder)
     def build(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        return cached(*bound.args)
+        if kwargs or len(args) != every:  # the library's calls give all, positionally: no bind
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            args = bound.args
+        return cached(*args)
 
     build.cache_info, build.cache_clear = cached.cache_info, cached.cache_clear
     return build
@@ -382,7 +385,7 @@ def prefill(params: Params, state: DecodeState, tokens, num_new, *,
                         prefill_chunk_size=prefill_chunk_size,
                         activation_budget=activation_budget, kernels=kernels)
     run = jit_prefill(params.config, mesh, return_all_logits, plan.query_block, kernels,
-                      mtp=state.mtp is not None)
+                      state.mtp is not None)
     chunk = plan.prefill_chunk_size
     if chunk is None or (kernels is not None and kernels.batch_invariant):
         return run(params, state, _batch_input(tokens, mesh, jnp.int32),
@@ -455,5 +458,5 @@ def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
             None if active is None else _batch_input(active, mesh, jnp.bool_))
     mtp = state.mtp is not None
     if out is None:
-        return jit_decode_step(params.config, kernels, mtp=mtp)(*args)
-    return jit_decode_step(params.config, kernels, logits_out=True, mtp=mtp)(*args, out)
+        return jit_decode_step(params.config, kernels, False, mtp)(*args)
+    return jit_decode_step(params.config, kernels, True, mtp)(*args, out)
