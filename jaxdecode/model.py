@@ -427,12 +427,10 @@ def _forward(params: Params, state: DecodeState, tokens: Array, num_new: Array |
     logits = jnp.where(rejected[:, None, None], jnp.nan, logits)
     if not return_all_logits:
         logits = logits[:, 0]
-    mtp = (mtp_append(params, state.mtp, hidden, tokens, start, num_new, kernels) if keep_pairs
-           else state.mtp)
-    new_state = DecodeState(conv_state=tuple(conv_state), recurrent_state=tuple(recurrent_state),
-                            kv_cache=tuple(kv_cache), lengths=start + num_new, mtp=mtp)
-    if trace:
-        return logits, new_state.replace(lengths=start), hidden, tuple(traces)
+    if trace:  # the keys/values written; DeltaNet states, lengths and MTP pairs as before
+        return logits, state.replace(kv_cache=tuple(kv_cache)), hidden, tuple(traces)
+    new_state = _advanced(params, state, conv_state, recurrent_state, kv_cache, hidden, tokens,
+                          num_new, kernels)
     if return_hidden:
         return logits, new_state, hidden
     return logits, new_state
@@ -500,19 +498,35 @@ def _decode_invariant(params: Params, state: DecodeState, tokens: Array, active:
                     p, x + deltanet_output(p.linear_attn, o[:, None], z, c), c, kernels),
                     layer, x, o, z)
             lin += 1
+    final_norm = lambda w, x: rms_norm(x, w, c.rms_norm_eps)  # noqa: E731
+    head = lambda w, h: linear(h, w, out_dtype=f32)  # noqa: E731
+    hidden = None  # the final-norm hidden state: normed once, in its own group, for MTP pairs
     with jax.named_scope("lm_head"):
-        logits = groups(lambda p, x: linear(rms_norm(x, p[0], c.rms_norm_eps), p[1],
-                                            out_dtype=f32),
-                        (params.norm, params.lm_head_weight), x)[:, 0]
-    logits = jnp.where(valid, logits, 0.0)
+        if state.mtp is None:
+            logits = groups(lambda p, x: head(p[1], final_norm(p[0], x)),
+                            (params.norm, params.lm_head_weight), x)
+        else:
+            hidden = groups(final_norm, params.norm, x)
+            logits = groups(head, params.lm_head_weight, hidden)
+    logits = jnp.where(valid, logits[:, 0], 0.0)
     logits = jnp.where(rejected[:, None], jnp.nan, logits)
+    return logits, _advanced(params, state, conv_state, recurrent_state, kv_cache, hidden, tokens,
+                             num_new, kernels, groups)
+
+
+def _advanced(params: Params, state: DecodeState, conv_state, recurrent_state, kv_cache,
+              hidden: Array | None, tokens: Array, num_new: Array, kernels: Kernels,
+              groups=None) -> DecodeState:
+    """The state after a forward pass over ``tokens`` [B, T] (``num_new`` [B] int32 of them
+    real): the layers' new conv rings, recurrent states and KV caches, ``lengths + num_new``,
+    and, in a state keeping MTP pairs, the new tokens' (:func:`mtp_append` of their final-norm
+    ``hidden`` [B, T, H]; ``groups`` as there)."""
+    start = state.lengths
     mtp = state.mtp
     if mtp is not None:
-        hidden = groups(lambda w, x: rms_norm(x, w, c.rms_norm_eps), params.norm, x)
         mtp = mtp_append(params, mtp, hidden, tokens, start, num_new, kernels, groups)
-    new_state = DecodeState(conv_state=tuple(conv_state), recurrent_state=tuple(recurrent_state),
-                            kv_cache=tuple(kv_cache), lengths=start + num_new, mtp=mtp)
-    return logits, new_state
+    return DecodeState(conv_state=tuple(conv_state), recurrent_state=tuple(recurrent_state),
+                       kv_cache=tuple(kv_cache), lengths=start + num_new, mtp=mtp)
 
 
 def prefill_hidden_fn(params: Params, state: DecodeState, tokens: Array, num_new: Array, *,
