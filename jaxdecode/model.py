@@ -412,15 +412,15 @@ def _forward(params: Params, state: DecodeState, tokens: Array, num_new: Array |
             x = _mlp_block(layer, x, c, kernels)
 
     hidden = None  # the final-norm hidden states of every token: trace, return_hidden, MTP pairs
-    keep_pairs = state.mtp is not None and not trace
-    if (trace or return_hidden or keep_pairs) and not return_all_logits and length > 1:
-        hidden = rms_norm(x, params.norm, c.rms_norm_eps)
     if not return_all_logits and length > 1:  # only each row's last real token: the LM head
+        if trace or return_hidden or state.mtp is not None:
+            hidden = rms_norm(x, params.norm, c.rms_norm_eps)
         last = jnp.maximum(num_new - 1, 0)
-        x = jnp.take_along_axis(x, last[:, None, None], axis=1)  # [B, 1, H]
+        x = jnp.take_along_axis(x if hidden is None else hidden, last[:, None, None],
+                                axis=1)  # [B, 1, H]
         valid = (num_new > 0)[:, None]
-    x = rms_norm(x, params.norm, c.rms_norm_eps)
-    hidden = x if hidden is None else hidden
+    if hidden is None:
+        x = hidden = rms_norm(x, params.norm, c.rms_norm_eps)
     with jax.named_scope("lm_head"):
         logits = linear(x, params.lm_head_weight, out_dtype=f32)
     logits = jnp.where(valid[..., None], logits, 0.0)
