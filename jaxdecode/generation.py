@@ -28,7 +28,7 @@ from jaxdecode import memory
 from jaxdecode import sampling as sampling_lib
 from jaxdecode import sharding, speculative
 from jaxdecode.inputs import MIN_PROMPT_BUCKET, MIN_TOKEN_BUCKET, bucket, token_lists
-from jaxdecode.kernels.choice import Kernels, resolve_kernels
+from jaxdecode.kernels.choice import Kernels, check_kernels, resolve_kernels
 from jaxdecode.kernels.decode_attention import MAX_LEN_ALIGN
 from jaxdecode.model import decode_step_fn, prefill_fn
 from jaxdecode.params import Params, check_params
@@ -313,8 +313,7 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
           return_logprobs: bool = False, top_logprobs: int = 0,
           num_speculative_tokens: int = 0) -> _Plan:
     check_params(params)
-    if kernels is not None and not isinstance(kernels, Kernels):
-        raise ValueError(f"kernels={kernels!r} must be a jaxdecode.Kernels (or None)")
+    check_kernels(kernels)
     config = params.config
     vocab, limit = config.vocab_size, config.max_position_embeddings
     if not isinstance(return_logprobs, (bool, np.bool_)):

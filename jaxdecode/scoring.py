@@ -23,7 +23,7 @@ from flax import struct
 
 from jaxdecode import memory, sharding
 from jaxdecode.inputs import MIN_PROMPT_BUCKET, MIN_TOKEN_BUCKET, bucket, token_lists
-from jaxdecode.kernels.choice import Kernels, resolve_kernels
+from jaxdecode.kernels.choice import Kernels, check_kernels, resolve_kernels
 from jaxdecode.kernels.decode_attention import MAX_LEN_ALIGN
 from jaxdecode.model import (decode_logprobs_fn, prefill_fn, prefill_logprobs_fn,
                              target_logprobs)
@@ -123,8 +123,7 @@ def score(params: Params, prompts, continuations, *, mode: str = "chunked",
     vocab, limit = config.vocab_size, config.max_position_embeddings
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} must be one of {MODES}")
-    if kernels is not None and not isinstance(kernels, Kernels):
-        raise ValueError(f"kernels={kernels!r} must be a jaxdecode.Kernels (or None)")
+    check_kernels(kernels)
     if kernels is not None and kernels.batch_invariant:
         raise ValueError("score does not run Kernels(batch_invariant=True)")
     prompt_list = token_lists(prompts, "prompts", vocab)

@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxdecode import memory, model, sharding
 from jaxdecode.config import Config
-from jaxdecode.kernels.choice import Kernels, device_rows, resolve_kernels
+from jaxdecode.kernels.choice import Kernels, check_kernels, device_rows, resolve_kernels
 from jaxdecode.params import MoEParams, Params, check_params
 from jaxdecode.quantization import Fp8Linear
 from jaxdecode.state import DecodeState, KVCache, MTPCache, check_not_donated
@@ -333,6 +333,19 @@ def _check_concrete(params: Params, state: DecodeState) -> None:
                              "jax.jit or jax.eval_shape")
 
 
+def _check_call(params: Params, state: DecodeState, kernels) -> Mesh | None:
+    """What :func:`prefill` and :func:`decode_step` check first: ``kernels`` a Kernels or None,
+    :func:`_check_concrete`, params on the state's mesh and its rows split evenly over it.
+    Returns the state's mesh (None: one device). Raises ValueError."""
+    check_kernels(kernels)
+    _check_concrete(params, state)
+    mesh = sharding.mesh_of(state)
+    sharding.check_params_on(params, mesh)
+    if mesh is not None:
+        sharding.check_state_rows(state, mesh, ROWS_ADVICE)
+    return mesh
+
+
 def _batch_input(x, mesh: Mesh | None, dtype):
     if mesh is not None:
         return sharding.shard_batch(x, mesh, dtype)
@@ -369,13 +382,7 @@ def prefill(params: Params, state: DecodeState, tokens, num_new, *,
         return model.prefill_fn(params, state, jnp.asarray(tokens, jnp.int32),
                                 jnp.asarray(num_new, jnp.int32), return_all_logits,
                                 prefill_chunk_size=prefill_chunk_size, kernels=kernels)
-    if kernels is not None and not isinstance(kernels, Kernels):
-        raise ValueError(f"kernels={kernels!r} must be a jaxdecode.Kernels (or None)")
-    _check_concrete(params, state)
-    mesh = sharding.mesh_of(state)
-    sharding.check_params_on(params, mesh)
-    if mesh is not None:
-        sharding.check_state_rows(state, mesh, ROWS_ADVICE)
+    mesh = _check_call(params, state, kernels)
     check_prefill(params, state, tokens, num_new)
     kernels = resolve_kernels(kernels, params.config, state.batch_size, params.dtype, mesh)
     tokens, num_new = np.asarray(tokens), np.asarray(num_new)
@@ -442,14 +449,7 @@ def decode_step(params: Params, state: DecodeState, tokens, active=None, *,
         return model.decode_step_fn(params, state, jnp.asarray(tokens, jnp.int32),
                                     None if active is None else jnp.asarray(active, bool),
                                     kernels)
-    if kernels is not None and not isinstance(kernels, Kernels):
-        raise ValueError(f"kernels={kernels!r} must be a jaxdecode.Kernels (or None: "
-                         "choose_kernels)")
-    _check_concrete(params, state)
-    mesh = sharding.mesh_of(state)
-    sharding.check_params_on(params, mesh)
-    if mesh is not None:
-        sharding.check_state_rows(state, mesh, ROWS_ADVICE)
+    mesh = _check_call(params, state, kernels)
     check_decode_step(params, state, tokens, active)
     if out is not None:
         check_logits_out(out, state, params.config.vocab_size, mesh)

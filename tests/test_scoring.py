@@ -107,6 +107,7 @@ def test_long_prompt_short_continuation_in_chunks(params):
     ([[1, 2]], [[3]], dict(mode="exact"), "mode='exact' must be one of"),
     ([[1] * 40], [[3] * 30], dict(max_len=64), "exceed max_len=64"),
     ([[1, 2]], [[3]], dict(kernels=jd.Kernels(batch_invariant=True)), "batch_invariant"),
+    ([[1, 2]], [[3]], dict(kernels="xla"), "kernels='xla' must be a jaxdecode.Kernels"),
 ])
 def test_score_rejects_bad_requests_before_device_work(params, prompts, conts, kw, match):
     with pytest.raises(ValueError, match=match):

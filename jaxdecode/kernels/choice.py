@@ -114,6 +114,13 @@ def row_specs(specs, rows: int, mesh: Mesh | None):
                         is_leaf=lambda x: isinstance(x, P))
 
 
+def check_kernels(kernels) -> None:
+    """ValueError unless ``kernels`` (a public call's argument) is a :class:`Kernels` or None."""
+    if kernels is not None and not isinstance(kernels, Kernels):
+        raise ValueError(f"kernels={kernels!r} must be a jaxdecode.Kernels (or None: "
+                         "choose_kernels)")
+
+
 def resolve_kernels(kernels: Kernels | None, config: Config, batch_size: int, dtype,
                     mesh: Mesh | None) -> Kernels:
     """The kernels a call of ``batch_size`` rows runs with params on ``mesh``:
