@@ -28,10 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
-from jaxdecode import quantization, sharding
+from jaxdecode import memory, quantization, sharding
 from jaxdecode.config import Config, model_dtype, read_json
 from jaxdecode.params import (Params, checkpoint_specs, hf_to_internal, leaf_dtype, param_specs,
-                              params_from_flat, split_fused)
+                              params_bytes, params_from_flat, split_fused)
 from jaxdecode.quantization import SCALE_SUFFIX, Fp8Linear
 
 TEXT_PREFIX = "model.language_model."
@@ -296,7 +296,9 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
         unexpected, misshapen (both shapes), duplicated or non-float tensor, by its name in the
         checkpoint (``params.checkpoint_specs``); a config that cannot be split over ``mesh``
         (``sharding.check_mesh``); both ``place`` and ``mesh``; ``mtp`` with a config.json
-        whose ``mtp_num_hidden_layers`` is more than 1.
+        whose ``mtp_num_hidden_layers`` is more than 1; without ``place`` or ``mesh``, weights
+        larger than the default device's free memory (``memory.check_fits``), before any is
+        read.
     """
     directory = os.fspath(directory)
     files = None
@@ -366,6 +368,11 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
         unsplit = sharding.unsplit_fp8(config, mesh, {name: (leaves[name].shape, block)
                                                       for name in fp8_leaves})
         fp8_leaves -= unsplit
+    if place is None and mesh is None:  # on the default device: check it holds them all
+        memory.check_fits(f"the checkpoint's weights ({dtype.name}"
+                          f"{', block FP8 where stored or quantised so' if fp8_leaves else ''})",
+                          params_bytes(config, dtype, fp8_leaves, block),
+                          advice="load onto a mesh (mesh=), or with quantize='fp8'")
     place = place or (lambda name, x: jnp.asarray(x))
     flat = {}
     for name, array in _iter_tensors(found, scales, block, stacks, check_finite):

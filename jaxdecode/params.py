@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxdecode import quantization
+from jaxdecode import memory, quantization
 from jaxdecode.config import FULL_ATTENTION, QWEN3_NEXT, Config, model_dtype
 from jaxdecode.quantization import Fp8Linear
 
@@ -421,14 +421,33 @@ def init_leaf(spec: ParamSpec, key: Array, dtype, config: Config) -> Array:
     return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dt)  # initializer_range
 
 
+def params_bytes(config: Config, dtype, fp8_leaves=frozenset(),
+                 block_size=quantization.DEFAULT_BLOCK) -> int:
+    """Bytes of the :class:`Params` of ``config`` in model ``dtype`` on one device: every
+    :func:`param_specs` leaf in its :func:`leaf_dtype`, those named in ``fp8_leaves`` as block
+    FP8 (one byte a value plus a float32 scale a ``block_size`` block)."""
+    dtype, total = model_dtype(dtype), 0
+    for name, spec in param_specs(config).items():
+        if name in fp8_leaves:
+            total += math.prod(spec.shape) + 4 * math.prod(
+                quantization.scale_shape(spec.shape, block_size))
+        else:
+            total += math.prod(spec.shape) * leaf_dtype(spec, dtype).itemsize
+    return total
+
+
 def init_params(config: Config, key: Array, dtype="float32") -> Params:
     """Random :class:`Params` of the real shapes (tests, demos, benchmarks). Leaf ``n`` (in
     :func:`param_specs` order) uses ``fold_in(key, n)`` (under jit ~1 ulp from the eager value).
     ``dtype``: "float32" or "bfloat16" (else ValueError); ``A_log`` and the gated-norm weight stay
     float32. ``jax.eval_shape`` of it gives shapes without allocating. ValueError: ``key`` not
-    one PRNG key (:func:`check_key`)."""
+    one PRNG key (:func:`check_key`); weights larger than the default device's free memory
+    (``memory.check_fits``; a CPU device: the host's), before any is created."""
     check_key(key)
     dtype = model_dtype(dtype)
+    if not isinstance(key, jax.core.Tracer):  # (jax.eval_shape allocates nothing)
+        memory.check_fits(f"init_params' weights ({dtype.name})", params_bytes(config, dtype),
+                          advice="use a mesh (sharding.init_params_sharded) or FP8 weights")
     specs = param_specs(config)
     flat = {name: init_leaf(spec, jax.random.fold_in(key, n), dtype, config)
             for n, (name, spec) in enumerate(specs.items())}

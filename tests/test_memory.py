@@ -75,8 +75,9 @@ def test_a_prefill_over_data_devices_plans_the_rows_one_device_holds():
                 == step.plan_prefill(params, per_device, 256, 512)), batch
 
 
-def test_generate_checks_its_state_and_prefill_before_device_work(small_device):
+def test_generate_checks_its_state_and_prefill_before_device_work(monkeypatch):
     params = jd.init_params(TINY, jax.random.key(0))
+    monkeypatch.setattr(memory, "free_bytes", lambda device=None: 2**20)  # 1 MiB beside them
     with pytest.raises(ValueError, match=r"generate's state \(8 prompt rows x 4096 positions\) "
                                          "needs"):
         jd.generate(params, [[1, 2, 3]] * 8, 8, max_len=4096)
@@ -217,3 +218,58 @@ def test_fork_checks_the_new_state_before_allocating(monkeypatch):
     with pytest.raises(ValueError, match=r"fork's state of 20 rows x 512 positions needs"):
         jd.fork(state, 10)
     assert jd.fork(state, 9).batch_size == 18
+
+
+def _held(params) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+
+
+def test_params_bytes_is_what_the_params_hold():
+    """``params.params_bytes`` (init_params' and load_checkpoint's check) against the bytes of
+    the arrays: dense and MoE (with its MTP layer), float32 and bf16, and block FP8 (the
+    quantised leaves one byte a value plus a float32 scale a block, expert stacks per expert)."""
+    from jaxdecode import params as params_lib, quantization
+    moe = tiny(vocab_size=300, intermediate_size=0, num_experts=16, num_experts_per_tok=2,
+               moe_intermediate_size=64, shared_expert_intermediate_size=32,
+               mtp_num_hidden_layers=1)
+    for config in (tiny(vocab_size=300), moe):
+        fp8_leaves = {name for name in params_lib.param_specs(config)
+                      if quantization.is_quantized_leaf(name)}
+        for dtype in ("float32", "bfloat16"):
+            params = jd.init_params(config, jax.random.key(0), dtype)
+            assert params_lib.params_bytes(config, dtype) == _held(params)
+            fp8 = jd.quantize_fp8(params, (32, 48))
+            assert params_lib.params_bytes(config, dtype, fp8_leaves, (32, 48)) == _held(fp8)
+
+
+@pytest.fixture
+def small_host_and_device(monkeypatch):
+    """0.5 MiB free on the default device, whether it keeps statistics (GPU) or not (the CPU)."""
+    monkeypatch.setattr(memory, "free_bytes", lambda device=None: 2**19)
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 2**19)
+
+
+def test_weights_that_cannot_fit_are_refused_before_any_is_created(small_host_and_device,
+                                                                   tmp_path):
+    """init_params and load_checkpoint (onto the default device) name the bytes needed and
+    free before creating or reading a weight; jax.eval_shape of init_params allocates nothing
+    and is not checked."""
+    from jaxdecode import params as params_lib
+    config = tiny(vocab_size=300)  # 0.92 MiB in float32, 0.46 MiB in bf16
+    need = memory._size(params_lib.params_bytes(config, "float32"))
+    with pytest.raises(ValueError, match=rf"init_params' weights \(float32\) needs {need} but "
+                                         r"the (device|host) .* has 0.5 MiB free; use a mesh"):
+        jd.init_params(config, jax.random.key(0))
+    shapes = jax.eval_shape(lambda k: jd.init_params(config, k), jax.random.key(0))
+    assert shapes.embed_tokens.shape == (300, config.hidden_size)
+
+    from test_checkpoint import write_checkpoint
+    with pytest.MonkeyPatch.context() as free:  # a checkpoint written with room to spare
+        free.setattr(memory, "free_bytes", lambda device=None: None)
+        free.setattr(memory, "host_available_bytes", lambda: None)
+        path = write_checkpoint(tmp_path / "ck", jd.init_params(config, jax.random.key(0)))
+    with pytest.raises(ValueError, match=rf"the checkpoint's weights \(float32\) needs "
+                                         rf"{memory._size(params_lib.params_bytes(config, 'fp32'))}"
+                                         r" but the (device|host) .* has 0.5 MiB free; load "
+                                         r"onto a mesh"):
+        jd.load_checkpoint(path, "float32")

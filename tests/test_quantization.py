@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import FULL, LIN, assert_logits_close, hf_text_config, random_prompt, tiny
-from jaxdecode import quantization
+from jaxdecode import memory, quantization
 from jaxdecode.params import params_to_hf
 import jaxdecode as jd
 
@@ -348,7 +348,11 @@ def test_fp8_moe_release_loads_its_experts(tmp_path, config):
     with safe_open(str(path / "model.safetensors"), "np") as f:
         kinds = {k: f.get_slice(k).get_dtype() for k in f.keys()}
     assert kinds["model.layers.0.mlp.experts.3.down_proj.weight"] == "F8_E4M3"
-    loaded = jd.load_checkpoint(path, dtype="float32")
+    needed = []  # the bytes load_checkpoint's memory check counts: what it then holds
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(memory, "check_fits", lambda what, n, *args, **kw: needed.append(n))
+        loaded = jd.load_checkpoint(path, dtype="float32")
+    assert needed == [sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(loaded))]
     dense = jd.load_checkpoint(path / "dequantised", dtype="float32")
     moe, want = loaded.layers[0].mlp, dense.layers[0].mlp
     for got, ref, whole in ((moe.experts_gate_up_proj, want.experts_gate_up_proj,
