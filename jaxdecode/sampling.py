@@ -86,8 +86,13 @@ class SamplingParams:
         sequence; with ``batch_size``, every leaf is broadcast to ``[batch_size]``.
 
         Raises:
-          ValueError: a value outside its range (class docstring) or a leaf of another length.
+          ValueError: ``batch_size`` not a positive int or None, a value outside its range
+            (class docstring), or a leaf of another length.
         """
+        if batch_size is not None and (not isinstance(batch_size, (int, np.integer))
+                                       or isinstance(batch_size, bool) or batch_size < 1):
+            raise ValueError(f"batch_size={batch_size!r} must be a positive int (or None: the "
+                             "leaves' own lengths)")
         values = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                       repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                       frequency_penalty=frequency_penalty, penalize_prompt=penalize_prompt,
@@ -393,7 +398,7 @@ def sample(logits: Array, key: Array, params: SamplingParams,
     """Draws one token per row.
 
     Args:
-      logits: [B, V] float (cast to float32).
+      logits: [B, V] float (cast to float32; other dtypes: ValueError).
       key: [B] per-row PRNG keys (typed, or raw ``[B, 2]`` uint32), or one key (:func:`row_keys`).
       params: :class:`SamplingParams`, leaves ``[B]`` or scalars; not validated here (they may
         be traced): use :func:`validate` or :meth:`SamplingParams.create` on the host.
@@ -411,7 +416,10 @@ def sample(logits: Array, key: Array, params: SamplingParams,
     -inf, which the next step rejects.
     With ``return_processed_logits``: (ids, the [B, V] float32 ``processed_logits``).
     """
-    logits = jnp.asarray(logits, jnp.float32)
+    logits = jnp.asarray(logits)
+    if not jnp.issubdtype(logits.dtype, jnp.floating):
+        raise ValueError(f"logits must be float, got {logits.dtype}")
+    logits = logits.astype(jnp.float32)
     if logits.ndim != 2:
         raise ValueError(f"logits must be [B, V], got {logits.shape=}")
     b = logits.shape[0]

@@ -406,6 +406,19 @@ def test_wrong_length_raises():
         SamplingParams.create(2, temperature=[0.1, 0.2, 0.3])
 
 
+@pytest.mark.parametrize("batch_size", [0, -1, 2.5, True, "2"])
+def test_a_batch_size_that_is_not_a_positive_int_raises(batch_size):
+    with pytest.raises(ValueError, match=rf"batch_size={batch_size!r} must be a positive int"):
+        SamplingParams.create(batch_size)
+
+
+def test_integer_logits_are_refused_by_sample():
+    """Token ids or counts passed as logits would give argmax ids silently."""
+    for dtype in (jnp.int32, jnp.bool_):
+        with pytest.raises(ValueError, match=r"logits must be float, got (int32|bool)"):
+            sampling.sample(jnp.zeros((2, 16), dtype), jax.random.key(0), SamplingParams.create())
+
+
 # ----- host-decided steps (SamplingFeatures) ------------------------------------------------------
 
 def _random_settings(rng, b):
