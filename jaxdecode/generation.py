@@ -415,7 +415,10 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
         raise ValueError(f"eos_token_ids={eos_token_ids!r} must be an int or a sequence of ints")
     bad = eos[(eos < 0) | (eos >= vocab)] if eos.size else eos
     if bad.size:
-        raise ValueError(f"eos_token_ids {bad.tolist()} are outside [0, vocab_size={vocab})")
+        given = ("" if eos_token_ids is not None else
+                 " (eos_token_ids=None: the config's eos_token_id; pass eos_token_ids=() for none)")
+        raise ValueError(f"eos_token_ids {bad.tolist()} are outside [0, vocab_size={vocab})"
+                         + given)
     eos = eos.astype(np.int64)
     eos_padded = np.full((max(MAX_EOS_IDS, bucket(eos.size, 1)),), -1, np.int32)
     eos_padded[:eos.size] = eos

@@ -448,6 +448,16 @@ def test_invalid_inputs_raise_before_device_work(params, kwargs, message):
         gen.generate(params, call.pop("prompts"), call.pop("max_new_tokens"), **call)
 
 
+def test_a_config_eos_token_id_outside_the_vocabulary_is_named_as_the_configs(params):
+    """eos_token_ids=None takes config.eos_token_id, which the error says (a smaller vocabulary
+    than the config's EOS ids, e.g. a replaced vocab_size)."""
+    other = params.replace(config=dataclasses.replace(params.config, eos_token_id=(VOCAB + 5,)))
+    with pytest.raises(ValueError, match=rf"eos_token_ids \[{VOCAB + 5}\] are outside .* "
+                                         r"\(eos_token_ids=None: the config's eos_token_id"):
+        gen.generate(other, [[1, 2]], 4)
+    gen.generate(other, [[1, 2]], 1, eos_token_ids=())  # none: runs
+
+
 @pytest.mark.slow
 def test_kernels_are_checked_and_chosen(params):
     """kernels= must be a Kernels value (checked before any device work, in the stream on the
