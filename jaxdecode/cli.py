@@ -57,15 +57,16 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     arg("--prompt", help=f"prompt text (default: {EXAMPLE_PROMPT!r})")
     arg("--prompt-ids", metavar="IDS", help="prompt as comma-separated token ids")
     arg("--chat", action="store_true", help="wrap the prompt as a user turn (chat template)")
-    arg("--max-new-tokens", type=_int_in(1), default=32, metavar="N", help="budget per sample")
+    arg("--max-new-tokens", type=_int_in(1), default=32, metavar="N",
+        help="new tokens per sample (default: %(default)s)")
     arg("--stop", action="append", default=[], metavar="STRING", help="stop a sample right after "
         "it generates this text's token ids (kept in the output; repeatable; needs a tokenizer)")
     arg("--stop-ids", action="append", default=[], metavar="IDS",
         help="a stop sequence as comma-separated token ids (repeatable)")
     arg("--temperature", type=float, default=0.0,
         help="0 = greedy (default; so is anything below 1e-5), > 0 samples")
-    arg("--top-k", type=_int_in(0), default=0, help="keep the k most likely (0 = off)")
-    arg("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (1 = off)")
+    arg("--top-k", type=_int_in(0), default=0, help="keep the k most likely (0 = off, default)")
+    arg("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (1 = off, default)")
     arg("--top-p-keep-ties", action=argparse.BooleanOptionalAction, default=True,
         help="top-p keeps every token tied with the cut-off (default); --no-top-p-keep-ties: "
         "the smallest sorted prefix, as Hugging Face and vLLM")
@@ -83,7 +84,7 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     arg("--stream", action="store_true", help="print text as it is produced; report prefill, "
         "time to first token and decode speed")
     arg("--dtype", choices=("float32", "bfloat16", "fp32", "bf16"), default="float32",
-        help="model dtype")
+        help="model dtype (default: %(default)s)")
     arg("--quantize", choices=("fp8",), default=None,
         help="hold the Linears in block FP8 (load_checkpoint(..., quantize='fp8'); an FP8 "
         "checkpoint loads as FP8 without it)")
