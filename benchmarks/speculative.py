@@ -2,7 +2,8 @@
 number of drafts accepted, in one run.
 
     python benchmarks/speculative.py [--model qwen3.5-9b] [--batches 1,8] [--ks 1,2,3,4]
-        [--context 1024] [--tokens 256] [--oracle 0.8,0.9] [--draft-vocab N] [--profile] [--smoke]
+        [--context 1024] [--tokens 256] [--oracle 0.8,0.9] [--accept 2] [--draft-vocab N]
+        [--profile] [--smoke]
 
 Per (batch, k), ms per call (median of 3 repeats of 30 calls, compile apart): a plain decode step
 (``step.jit_decode_step``, the library's step; again on a state keeping the MTP layer's pairs,
@@ -18,7 +19,9 @@ End to end at batch 1 and k = 3 (``--tokens`` new tokens, greedy, EOS off): ``jd
 speculative with the MTP's own drafts (random weights accept almost none: the floor); and
 speculative with an oracle draft (``speculative_generate_fn``'s ``draft`` hook) that is right with
 probability ``--oracle`` per draft (the MTP-draft run's tokens, wrong ones shifted by one id; a
-comma-separated list runs one each): its measured drafts accepted per step beside its tokens/s,
+comma-separated list runs one each), or right on exactly the first ``--accept`` drafts of every
+step (acceptance length ``--accept`` + 1 tokens a step, no draws): its measured drafts accepted
+per step beside its tokens/s,
 timed twice: each call with the last call's output alive (as every row), and with it freed first
 (the new call's buffers may then take the same addresses).
 
@@ -153,11 +156,13 @@ def time_steps(params, batch, k, context, max_len, kernels, draft_vocab=None):
     return t_plain, t_verify, t_draft, t_plain_mtp
 
 
-def oracle_draft(reference, k, p):
+def oracle_draft(reference, k, p=None, accept=None):
     """A ``draft`` hook right with probability ``p`` per draft: the reference run's next tokens,
     a wrong one where a fixed hash of (row, output position) falls at or above ``p``: the MTP's
-    own draft, or the right id + 1 where that is right. The result depends on every MTP draft,
-    so XLA keeps all k draft passes (their LM heads included) as in a real run."""
+    own draft, or the right id + 1 where that is right; with ``accept`` instead of ``p``, right
+    on the first ``accept`` of the k drafts of every step, wrong on the rest. The result depends
+    on every MTP draft, so XLA keeps all k draft passes (their LM heads included) as in a real
+    run."""
     ref = jnp.asarray(np.maximum(reference, 0), jnp.int32)
 
     def draft(loop, drafts):
@@ -165,15 +170,17 @@ def oracle_draft(reference, k, p):
         right = jnp.take_along_axis(ref, jnp.minimum(pos, ref.shape[1] - 1), axis=1)
         row = jnp.arange(ref.shape[0])[:, None]
         u = ((pos * 7919 + row * 104729) % 1009) / 1009.0  # a fixed hash in [0, 1)
+        ok = u < p if accept is None else jnp.arange(k)[None, :] < accept
         wrong = jnp.where(drafts != right, drafts, right + 1)
-        return jnp.where(u < p, right, wrong).astype(jnp.int32)
+        return jnp.where(ok, right, wrong).astype(jnp.int32)
 
     return draft
 
 
 def end_to_end(params, tokens, k, ps, kernels, draft_vocab=None, profile=False):
     """Seconds per token of plain generate and speculative (own drafts), and for each oracle
-    probability in ``ps``: (p, seconds per token, mean drafts accepted per verify step, verify
+    of ``ps`` (a probability ``p``, or an int: exactly that many drafts right a step): (its
+    label, seconds per token, mean drafts accepted per verify step, verify
     steps, whether its tokens equal the own-draft run's, and with ``profile`` the first
     oracle's loop without graph loops: (its seconds per token, its kernels under CUPTI
     [(name, ms)]), else None; seconds per token with the last call's output freed before each
@@ -215,7 +222,11 @@ def end_to_end(params, tokens, k, ps, kernels, draft_vocab=None, profile=False):
 
     oracles = []
     for p in ps:
-        draft = oracle_draft(reference, k, p)  # one function per p: the loop's jit key
+        if isinstance(p, int):
+            draft, label = oracle_draft(reference, k, accept=p), f"on the first {p} of {k} drafts"
+        else:
+            draft, label = oracle_draft(reference, k, p), f"with p = {p}"
+        # (one function per oracle: the loop's jit key)
         t_oracle, loop = timed(lambda: oracle_run(draft))
         t_freed = timed(lambda: oracle_run(draft), keep=False)[0]
         kernels_run = None
@@ -224,7 +235,7 @@ def end_to_end(params, tokens, k, ps, kernels, draft_vocab=None, profile=False):
             hlo = oracle_run(draft, lambda *a, **kw: _loop_without_graph_loops.lower(
                 *a, **kw).compile().as_text())
             kernels_run = (timed(host_loop)[0] / tokens, cupti_kernels(host_loop), phase_of(hlo))
-        oracles.append((p, t_oracle / tokens,
+        oracles.append((label, t_oracle / tokens,
                         float(loop.accepted) / max(int(loop.iterations), 1),
                         int(loop.iterations), np.array_equal(np.asarray(loop.tokens), reference),
                         kernels_run, t_freed / tokens))
@@ -249,7 +260,7 @@ def print_profile(oracle, tokens):
     """The oracle's loop compiled without loops in command buffers: its kernel time per verify
     step against its wall time per step (the whole call: prefill and first token included) and
     the library loop's, and its largest kernels by name."""
-    p, t_oracle, _, iterations, _, (t_host_loop, listing, phases), _ = oracle
+    label, t_oracle, _, iterations, _, (t_host_loop, listing, phases), _ = oracle
     if not listing:
         print("\n(no CUPTI kernels: not on a GPU)")
         return
@@ -260,7 +271,7 @@ def print_profile(oracle, tokens):
         key = re.sub(r"[._]\d+$", "", name)[:60]
         by_name[key] += t
         count[key] += 1
-    print(f"\n## The oracle run (p = {p}) without loops in command buffers, under CUPTI: "
+    print(f"\n## The oracle run (right {label}) without loops in command buffers, under CUPTI: "
           f"{iterations} verify steps\n")
     per_step = lambda t: t * tokens * 1e3 / iterations  # noqa: E731  s/token -> ms/step
     print(f"kernel sum {total:.2f} ms, {len(listing)} kernels; per step: kernels "
@@ -301,6 +312,9 @@ def main():
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--oracle", default="0.8",
                     help="comma-separated probabilities that the oracle draft is right")
+    ap.add_argument("--accept", default="",
+                    help="comma-separated counts: oracles right on exactly the first N drafts "
+                    "of every step (N + 1 tokens a step), after the --oracle ones")
     ap.add_argument("--draft-vocab", type=int, default=0,
                     help="drafts from this many fixed random ids (0: the whole vocabulary)")
     ap.add_argument("--profile", action="store_true",
@@ -310,9 +324,10 @@ def main():
     try:
         batches = [int(b) for b in args.batches.split(",")]
         ks = [int(k) for k in args.ks.split(",")]
-        ps = [float(p) for p in args.oracle.split(",")]
+        ps = [float(p) for p in args.oracle.split(",") if p]
+        accepts = [int(n) for n in args.accept.split(",") if n]
     except ValueError:
-        ap.error("--batches and --ks take comma-separated ints, --oracle floats")
+        ap.error("--batches, --ks and --accept take comma-separated ints, --oracle floats")
     if min(batches) < 1 or min(ks) < 1 or not all(0 <= p <= 1 for p in ps):
         ap.error("batches and ks must be >= 1, --oracle in [0, 1]")
     name, context, tokens = args.model, args.context, args.tokens
@@ -320,6 +335,9 @@ def main():
         name, batches, ks, context, tokens = "tiny", [1, 2], [1, 3], 32, 12
     elif jax.default_backend() != "gpu":
         ap.error("timings need a GPU; on a CPU run --smoke")
+    k_e2e = 3 if 3 in ks else ks[-1]  # the end-to-end runs' k
+    if not all(0 <= n <= k_e2e for n in accepts):
+        ap.error(f"--accept must be in [0, k = {k_e2e}]")
     config = dataclasses.replace(jd.Config.from_preset(name), mtp_num_hidden_layers=1)
     params = jd.init_params(config, jax.random.key(0), "float32" if args.smoke else "bfloat16")
     if not 0 <= args.draft_vocab <= config.vocab_size:
@@ -342,8 +360,7 @@ def main():
             print(f"batch {batch} k {k}: plain {t_plain * 1e3:.3f} ms, verify {t_verify * 1e3:.3f}"
                   f" ms, draft {t_draft * 1e3:.3f} ms, plain keeping MTP pairs "
                   f"{t_plain_mtp * 1e3:.3f} ms", flush=True)
-    k_e2e = 3 if 3 in ks else ks[-1]
-    e2e = end_to_end(params, tokens, k_e2e, ps, kernels_for(params, 1), draft_vocab,
+    e2e = end_to_end(params, tokens, k_e2e, ps + accepts, kernels_for(params, 1), draft_vocab,
                      args.profile)
 
     print(f"\n## Verify step against the plain step ({name}, context {context})\n")
@@ -365,8 +382,8 @@ def main():
     print(f"| plain `jd.generate` | {t_plain * 1e3:.3f} | {1 / t_plain:.0f} | 1.00x | - |")
     print(f"| speculative, MTP drafts (random weights) | {t_own * 1e3:.3f} | {1 / t_own:.0f} | "
           f"{t_plain / t_own:.2f}x | - |")
-    for p, t_oracle, accepted, iterations, _, _, t_freed in oracles:
-        print(f"| speculative, oracle right with p = {p} | {t_oracle * 1e3:.3f} | "
+    for label, t_oracle, accepted, iterations, _, _, t_freed in oracles:
+        print(f"| speculative, oracle right {label} | {t_oracle * 1e3:.3f} | "
               f"{1 / t_oracle:.0f} | {t_plain / t_oracle:.2f}x | {accepted:.2f} "
               f"({iterations} steps) |")
         print(f"| ... the same, the last call's output freed before each call | "
