@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.core import Tracer  # imported once: jax.core's module getattr is slow per lookup
 
 from jaxdecode import memory, quantization
 from jaxdecode.config import FULL_ATTENTION, QWEN3_NEXT, Config, model_dtype
@@ -445,7 +446,7 @@ def init_params(config: Config, key: Array, dtype="float32") -> Params:
     (``memory.check_fits``; a CPU device: the host's), before any is created."""
     check_key(key)
     dtype = model_dtype(dtype)
-    if not isinstance(key, jax.core.Tracer):  # (jax.eval_shape allocates nothing)
+    if not isinstance(key, Tracer):  # (jax.eval_shape allocates nothing)
         memory.check_fits(f"init_params' weights ({dtype.name})", params_bytes(config, dtype),
                           advice="use a mesh (sharding.init_params_sharded) or FP8 weights")
     specs = param_specs(config)
