@@ -11,6 +11,8 @@ padding tokens (beta = g = 0, k = 0) as the model's ragged rows do.
 
 from __future__ import annotations
 
+import zlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,7 +70,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
 def test_kernel_equals_the_float64_recurrence(mode, case):
     batch, length, heads, dk, dv, num_new, decay = CASES[case]
-    args = inputs(hash(case) % 1000, batch, length, heads, dk, dv, num_new, decay)
+    args = inputs(zlib.crc32(case.encode()) % 1000, batch, length, heads, dk, dv, num_new, decay)
     o, state = jax.jit(cg.chunk_gated_delta_rule_pallas, static_argnames="interpret")(
         *args, interpret=mode == "interpret")
     want_o, want_state = recurrence_f64(*args)
