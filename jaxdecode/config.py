@@ -93,9 +93,12 @@ class Config:
                      "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                      "linear_value_head_dim", "linear_conv_kernel_dim") + moe:
             value = getattr(self, name)
-            if name in moe + ("intermediate_size",) and isinstance(value, int) and value == 0:
+            if isinstance(value, bool) or not isinstance(value, int):
+                problems.append(f"{name}={value!r} must be a positive int")
+                continue
+            if name in moe + ("intermediate_size",) and value == 0:
                 continue  # checked below: a dense model's MoE sizes, an MoE's dense size
-            if not isinstance(value, int) or value <= 0:
+            if value <= 0:
                 problems.append(f"{name}={value!r} must be a positive int")
         for name in ("rms_norm_eps", "rope_theta"):
             value = getattr(self, name)
@@ -108,6 +111,10 @@ class Config:
             elif self.num_experts_per_tok > self.num_experts:
                 problems.append(f"num_experts_per_tok={self.num_experts_per_tok} > "
                                 f"num_experts={self.num_experts}")
+            if self.model_type == QWEN3_5 and self.intermediate_size:
+                problems.append(f"intermediate_size={self.intermediate_size} must be 0 for a "
+                                f"{QWEN3_5!r} MoE model (every layer's FFN is the MoE block; "
+                                f"only {QWEN3_NEXT!r} has dense layers)")
         elif not problems:
             if not self.intermediate_size:
                 problems.append("intermediate_size=0 must be a positive int (a dense model)")
@@ -139,7 +146,8 @@ class Config:
                             f"must be even and in (0, head_dim={self.head_dim}]")
         if self.linear_conv_kernel_dim < 2:
             problems.append(f"linear_conv_kernel_dim={self.linear_conv_kernel_dim} must be >= 2")
-        if self.mtp_num_hidden_layers not in (0, 1):
+        mtp = self.mtp_num_hidden_layers
+        if isinstance(mtp, bool) or mtp not in (0, 1):
             problems.append(f"mtp_num_hidden_layers={self.mtp_num_hidden_layers!r} (jaxdecode "
                             "holds 0 or 1 MTP layer, as every published checkpoint has)")
         if problems:
@@ -156,11 +164,12 @@ class Config:
                          f"Qwen3.5 has no such switch)"
                          for name, default in switches.items() if getattr(self, name) != default]
             return problems
-        if not isinstance(self.decoder_sparse_step, int) or self.decoder_sparse_step <= 0:
+        step = self.decoder_sparse_step
+        if isinstance(step, bool) or not isinstance(step, int) or step <= 0:
             problems.append(f"decoder_sparse_step={self.decoder_sparse_step!r} must be a positive "
                             "int")
-        bad = [i for i in self.mlp_only_layers
-               if not isinstance(i, int) or not 0 <= i < self.num_hidden_layers]
+        bad = [i for i in self.mlp_only_layers if isinstance(i, bool) or not isinstance(i, int)
+               or not 0 <= i < self.num_hidden_layers]
         if bad:
             problems.append(f"mlp_only_layers {bad} are not layer indices in "
                             f"[0, num_hidden_layers={self.num_hidden_layers})")

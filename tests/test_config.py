@@ -33,6 +33,18 @@ def test_config_errors():
     with pytest.raises(ValueError, match=r"\{'moe_intermediate_size': 64\} given without "
                                          r"num_experts"):
         dataclasses.replace(TINY, moe_intermediate_size=64)
+    moe_tiny = dataclasses.replace(TINY, intermediate_size=0, num_experts=4,
+                                   num_experts_per_tok=2, moe_intermediate_size=16,
+                                   shared_expert_intermediate_size=16)
+    with pytest.raises(ValueError, match=r"intermediate_size=384 must be 0 for a 'qwen3_5' MoE "
+                                         r"model \(every layer's FFN is the MoE block"):
+        dataclasses.replace(moe_tiny, intermediate_size=384)  # (it would be ignored)
+    for name in ("num_experts_per_tok", "num_experts", "hidden_size", "intermediate_size"):
+        for bad in (True, False):  # bools are ints to Python: True would pass as 1
+            with pytest.raises(ValueError, match=rf"{name}={bad} must be a positive int"):
+                dataclasses.replace(moe_tiny, **{name: bad})
+    with pytest.raises(ValueError, match=r"mtp_num_hidden_layers=True \(jaxdecode holds 0 or 1"):
+        dataclasses.replace(TINY, mtp_num_hidden_layers=True)
     with pytest.raises(ValueError, match=r"model_type='llama'"):
         jd.Config.from_hf_config({**base, "model_type": "llama"})
     with pytest.raises(ValueError, match=r"hidden_act='gelu'"):
@@ -150,8 +162,11 @@ def test_qwen3_next_config_errors():
     with pytest.raises(ValueError, match=r"mlp_only_layers \[4, -1\] are not layer indices in "
                                          r"\[0, num_hidden_layers=4\)"):
         jd.Config.from_hf_config({**base, "mlp_only_layers": [4, 1, -1]})
-    with pytest.raises(ValueError, match=r"decoder_sparse_step=0 must be a positive int"):
-        jd.Config.from_hf_config({**base, "decoder_sparse_step": 0})
+    for step in (0, True):
+        with pytest.raises(ValueError, match=rf"decoder_sparse_step={step} must be a positive int"):
+            jd.Config.from_hf_config({**base, "decoder_sparse_step": step})
+    with pytest.raises(ValueError, match=r"mlp_only_layers \[True\] are not layer indices"):
+        jd.Config.from_hf_config({**base, "mlp_only_layers": [True]})
     with pytest.raises(ValueError, match=r"rms_norm_eps=-1.0 must be a positive number"):
         jd.Config.from_hf_config({**base, "rms_norm_eps": -1})
     with pytest.raises(ValueError, match=r"intermediate_size=0 must be a positive int \(layers "
