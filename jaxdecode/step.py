@@ -137,6 +137,16 @@ def _check_token_ids(config: Config, tokens: np.ndarray, real: np.ndarray) -> No
                          f"{ids[bad][:8].tolist()} ({int(bad.sum())} out of range)")
 
 
+def _host_array(x, name: str, layout: str) -> np.ndarray:
+    """``np.asarray(x)``, or a ValueError naming ``name`` and its ``layout`` where ``x`` nests
+    sequences of unequal lengths (numpy's own message names neither)."""
+    try:
+        return np.asarray(x)
+    except ValueError:
+        raise ValueError(f"{name} must be a {layout}; got nested sequences of unequal "
+                         "lengths") from None
+
+
 def check_prefill(params: Params, state: DecodeState, tokens, num_new) -> None:
     """Validates a prefill on the host, reading ``state.lengths`` back (one device sync; skipped
     for a state spread over several processes). ValueError: a state that does not fit the params
@@ -144,7 +154,9 @@ def check_prefill(params: Params, state: DecodeState, tokens, num_new) -> None:
     real ids outside ``[0, vocab_size)``; a row whose ``state.lengths + num_new`` > ``max_len``.
     """
     check_state(params.config, state, params.dtype)
-    tokens, num_new = np.asarray(tokens), np.asarray(num_new)
+    tokens = _host_array(tokens, "tokens", "[B, T] integer array (each row right-padded to T; "
+                         "num_new[b] of row b's are real)")
+    num_new = _host_array(num_new, "num_new", "[B] integer array")
     if tokens.ndim != 2 or tokens.shape[1] == 0 or tokens.shape[0] != state.batch_size:
         raise ValueError(f"tokens must be [B, T] with B = {state.batch_size} (the state's batch "
                          f"size) and T >= 1; got {tokens.shape=}")
@@ -173,23 +185,23 @@ def check_decode_step(params: Params, state: DecodeState, tokens, active=None) -
     that does not fit (:func:`check_state`); tokens or ``active`` not [B]; host ids outside
     ``[0, vocab_size)``."""
     check_state(params.config, state, params.dtype)
-    if tuple(np.shape(tokens)) != (state.batch_size,):
+    if not isinstance(tokens, jax.Array):
+        tokens = _host_array(tokens, "tokens", "[B] integer array")
+    if tokens.shape != (state.batch_size,):
         raise ValueError(f"tokens must be [B] with B = {state.batch_size} (the state's batch "
-                         f"size); got shape {np.shape(tokens)}")
+                         f"size); got shape {tokens.shape}")
     real = np.ones(state.batch_size, bool)  # the rows whose host ids are checked
     if active is not None:
-        if tuple(np.shape(active)) != (state.batch_size,):
-            raise ValueError(f"active must be [B] like tokens; got shape {np.shape(active)}")
         if not isinstance(active, jax.Array):  # host values: reading them costs no device sync
-            active = np.asarray(active)
-            real = active
+            active = real = _host_array(active, "active", "[B] bool array")
+        if active.shape != (state.batch_size,):
+            raise ValueError(f"active must be [B] like tokens; got shape {active.shape}")
         if active.dtype != np.bool_:
             raise ValueError("active must be a [B] bool array (True: the row takes its token)")
-    dtype = tokens.dtype if isinstance(tokens, jax.Array) else np.asarray(tokens).dtype
-    if not np.issubdtype(dtype, np.integer):  # a device array's dtype: no device read
-        raise ValueError(f"token ids must be integers, got dtype {dtype}")
+    if not np.issubdtype(tokens.dtype, np.integer):  # a device array's dtype: no device read
+        raise ValueError(f"token ids must be integers, got dtype {tokens.dtype}")
     if not isinstance(tokens, jax.Array):
-        _check_token_ids(params.config, np.asarray(tokens), real)
+        _check_token_ids(params.config, tokens, real)
 
 
 @_cache

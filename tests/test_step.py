@@ -372,6 +372,13 @@ def test_prefill_rejects_batch_mismatch_and_bad_shapes(params):
         jd.prefill(params, fresh(), np.ones((2, 0), np.int32), np.array([0, 0]))
     with pytest.raises(ValueError, match=r"token ids must be integers"):
         jd.prefill(params, fresh(), np.ones((2, 3)), np.array([3, 3]))
+    # ragged rows: the layout named, not numpy's "inhomogeneous shape"
+    with pytest.raises(ValueError, match=r"tokens must be a \[B, T\] integer array \(each row "
+                                         r"right-padded to T; num_new\[b\] of row b's are real\); "
+                                         r"got nested sequences of unequal lengths"):
+        jd.prefill(params, fresh(), [[1, 2, 3], [4, 5]], [3, 2])
+    with pytest.raises(ValueError, match=r"num_new must be a \[B\] integer array; got nested"):
+        jd.prefill(params, fresh(), np.ones((2, 3), np.int32), [[3], [1, 2]])
 
 
 def test_decode_rejects_host_token_ids_and_shapes(params):
@@ -390,6 +397,10 @@ def test_decode_rejects_host_token_ids_and_shapes(params):
         jd.decode_step(params, state, np.array([0, 1]), active=np.array([True]))
     with pytest.raises(ValueError, match=r"active must be a \[B\] bool array"):
         jd.decode_step(params, state, np.array([0, 1]), active=np.array([0.5, 0]))
+    with pytest.raises(ValueError, match=r"tokens must be a \[B\] integer array; got nested"):
+        jd.decode_step(params, state, [[0], [1, 2]])
+    with pytest.raises(ValueError, match=r"active must be a \[B\] bool array; got nested"):
+        jd.decode_step(params, state, np.array([0, 1]), active=[[True], [True, False]])
     assert not any(x.is_deleted() for x in jax.tree.leaves(state))  # raised before donating
     # an inactive row's id is padding: not checked
     _, state = jd.decode_step(params, state, np.array([300, 1]), active=np.array([False, True]))
