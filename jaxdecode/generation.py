@@ -408,11 +408,12 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
 
     raw = config.eos_token_id if eos_token_ids is None else eos_token_ids  # int or sequence
     try:
-        eos = np.atleast_1d(np.asarray(raw)).ravel()
+        eos = np.atleast_1d(np.asarray(raw))
     except ValueError:  # ragged nesting
         eos = np.asarray([raw], object)
-    if eos.size and not np.issubdtype(eos.dtype, np.integer):
-        raise ValueError(f"eos_token_ids={eos_token_ids!r} must be an int or a sequence of ints")
+    if eos.ndim != 1 or (eos.size and not np.issubdtype(eos.dtype, np.integer)):
+        raise ValueError(f"eos_token_ids={eos_token_ids!r} must be an int or a flat sequence of "
+                         "ints (a stop of several tokens: stop_sequences)")
     bad = eos[(eos < 0) | (eos >= vocab)] if eos.size else eos
     if bad.size:
         given = ("" if eos_token_ids is not None else

@@ -434,10 +434,13 @@ def test_progress_callback_sees_the_counts(params):
     (dict(max_len=1024), "exceeds the model's max_position_embeddings"),
     (dict(max_new_tokens=2**32 + 2), "max_new_tokens=4294967298 exceeds"),  # not wrapped
     (dict(eos_token_ids=(VOCAB,)), "eos_token_ids"),
-    (dict(eos_token_ids=[226.9]), "must be an int or a sequence of ints"),
-    (dict(eos_token_ids="226"), "must be an int or a sequence of ints"),
-    (dict(eos_token_ids=True), "must be an int or a sequence of ints"),
-    (dict(eos_token_ids=[2**64]), "must be an int or a sequence of ints"),
+    (dict(eos_token_ids=[226.9]), "must be an int or a flat sequence of ints"),
+    (dict(eos_token_ids="226"), "must be an int or a flat sequence of ints"),
+    (dict(eos_token_ids=True), "must be an int or a flat sequence of ints"),
+    (dict(eos_token_ids=[2**64]), "must be an int or a flat sequence of ints"),
+    (dict(eos_token_ids=[[7, 8]]), r"flat sequence of ints \(a stop of several tokens: "
+                                   "stop_sequences"),  # not two EOS ids 7 and 8
+    (dict(eos_token_ids=[[7, 8], [9]]), "must be an int or a flat sequence of ints"),
     (dict(num_samples=0), "num_samples"),
     (dict(sampling={"temperature": 1.0}), "sampling must be"),
 ])
