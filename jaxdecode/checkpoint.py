@@ -288,18 +288,22 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
 
     Raises:
       FileNotFoundError: missing ``config.json`` or safetensors files.
-      ValueError: a damaged, truncated or empty safetensors file (named); an unsupported
-        ``quantization_config`` or ``quantize``; an FP8 weight without its scales, or scales
-        whose shape does not fit the weight (both shapes named); a tensor with NaN or
-        inf values (named, with the file); an unsupported or malformed config
-        (``Config.from_hf_config``) or index file; one message listing every missing,
-        unexpected, misshapen (both shapes), duplicated or non-float tensor, by its name in the
-        checkpoint (``params.checkpoint_specs``); a config that cannot be split over ``mesh``
-        (``sharding.check_mesh``); both ``place`` and ``mesh``; ``mtp`` with a config.json
-        whose ``mtp_num_hidden_layers`` is more than 1; without ``place`` or ``mesh``, weights
-        larger than the default device's free memory (``memory.check_fits``), before any is
-        read.
+      ValueError: ``mtp`` or ``check_finite`` not a bool; a damaged, truncated or empty safetensors
+        file (named); an unsupported ``quantization_config`` or ``quantize``; an FP8 weight without
+        its scales, or scales whose shape does not fit the weight (both shapes named); a tensor
+        with NaN or inf values (named, with the file); an unsupported or malformed config
+        (``Config.from_hf_config``) or index file; one message listing every missing, unexpected,
+        misshapen (both shapes), duplicated or non-float tensor, by its name in the checkpoint
+        (``params.checkpoint_specs``); a config that cannot be split over ``mesh``
+        (``sharding.check_mesh``); both ``place`` and ``mesh``; ``mtp`` with a config.json whose
+        ``mtp_num_hidden_layers`` is more than 1; weights larger than the default device's free
+        memory (without ``place`` or ``mesh``), or a device's shard of them larger than its free
+        memory (``mesh``; ``memory.check_fits``), before any is read. A custom ``place`` is not
+        checked (where it puts each tensor is its own).
     """
+    for name, value in (("mtp", mtp), ("check_finite", check_finite)):
+        if not isinstance(value, (bool, np.bool_)):
+            raise ValueError(f"{name}={value!r} must be a bool")
     directory = os.fspath(directory)
     files = None
     if os.path.isfile(directory) and directory.endswith(".safetensors"):
@@ -368,9 +372,15 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
         unsplit = sharding.unsplit_fp8(config, mesh, {name: (leaves[name].shape, block)
                                                       for name in fp8_leaves})
         fp8_leaves -= unsplit
-    if place is None and mesh is None:  # on the default device: check it holds them all
-        memory.check_fits(f"the checkpoint's weights ({dtype.name}"
-                          f"{', block FP8 where stored or quantised so' if fp8_leaves else ''})",
+    held = f"{dtype.name}{', block FP8 where stored or quantised so' if fp8_leaves else ''}"
+    if mesh is not None:  # each device holds its shard: check the first one's
+        memory.check_fits(f"a shard of the checkpoint's weights ({held}) over {mesh.size} "
+                          "devices", sharding.params_shard_bytes(config, mesh, dtype, fp8_leaves,
+                                                                 block),
+                          mesh.devices.flat[0], advice="use more 'model' devices"
+                          + ("" if fp8_leaves else " (or quantize='fp8')"))
+    elif place is None:  # on the default device: check it holds them all
+        memory.check_fits(f"the checkpoint's weights ({held})",
                           params_bytes(config, dtype, fp8_leaves, block),
                           advice="load onto a mesh (mesh=), or with quantize='fp8'")
     place = place or (lambda name, x: jnp.asarray(x))

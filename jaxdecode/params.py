@@ -423,17 +423,21 @@ def init_leaf(spec: ParamSpec, key: Array, dtype, config: Config) -> Array:
 
 
 def params_bytes(config: Config, dtype, fp8_leaves=frozenset(),
-                 block_size=quantization.DEFAULT_BLOCK) -> int:
+                 block_size=quantization.DEFAULT_BLOCK,
+                 shard_shape: Callable[[str, tuple[int, ...]], tuple[int, ...]] | None = None
+                 ) -> int:
     """Bytes of the :class:`Params` of ``config`` in model ``dtype`` on one device: every
     :func:`param_specs` leaf in its :func:`leaf_dtype`, those named in ``fp8_leaves`` as block
-    FP8 (one byte a value plus a float32 scale a ``block_size`` block)."""
+    FP8 (one byte a value plus a float32 scale a ``block_size`` block). ``shard_shape(name,
+    shape)``: the part of each leaf one device holds (``sharding.params_shard_bytes``; whole
+    scale blocks), default the whole leaf."""
     dtype, total = model_dtype(dtype), 0
     for name, spec in param_specs(config).items():
+        shape = shard_shape(name, spec.shape) if shard_shape else spec.shape
         if name in fp8_leaves:
-            total += math.prod(spec.shape) + 4 * math.prod(
-                quantization.scale_shape(spec.shape, block_size))
+            total += math.prod(shape) + 4 * math.prod(quantization.scale_shape(shape, block_size))
         else:
-            total += math.prod(spec.shape) * leaf_dtype(spec, dtype).itemsize
+            total += math.prod(shape) * leaf_dtype(spec, dtype).itemsize
     return total
 
 
@@ -485,7 +489,9 @@ def quantize_fp8(params: Params, block_size=quantization.DEFAULT_BLOCK) -> Param
     """``params`` with the Linears the FP8 releases quantise (``quantization.QUANTIZED_LEAVES``)
     as block-FP8 :class:`Fp8Linear` (``quantization.quantize``; the MoE routed experts as
     stacks, each expert's [2·I, H] and [H, I] in its own blocks), the rest unchanged. Already
-    quantised leaves are kept. ValueError: ``block_size`` not two positive ints."""
+    quantised leaves are kept. ValueError: ``params`` not :class:`Params`; ``block_size`` not two
+    positive ints."""
+    check_params(params)
     block_size = quantization.check_block_size(block_size)
     flat = params_to_flat(params)
     for name, x in flat.items():

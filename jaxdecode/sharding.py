@@ -53,8 +53,8 @@ from jax.sharding import PartitionSpec as P
 from jaxdecode import memory, quantization
 from jaxdecode.config import Config, model_dtype
 from jaxdecode.kernels.choice import DATA, MODEL, device_rows, row_specs
-from jaxdecode.params import (Params, check_key, init_leaf, param_specs, params_from_flat,
-                              params_to_flat)
+from jaxdecode.params import (Params, check_key, init_leaf, param_specs, params_bytes,
+                              params_from_flat, params_to_flat)
 from jaxdecode.state import DecodeState, KVCache, MTPCache, init_state
 from jaxdecode.quantization import DEFAULT_BLOCK, SCALE_SUFFIX, Fp8Linear
 
@@ -340,6 +340,18 @@ def _place(name: str, x, mesh: Mesh):
     return _put(x, placed)
 
 
+def params_shard_bytes(config: Config, mesh: Mesh, dtype, fp8_leaves=frozenset(),
+                       block_size=DEFAULT_BLOCK) -> int:
+    """Bytes of ``config``'s params one device of ``mesh`` holds (``params.params_bytes`` of
+    each leaf's shard under :func:`param_partition_spec`, in :func:`config_on`'s layout: K/V
+    heads repeated), ``fp8_leaves`` as block FP8 (split in whole scale blocks: not the
+    :func:`unsplit_fp8` ones). ValueError: :func:`check_mesh`."""
+    on = config_on(config, mesh)
+    check_mesh(on, mesh)
+    return params_bytes(on, dtype, fp8_leaves, block_size, shard_shape=lambda name, shape: (
+        NamedSharding(mesh, param_partition_spec(name)).shard_shape(shape)))
+
+
 def init_params_sharded(config: Config, mesh: Mesh, key: jax.Array, dtype="float32", *,
                         quantize: str | None = None, block_size=DEFAULT_BLOCK) -> Params:
     """``shard_params(jd.init_params(config, key, dtype), mesh)`` with each leaf created in its
@@ -366,12 +378,10 @@ def init_params_sharded(config: Config, mesh: Mesh, key: jax.Array, dtype="float
                                 tuple(block_size) if name in fp8 else None, name in unsplit)
            for name, spec in specs.items()}  # one jit per leaf kind and shape
     keys = [jax.random.fold_in(key, n) for n in range(len(fns))]
-    per_device = 0
-    for fn, k in zip(fns.values(), keys):
-        for out in jax.tree.leaves(jax.eval_shape(fn, k)):  # in ``on``'s layout (K/V repeated)
-            per_device += int(np.prod(out.sharding.shard_shape(out.shape))) * out.dtype.itemsize
     memory.check_fits(f"a shard of the weights ({'FP8' if fp8 else dtype.name}) over "
-                      f"{mesh.size} devices", per_device, mesh.devices.flat[0],
+                      f"{mesh.size} devices",
+                      params_shard_bytes(config, mesh, dtype, fp8 - unsplit, block_size),
+                      mesh.devices.flat[0],
                       advice="use more 'model' devices" + ("" if fp8 else " (or FP8 weights)"))
     return params_from_flat(on, {name: fn(k) for (name, fn), k in zip(fns.items(), keys)})
 

@@ -275,7 +275,8 @@ def check_fp8() -> dict:
         loaded = jd.load_checkpoint(path, "float32", mesh=mesh)
         want = sharding.shard_params(jd.load_checkpoint(path, "float32"), mesh)
         out["checkpoint"] = {"values_equal": trees_equal(loaded, want),
-                             "layout_problems": fp8_layout_problems(loaded, mesh)}
+                             "layout_problems": fp8_layout_problems(loaded, mesh),
+                             "shard_bytes": shard_bytes(loaded, mesh)}
         # the tiny shapes in 128-blocks: most weights do not split whole over 8 devices
         got, held = held_in_model_dtype(lambda: jd.load_checkpoint(
             path / "dequantised", "float32", mesh=mesh, quantize="fp8"))
@@ -283,7 +284,8 @@ def check_fp8() -> dict:
             warnings.simplefilter("ignore")
             want = sharding.shard_params(jd.quantize_fp8(jd.load_checkpoint(
                 path / "dequantised", "float32")), mesh)
-        out["checkpoint_quantize_128"] = {**held, "values_equal": trees_equal(got, want)}
+        out["checkpoint_quantize_128"] = {**held, "values_equal": trees_equal(got, want),
+                                          "shard_bytes": shard_bytes(got, mesh)}
     key = jax.random.key(7)
     got = sharding.init_params_sharded(FP8_CONFIG, mesh, key, quantize="fp8",
                                        block_size=FP8_BLOCK)
@@ -291,7 +293,7 @@ def check_fp8() -> dict:
     out["init_sharded"] = {
         "values_equal": trees_equal(got, sharding.shard_params(
             jd.quantize_fp8(unquantised, FP8_BLOCK), mesh)),
-        "layout_problems": fp8_layout_problems(got, mesh)}
+        "layout_problems": fp8_layout_problems(got, mesh), "shard_bytes": shard_bytes(got, mesh)}
     out["kernel"] = check_fp8_kernel_on_mesh()
     out["repeated_kv"] = check_fp8_repeated_kv_heads()
     # I_s = 40 rows over 8 devices in 8-row blocks: the shared experts held in float32
@@ -308,7 +310,8 @@ def check_fp8() -> dict:
     out["unsplit"] = {"shard_params": {**held, "rel_errors": errors,
                                        "layout_problems": fp8_layout_problems(sp, mesh)},
                       "init_sharded": {**init, "layout_problems": fp8_layout_problems(got, mesh),
-                                       "values_equal": trees_equal(got, want)}}
+                                       "values_equal": trees_equal(got, want),
+                                       "shard_bytes": shard_bytes(got, mesh)}}
     return out
 
 
@@ -438,6 +441,22 @@ def fp8_layout_problems(params, mesh) -> list[str]:
     return bad
 
 
+def shard_bytes(params, mesh) -> list[int]:
+    """[sharding.params_shard_bytes (load_checkpoint's and init_params_sharded's memory check),
+    the bytes the first device of ``mesh`` holds of ``params``]: the FP8 leaves and block as
+    ``params`` holds them."""
+    from jaxdecode import quantization
+    from jaxdecode.params import params_to_flat
+    flat = params_to_flat(params)
+    fp8 = {name for name, x in flat.items() if isinstance(x, jd.Fp8Linear)}
+    block = next((flat[name].block_size for name in fp8), quantization.DEFAULT_BLOCK)
+    first = mesh.devices.flat[0]
+    held = sum(s.data.nbytes for x in jax.tree.leaves(params) for s in x.addressable_shards
+               if s.device == first)
+    return [sharding.params_shard_bytes(params.config, mesh, params.embed_tokens.dtype, fp8,
+                                        block), int(held)]
+
+
 def trees_equal(a, b) -> bool:
     """Same leaves (FP8 ones compared bitwise), same structure."""
     def bits(x):
@@ -488,7 +507,7 @@ def check_repeated_kv_checkpoint(params) -> dict:
     return {"config_equal": loaded.config == want.config,
             "stored_k_rows": int(hf["model.layers.3.self_attn.k_proj.weight"].shape[0]),
             "loaded_k_rows": int(loaded.layers[3].self_attn.k_proj.shape[0]),
-            "values_equal": same,
+            "values_equal": same, "shard_bytes": shard_bytes(loaded, mesh),
             "mismatches": spec_mismatches(loaded, sharding.param_partition_specs(loaded.config),
                                           mesh)}
 
@@ -761,7 +780,8 @@ def check_moe() -> dict:
             "collectives": collectives(hlo),
             "conditionals": len(re.findall(r"\sconditional\(", hlo)),
             "expert_fraction_per_device":
-                experts.addressable_shards[0].data.size / experts.size}
+                experts.addressable_shards[0].data.size / experts.size,
+            "shard_bytes": shard_bytes(sp, mesh)}
     return out
 
 

@@ -243,8 +243,8 @@ def test_params_bytes_is_what_the_params_hold():
 
 
 def test_weights_that_cannot_fit_are_refused_before_any_is_created(monkeypatch, tmp_path):
-    """init_params and load_checkpoint (onto the default device) name the bytes needed and
-    free before creating or reading a weight; jax.eval_shape of init_params allocates nothing
+    """init_params and load_checkpoint (onto the default device, or a mesh: a device's shard)
+    name the bytes needed and free before creating or reading a weight; jax.eval_shape of init_params allocates nothing
     and is not checked."""
     from jaxdecode import params as params_lib
     from test_checkpoint import write_checkpoint
@@ -260,3 +260,7 @@ def test_weights_that_cannot_fit_are_refused_before_any_is_created(monkeypatch, 
     with pytest.raises(ValueError, match=rf"the checkpoint's weights \(float32\) needs {need} but "
                                          r"the device .* has 0.5 MiB free; load onto a mesh"):
         jd.load_checkpoint(path, "float32")
+    with pytest.raises(ValueError, match=rf"a shard of the checkpoint's weights \(float32\) over 1 "
+                                         rf"devices needs {need} but the device .* has 0.5 MiB "
+                                         r"free; use more 'model' devices \(or quantize='fp8'\)"):
+        jd.load_checkpoint(path, "float32", mesh=sharding.make_mesh(1, 1))

@@ -459,6 +459,8 @@ def test_a_bad_block_size_is_refused_by_name():
             jd.quantize_fp8(params, bad)
     with pytest.raises(ValueError, match=r"block_size=\(8, 0\) must be two positive ints"):
         quantization.quantize(np.ones((8, 8), np.float32), (8, 0))
+    with pytest.raises(ValueError, match=r"params must be jaxdecode.Params"):
+        jd.quantize_fp8({"model.embed_tokens.weight": np.ones((4, 4), np.float32)})
     held = jd.quantize_fp8(params, [32, np.int64(32)])  # any two positive ints, held as a tuple
     assert held.layers[0].mlp.experts_down_proj.block_size == (32, 32)
 

@@ -424,8 +424,27 @@ def test_fp8_checkpoint_and_sharded_init_land_in_their_shardings(meshes):
     """An FP8 release checkpoint loaded onto (1, 8) equals shard_params of the one-device load,
     bit for bit; init_params_sharded(quantize="fp8") equals quantising its unquantised values."""
     res = meshes["fp8"]
-    assert res["checkpoint"] == {"values_equal": True, "layout_problems": []}
-    assert res["init_sharded"] == {"values_equal": True, "layout_problems": []}
+    for where in ("checkpoint", "init_sharded"):  # (shard_bytes: the test below)
+        assert {**res[where], "shard_bytes": None} == {
+            "values_equal": True, "layout_problems": [], "shard_bytes": None}, res[where]
+
+
+@pytest.mark.slow
+def test_shard_bytes_checked_before_loading_are_what_a_device_holds(meshes):
+    """sharding.params_shard_bytes (the memory check of load_checkpoint(mesh=) and of
+    init_params_sharded, before any weight is read or created) is the bytes the first device
+    then holds: a checkpoint with its 2 KV heads repeated to 8, the MoE split by expert on each
+    mesh, block FP8 split whole (a release checkpoint, init_params_sharded) and with weights
+    held in float32 where their blocks do not split whole."""
+    fp8 = meshes["fp8"]
+    got = {"repeated_kv_checkpoint": meshes["repeated_kv_heads"]["checkpoint"]["shard_bytes"],
+           **{f"moe {m}": res["shard_bytes"] for m, res in meshes["moe"]["meshes"].items()},
+           "fp8_checkpoint": fp8["checkpoint"]["shard_bytes"],
+           "fp8_init_sharded": fp8["init_sharded"]["shard_bytes"],
+           "fp8_checkpoint_quantize_128": fp8["checkpoint_quantize_128"]["shard_bytes"],
+           "fp8_unsplit_init_sharded": fp8["unsplit"]["init_sharded"]["shard_bytes"]}
+    assert len(got) == 5 + len(MESHES), got
+    assert all(predicted == held > 0 for predicted, held in got.values()), got
 
 
 @pytest.mark.slow

@@ -575,6 +575,9 @@ def test_load_checkpoint_with_mtp(tmp_path, params):
                                              rf"mtp_num_hidden_layers={layers}: jaxdecode runs one"):
             jd.load_checkpoint(path, dtype="float32", mtp=True)
         assert jd.load_checkpoint(path, dtype="float32").mtp is None  # plain loading is unaffected
+    for name, bad in (("mtp", "yes"), ("mtp", 1), ("check_finite", None)):  # as init_state's
+        with pytest.raises(ValueError, match=rf"{name}={bad!r} must be a bool"):
+            jd.load_checkpoint(path, dtype="float32", **{name: bad})
 
 
 def test_accept_drafts_keeps_the_target_distribution():
