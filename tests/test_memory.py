@@ -244,8 +244,8 @@ def test_params_bytes_is_what_the_params_hold():
 
 def test_weights_that_cannot_fit_are_refused_before_any_is_created(monkeypatch, tmp_path):
     """init_params and load_checkpoint (onto the default device, or a mesh: a device's shard)
-    name the bytes needed and free before creating or reading a weight; jax.eval_shape of init_params allocates nothing
-    and is not checked."""
+    name the bytes needed and free before creating or reading a weight; jax.eval_shape of
+    init_params allocates nothing and is not checked."""
     from jaxdecode import params as params_lib
     from test_checkpoint import write_checkpoint
     config = tiny(vocab_size=300)  # 0.92 MiB in float32
