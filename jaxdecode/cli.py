@@ -96,7 +96,8 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
         "comma-separated in a text file (e.g. the most frequent ids in your data): a cheaper "
         "draft, the same output")
     arg("--chunk-size", type=_int_in(1), default=None, metavar="N",
-        help="decode steps per device call (default: 1 with --stream, else 8)")
+        help="decode steps (speculative: verify steps) per device call (default: 1 with "
+        "--stream, else 8)")
     arg("--compile-cache", metavar="DIR", default=_default_cache_dir(),
         help="persistent XLA compilation cache (default: %(default)s)")
     arg("--no-compile-cache", dest="compile_cache", action="store_const", const=None,
@@ -199,8 +200,6 @@ def _generate(args) -> int:
                              f"{bad}")
     t0 = time.perf_counter()
     speculative = args.num_speculative_tokens > 0
-    if speculative and args.stream:
-        raise UsageError("--num-speculative-tokens does not yet work with --stream")
     if speculative and (args.repetition_penalty != 1 or args.presence_penalty != 0
                         or args.frequency_penalty != 0):
         raise UsageError("--num-speculative-tokens does not yet apply --repetition-penalty, "
@@ -256,6 +255,9 @@ def _generate(args) -> int:
                   key=jax.random.key(args.seed), num_samples=args.num_samples,
                   stop_sequences=stops, chunk_size=args.chunk_size or (1 if args.stream else 8))
     if args.stream:
+        if speculative:
+            kwargs.update(num_speculative_tokens=args.num_speculative_tokens,
+                          draft_vocab=draft_vocab)
         return _stream(params, [prompt_ids], kwargs, tokenizer, args.compile_cache)
     if speculative:
         return _speculative(params, [prompt_ids], dict(kwargs, draft_vocab=draft_vocab), args,
@@ -344,7 +346,12 @@ def _stream(params, prompts, kwargs, tokenizer, cache) -> int:
     from jaxdecode.tokenizer import StreamDecoder
 
     t = time.perf_counter()
-    executables = precompile(params, prompts, stream=True, **kwargs)
+    if kwargs.get("num_speculative_tokens"):  # precompile takes no speculative decoding
+        executables = None
+        for _ in generate_stream(params, prompts, **kwargs):  # a first run compiles
+            pass
+    else:
+        executables = precompile(params, prompts, stream=True, **kwargs)
     compile_s = time.perf_counter() - t
     decoder = StreamDecoder(tokenizer) if tokenizer is not None else None
     ids: list[int] = []
@@ -364,7 +371,8 @@ def _stream(params, prompts, kwargs, tokenizer, cache) -> int:
     _say(decoder.flush() if decoder else "")
     _say(f"--- {len(ids)} tokens, stopped by {STOP_REASONS[int(piece.stop_reason[0])]} ---\n"
          f"ids: {ids}\n--- timing (wall clock, first run after compiling) ---\n"
-         + _compile_line(compile_s, cache))
+         + (f"first run (compile + run): {compile_s:.2f} s" if executables is None
+            else _compile_line(compile_s, cache)))
     _say(f"prefill: {t_prefill * 1e3:.1f} ms ({len(prompts[0])} prompt tokens, incl. sampling "
          f"the first token)\ntime to first token: {t_first * 1e3:.1f} ms")
     if len(ids) > 1:

@@ -517,8 +517,35 @@ SPECULATIVE_COMPILER_OPTIONS = types.MappingProxyType({
 speculative_generate_jit = jax.jit(
     speculative.speculative_generate_fn,
     static_argnames=("num_speculative_tokens", "max_new_tokens", "features", "kernels",
-                     "prefill_chunk_size", "query_block", "draft", "logprobs", "return_state"),
+                     "prefill_chunk_size", "query_block", "draft", "logprobs", "return_state",
+                     "progress", "progress_every"),
     donate_argnames=("state",), compiler_options=SPECULATIVE_COMPILER_OPTIONS)
+
+
+def _speculative_start(params, state, prompts, prompt_lengths, budgets, eos_ids, pad_id,
+                       sampling, keys, *, stop_sequences, max_new_tokens, features, kernels,
+                       prefill_chunk_size, query_block, logprobs):
+    """:func:`speculative.speculative_start_fn`, and the first token each row emitted ([R, 1]
+    with its log-probabilities: a stream's first chunk)."""
+    loop = speculative.speculative_start_fn(
+        params, state, prompts, prompt_lengths, budgets, eos_ids, pad_id, sampling, keys,
+        stop_sequences=stop_sequences, max_new_tokens=max_new_tokens, features=features,
+        kernels=kernels, prefill_chunk_size=prefill_chunk_size, query_block=query_block,
+        logprobs=logprobs)
+    return loop, speculative.emitted_since(loop, jnp.zeros_like(loop.num_generated), 1, pad_id)
+
+
+# generate_stream's speculative calls: the start (donating the state), then chunks of verify
+# steps (donating the loop), their loops in command buffers as speculative_generate_jit's
+speculative_start_jit = jax.jit(
+    _speculative_start, static_argnames=("max_new_tokens", "features", "kernels",
+                                         "prefill_chunk_size", "query_block", "logprobs"),
+    donate_argnames=("state",), compiler_options=COMPILER_OPTIONS)
+speculative_chunk_jit = jax.jit(
+    speculative.speculative_chunk_fn,
+    static_argnames=("num_speculative_tokens", "chunk_size", "features", "kernels", "logprobs"),
+    donate_argnames=("loop",), compiler_options=SPECULATIVE_COMPILER_OPTIONS)
+_draft_head_jit = jax.jit(speculative.draft_head)
 
 
 def _start_args(params: Params, plan: _Plan, state: DecodeState | None = None):
@@ -620,6 +647,18 @@ _DOC_ARGS = """
 """
 
 
+def _speculative(num_speculative_tokens, draft_vocab) -> bool:
+    """Whether a call decodes speculatively: anything but an int 0 (numpy's too) for
+    ``num_speculative_tokens`` (checked later); ValueError for a ``draft_vocab`` without it."""
+    off = (isinstance(num_speculative_tokens, (int, np.integer))
+           and not isinstance(num_speculative_tokens, (bool, np.bool_))
+           and num_speculative_tokens == 0)
+    if draft_vocab is not None and off:
+        raise ValueError("draft_vocab applies to speculative decoding: pass "
+                         "num_speculative_tokens > 0 with it")
+    return not off
+
+
 def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParams | None = None,
              key=None, eos_token_ids: Sequence[int] | None = None, *,
              stop_sequences: Sequence[Sequence[int]] | None = None,
@@ -642,20 +681,14 @@ def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParam
     ``max_len`` then needs room for k more tokens; log-probabilities as plain decoding's (from
     the verify step's logits); ``num_samples`` rows prefilled apart; a ``state`` must keep the
     MTP layer's pairs (``init_state(..., mtp=True)``; ValueError otherwise), and the MTP then
-    drafts from every token in it. Not yet together with
-    penalties, ``progress``/``executables`` (so not from :func:`precompile`) or
-    ``batch_invariant`` kernels (ValueError), nor in :func:`generate_stream`.
+    drafts from every token in it; ``progress`` is called every ``chunk_size`` verify steps.
+    Not yet together with penalties, ``executables`` (so not from :func:`precompile`) or
+    ``batch_invariant`` kernels (ValueError).
     ``draft_vocab``: token ids [V'] the drafts are chosen from (``jaxdecode.speculative``: a
     cheaper draft, the same output; distinct ids in [0, vocab_size), else ValueError; only with
     ``num_speculative_tokens``).
     """
-    speculation_off = (isinstance(num_speculative_tokens, (int, np.integer))
-                       and not isinstance(num_speculative_tokens, (bool, np.bool_))
-                       and num_speculative_tokens == 0)  # an int 0, numpy's too
-    if draft_vocab is not None and speculation_off:
-        raise ValueError("draft_vocab applies to speculative decoding: pass "
-                         "num_speculative_tokens > 0 with it")
-    if not speculation_off:
+    if _speculative(num_speculative_tokens, draft_vocab):
         return _generate_speculative(
             params, prompts, max_new_tokens, sampling, key, eos_token_ids, num_speculative_tokens,
             stop_sequences=stop_sequences, state=state, return_state=return_state,
@@ -674,13 +707,14 @@ def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParam
     return _call(fn, *_generate_args(params, plan, progress, state), executables)
 
 
-def _generate_speculative(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
-                          k, *, stop_sequences, state, return_state, max_len, num_samples, pad_id,
-                          kernels, progress, executables, prefill_chunk_size, activation_budget,
-                          return_logprobs, top_logprobs, chunk_size, features,
-                          draft_vocab) -> GenerateOutput:
-    """:func:`generate` with ``num_speculative_tokens=k`` (checks, then
-    ``speculative.speculative_generate_fn`` in one jitted call)."""
+def _speculative_plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids, k,
+                      *, stop_sequences, state, return_state, max_len, num_samples, pad_id,
+                      kernels, executables, prefill_chunk_size, activation_budget,
+                      return_logprobs, top_logprobs, chunk_size, features, draft_vocab
+                      ) -> tuple[_Plan, DecodeState, Array | None]:
+    """The checks and plan of :func:`generate` / :func:`generate_stream` with
+    ``num_speculative_tokens=k``: (plan, the state to donate to the loop, draft_vocab as a
+    device array or None)."""
     check_params(params)
     if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)) or k < 1:
         raise ValueError(f"num_speculative_tokens={k!r} must be a positive int (0: off)")
@@ -692,7 +726,6 @@ def _generate_speculative(params: Params, prompts, max_new_tokens, sampling, key
         raise ValueError("num_speculative_tokens needs the MTP layer: load the checkpoint with "
                          "jd.load_checkpoint(path, mtp=True)")
     unsupported = [name for name, used in (
-        ("progress", progress is not None),
         ("executables", executables is not None),
         # the verify step runs rows batched: a row's logits could depend on the batch
         ("kernels.batch_invariant", kernels is not None and kernels.batch_invariant)) if used]
@@ -729,19 +762,67 @@ def _generate_speculative(params: Params, prompts, max_new_tokens, sampling, key
                                         params.dtype, mtp=True)
     elif n > 1:  # each prompt's rows continue its row (``state`` kept)
         state = sharding.constrain_state(fork(state, n), mesh)
+    return plan, state, draft_vocab
+
+
+def _speculative_args(params: Params, plan: _Plan, state: DecodeState) -> tuple:
+    """The loop's dynamic start arguments, each prompt repeated for its samples: (params, state,
+    prompts, prompt_lengths, budgets, eos_ids, pad_id, sampling, keys)."""
+    n = plan.num_samples
+    return (params, state, jnp.asarray(np.repeat(plan.prompts, n, axis=0)),
+            jnp.asarray(np.repeat(plan.prompt_lengths, n, axis=0)), jnp.asarray(plan.budgets),
+            jnp.asarray(plan.eos_token_ids), plan.pad_id, plan.sampling, plan.keys)
+
+
+def _generate_speculative(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
+                          k, *, progress, **kwargs) -> GenerateOutput:
+    """:func:`generate` with ``num_speculative_tokens=k`` (checks, then
+    ``speculative.speculative_generate_fn`` in one jitted call)."""
+    plan, state, draft_vocab = _speculative_plan(params, prompts, max_new_tokens, sampling, key,
+                                                 eos_token_ids, k, **kwargs)
     loop = speculative_generate_jit(
-        params, state, jnp.asarray(np.repeat(plan.prompts, n, axis=0)),
-        jnp.asarray(np.repeat(plan.prompt_lengths, n, axis=0)),
-        jnp.asarray(plan.budgets), jnp.asarray(plan.eos_token_ids), plan.pad_id,
-        plan.sampling, plan.keys, features=plan.features,
+        *_speculative_args(params, plan, state), features=plan.features,
         num_speculative_tokens=int(k), max_new_tokens=plan.max_new_tokens,
         kernels=plan.kernels, prefill_chunk_size=plan.prefill.prefill_chunk_size,
         query_block=plan.prefill.query_block, draft_vocab=draft_vocab,
         stop_sequences=jnp.asarray(plan.stop_sequences), logprobs=plan.logprobs,
-        return_state=plan.return_state)
+        return_state=plan.return_state, progress=progress, progress_every=plan.chunk_size)
     return GenerateOutput(tokens=loop.tokens, num_generated=loop.num_generated,
                           stop_reason=loop.stop_reason, logprobs=loop.logprobs,
                           state=loop.state if plan.return_state else None)
+
+
+def _stream_speculative(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
+                        k, **kwargs) -> Iterator[StreamChunk]:
+    """:func:`generate_stream` with ``num_speculative_tokens=k``: the loop's start, then chunks
+    of ``chunk_size`` verify steps, each yielding the tokens its rows emitted."""
+    plan, state, draft_vocab = _speculative_plan(params, prompts, max_new_tokens, sampling, key,
+                                                 eos_token_ids, k, **kwargs)
+    args = _speculative_args(params, plan, state)
+    stop_sequences = jnp.asarray(plan.stop_sequences)
+    loop, emitted = speculative_start_jit(
+        *args, max_new_tokens=plan.max_new_tokens, features=plan.features,
+        kernels=plan.kernels, prefill_chunk_size=plan.prefill.prefill_chunk_size,
+        query_block=plan.prefill.query_block, stop_sequences=stop_sequences,
+        logprobs=plan.logprobs)
+    head = None if draft_vocab is None else _draft_head_jit(params, draft_vocab)
+    _, _, _, budgets, eos_ids, pad_id, sampling, keys = args[1:]
+    while True:
+        (ids, lp), num_generated, stop_reason = jax.tree.map(np.asarray, jax.device_get(
+            (emitted, loop.num_generated, loop.stop_reason)))
+        chunk = StreamChunk(ids, num_generated, stop_reason, logprobs=lp)
+        done = bool((chunk.stop_reason != STOP_RUNNING).all())
+        if done and plan.return_state:
+            chunk = dataclasses.replace(chunk, state=_feed_last_jit(
+                params, loop.state, loop.last, kernels=plan.kernels))
+        yield chunk
+        if done:
+            return
+        loop, emitted = speculative_chunk_jit(
+            params, loop, budgets, eos_ids, pad_id, sampling, keys, head,
+            num_speculative_tokens=int(k), chunk_size=plan.chunk_size, features=plan.features,
+            kernels=plan.kernels, draft_vocab=draft_vocab, stop_sequences=stop_sequences,
+            logprobs=plan.logprobs)
 
 
 def generate_stream(params: Params, prompts, max_new_tokens=64,
@@ -755,14 +836,29 @@ def generate_stream(params: Params, prompts, max_new_tokens=64,
                     executables: Executables | None = None,
                     prefill_chunk_size: int | None = None,
                     activation_budget: int | None = None, return_logprobs: bool = False,
-                    top_logprobs: int = 0) -> Iterator[StreamChunk]:
+                    top_logprobs: int = 0, num_speculative_tokens: int = 0,
+                    draft_vocab=None) -> Iterator[StreamChunk]:
     """Generates continuations, yielding a :class:`StreamChunk` to the host per jitted chunk.
 
     The first chunk holds each row's first token (prefill + one sample: the time to first token),
     each later one ``chunk_size`` decode steps, until every row has stopped; the same tokens as
     :func:`generate`. The last chunk carries ``.state`` (with ``state`` or ``return_state``; lost
     if the iteration stops early). Validation happens on the first ``next()``.
+    ``num_speculative_tokens`` k, ``draft_vocab``: speculative decoding as :func:`generate`'s
+    (the same tokens and draws as its speculative call); a later chunk then holds
+    ``chunk_size`` verify steps, [R, chunk_size · (k + 1)] tokens, each row's new ones first and
+    ``pad_id`` after them.
     """
+    if _speculative(num_speculative_tokens, draft_vocab):
+        yield from _stream_speculative(
+            params, prompts, max_new_tokens, sampling, key, eos_token_ids, num_speculative_tokens,
+            stop_sequences=stop_sequences, state=state, return_state=return_state,
+            max_len=max_len, num_samples=num_samples, pad_id=pad_id, kernels=kernels,
+            executables=executables, prefill_chunk_size=prefill_chunk_size,
+            activation_budget=activation_budget, return_logprobs=return_logprobs,
+            top_logprobs=top_logprobs, chunk_size=chunk_size, features=features,
+            draft_vocab=draft_vocab)
+        return
     plan = _plan(params, prompts, max_new_tokens, sampling, key, eos_token_ids, max_len=max_len,
                  num_samples=num_samples, chunk_size=chunk_size, pad_id=pad_id, kernels=kernels,
                  features=features, stop_sequences=stop_sequences, state=state,

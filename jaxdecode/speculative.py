@@ -207,61 +207,31 @@ def _emit(loop: SpeculativeLoop, new: Array, count: Array, eos_ids: Array, budge
                         stop_reason=jnp.where(running, stop, loop.stop_reason)), took
 
 
-def speculative_generate_fn(params: Params, state: DecodeState, prompts: Array,
-                            prompt_lengths: Array, budgets: Array, eos_ids: Array, pad_id,
-                            sampling: SamplingParams | None = None, keys: Array | None = None, *,
-                            num_speculative_tokens: int, max_new_tokens: int,
-                            features: SamplingFeatures | None = None,
-                            kernels: Kernels = choice.XLA, prefill_chunk_size: int | None = None,
-                            query_block: int = 512, draft=None,
-                            draft_vocab: Array | None = None,
-                            stop_sequences: Array | None = None,
-                            logprobs: int | None = None,
-                            return_state: bool = False) -> SpeculativeLoop:
-    """Speculative generation; pure, un-jitted, unvalidated (``generate`` checks).
+def draft_head(params: Params, draft_vocab: Array | None) -> Array | None:
+    """The LM head's rows of ``draft_vocab`` [V'] ([V', H], the drafts' scores), gathered once
+    per loop; None without a draft vocabulary (the whole LM head)."""
+    if draft_vocab is None:
+        return None
+    return jnp.take(params.lm_head_weight, draft_vocab, axis=0)
 
-    state: R rows keeping MTP pairs (``init_state(..., mtp=True)``; ValueError otherwise), empty
-    or holding earlier tokens the prompts continue, with room for prompt + budget + k more
-    tokens; prompts [R, T]
-    int32 right-padded, prompt_lengths [R] >= 1, budgets [R] >= 1, eos_ids [E] (-1 pads);
-    ``sampling`` (leaves [R]; None: greedy) without penalties, ``keys`` [R] per-row keys (a
-    row's draws at a step use ``fold_in(key, num_generated)``); statics:
-    ``num_speculative_tokens`` k >= 1, ``max_new_tokens`` N (the output width), ``features``
-    (``sampling.features_of``; None: greedy). ``draft``: test hook, ``(loop, mtp_drafts [R, k])
-    -> drafts [R, k]`` replacing the MTP's drafts (e.g. an oracle that is right with a set
-    probability; then drafts count as drawn from a one-hot q). ``draft_vocab``: [V'] int32
-    distinct ids the drafts come from (:func:`check_draft_vocab`; None: the whole vocabulary).
-    ``stop_sequences``: [S, L] int32 right-aligned, -1 padded (``generate``'s; None: none).
-    ``logprobs`` (static): fill ``loop.logprobs`` with that many top ones (None: not computed;
-    0 and ids ``pad_id`` past a row's last token, as ``generate``'s). ``return_state``
-    (static): the final loop's ``state`` holds every emitted token (the last fed through one
-    decode step, as ``generation.feed_last_fn``), else all but the last. Returns the final loop.
-    """
-    k = num_speculative_tokens
+
+def speculative_start_fn(params: Params, state: DecodeState, prompts: Array,
+                         prompt_lengths: Array, budgets: Array, eos_ids: Array, pad_id,
+                         sampling: SamplingParams | None, keys: Array, *, max_new_tokens: int,
+                         features: SamplingFeatures | None = None,
+                         kernels: Kernels = choice.XLA, prefill_chunk_size: int | None = None,
+                         query_block: int = 512, stop_sequences: Array,
+                         logprobs: int | None = None) -> SpeculativeLoop:
+    """The loop's start (pure, unvalidated): the prompts into ``state`` (the target over each
+    prompt but its last token, its MTP pairs appended with it, then the last one through
+    ``verify_fn``, whose logits give each row's first token, emitted). Arguments as
+    :func:`speculative_generate_fn` (``keys`` [R] and ``stop_sequences`` [S, L] given)."""
     rows = prompts.shape[0]
     one = jnp.ones((rows,), jnp.int32)
-    if stop_sequences is None:
-        stop_sequences = jnp.full((1, 1), -1, jnp.int32)
-    greedy = sampling is None or features is None or not features.sampled
-    if keys is None:
-        keys = sampling_lib.row_keys(jax.random.key(0), rows)
-
-    def choose(logits, key):  # [R, V] -> (tokens [R], probabilities [R, V] or None)
-        if greedy:
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
-        probs = distribution(logits, sampling, features)
-        return jax.vmap(jax.random.categorical)(key, jnp.log(probs)).astype(jnp.int32), probs
-    vocab = params.config.vocab_size
-    # the draft vocabulary's rows of the LM head, gathered once for the whole loop
-    head = None if draft_vocab is None else jnp.take(params.lm_head_weight, draft_vocab, axis=0)
-
-    def choose_draft(logits, key):  # MTP logits [R, V'] -> (ids [R], q [R, V] or None)
-        return draft_tokens(*choose(logits, key), draft_vocab, vocab)
     if state.mtp is None:
         raise ValueError("speculative decoding needs a state keeping the MTP layer's pairs: "
                          "init_state(..., mtp=True)")
-    # The target over each prompt but its last token (its MTP pairs appended with it), then the
-    # last one through verify_fn: its logits give the first token.
+    choose, _ = _choosers(sampling, features, None, params.config.vocab_size)
     state = prefill_fn(params, state, prompts, prompt_lengths - 1,
                        prefill_chunk_size=prefill_chunk_size, query_block=query_block,
                        kernels=kernels)[1]
@@ -275,19 +245,58 @@ def speculative_generate_fn(params: Params, state: DecodeState, prompts: Array,
         num_generated=jnp.zeros((rows,), jnp.int32), stop_reason=jnp.zeros((rows,), jnp.int32),
         recent=jnp.full((rows, stop_sequences.shape[1] - 1), -1, jnp.int32),
         accepted=jnp.zeros((), jnp.int32), iterations=jnp.zeros((), jnp.int32))
-
-    def logprobs_of(logits, tokens):  # [R, W, V], [R, W] -> Logprobs [R, W] or None
-        if logprobs is None:
-            return None
-        return emitted_logprobs(logits, tokens, sampling, features, logprobs)
     if logprobs is not None:
         zeros = jnp.zeros((rows, max_new_tokens), jnp.float32)
         loop = loop.replace(logprobs=Logprobs(
             processed=zeros, raw=zeros,
             top_ids=jnp.full((rows, max_new_tokens, logprobs), pad_id, jnp.int32),
             top_logprobs=jnp.zeros((rows, max_new_tokens, logprobs), jnp.float32)))
-    loop, _ = _emit(loop, first[:, None], one, eos_ids, budgets, stop_sequences,
-                    logprobs_of(logits[:, :1], first[:, None]))
+    return _emit(loop, first[:, None], one, eos_ids, budgets, stop_sequences,
+                 _logprobs_of(logits[:, :1], first[:, None], sampling, features, logprobs))[0]
+
+
+def _choosers(sampling, features, draft_vocab, vocab):
+    """(choose, choose_draft): logits [R, V] and keys [R] -> (tokens [R], probabilities [R, V]
+    or None for greedy rows); choose_draft over the draft vocabulary's logits [R, V'], its ids
+    and q mapped back to the model's (:func:`draft_tokens`)."""
+    greedy = sampling is None or features is None or not features.sampled
+
+    def choose(logits, key):
+        if greedy:
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+        probs = distribution(logits, sampling, features)
+        return jax.vmap(jax.random.categorical)(key, jnp.log(probs)).astype(jnp.int32), probs
+
+    def choose_draft(logits, key):
+        return draft_tokens(*choose(logits, key), draft_vocab, vocab)
+
+    return choose, choose_draft
+
+
+def _logprobs_of(logits, tokens, sampling, features, logprobs):
+    """[R, W, V] logits, [R, W] tokens -> :class:`Logprobs` [R, W], None if not computed."""
+    if logprobs is None:
+        return None
+    return emitted_logprobs(logits, tokens, sampling, features, logprobs)
+
+
+def speculative_steps_fn(params: Params, loop: SpeculativeLoop, budgets: Array, eos_ids: Array,
+                         sampling: SamplingParams | None, keys: Array, head: Array | None = None,
+                         *, num_speculative_tokens: int,
+                         features: SamplingFeatures | None = None,
+                         kernels: Kernels = choice.XLA, draft=None,
+                         draft_vocab: Array | None = None, stop_sequences: Array,
+                         logprobs: int | None = None, max_steps: int | None = None,
+                         progress=None, progress_every: int = 1) -> SpeculativeLoop:
+    """Verify steps (draft, verify, accept, commit) in one ``lax.while_loop`` while a row runs,
+    at most ``max_steps`` (static; None: until every row stops). ``head``: :func:`draft_head`
+    of ``draft_vocab``. ``progress``: called on the host with ``num_generated`` [R] after every
+    ``progress_every``-th verify step and after the one where the last row stops. Other
+    arguments as :func:`speculative_generate_fn`."""
+    k = num_speculative_tokens
+    vocab = params.config.vocab_size
+    greedy = sampling is None or features is None or not features.sampled
+    _, choose_draft = _choosers(sampling, features, draft_vocab, vocab)
 
     def body(loop: SpeculativeLoop) -> SpeculativeLoop:
         running = loop.stop_reason == STOP_RUNNING
@@ -334,22 +343,124 @@ def speculative_generate_fn(params: Params, state: DecodeState, prompts: Array,
                                                jnp.stack(qs, axis=1), drafts, step_keys[:, k])
                 emitted = jnp.where(sampling_lib.invalid(logits), -1, emitted)
             loop, took = _emit(loop, emitted, count, eos_ids, budgets, stop_sequences,
-                               logprobs_of(logits, emitted))
+                               _logprobs_of(logits, emitted, sampling, features, logprobs))
         with jax.named_scope("commit"):
             # took tokens emitted = took - 1 accepted drafts and the token after them: ``last``
             # and those drafts enter the state (with their MTP pairs); the last emitted token is
             # the next ``last``.
             at = jnp.maximum(took - 1, 0)
             moved = took > 0
-            return loop.replace(
+            loop = loop.replace(
                 state=commit_fn(params, pending, traces, verify, hidden, took, kernels),
                 last=jnp.where(moved, jnp.take_along_axis(emitted, at[:, None], axis=1)[:, 0],
                                loop.last),
                 accepted=loop.accepted + jnp.sum(jnp.where(moved, took - 1, 0)),
                 iterations=loop.iterations + 1)
+        if progress is not None:  # every progress_every steps, and after the last
+            lax.cond((loop.iterations % progress_every == 0)
+                     | ~jnp.any(loop.stop_reason == STOP_RUNNING),
+                     lambda n: jax.debug.callback(progress, n), lambda n: None,
+                     loop.num_generated)
+        return loop
 
-    loop = lax.while_loop(lambda loop: jnp.any(loop.stop_reason == STOP_RUNNING), body, loop)
+    def running(loop):
+        return jnp.any(loop.stop_reason == STOP_RUNNING)
+    if max_steps is None:
+        return lax.while_loop(running, body, loop)
+    end = loop.iterations + max_steps
+    return lax.while_loop(lambda loop: running(loop) & (loop.iterations < end), body, loop)
+
+
+def emitted_since(loop: SpeculativeLoop, since: Array, width: int, pad_id
+                  ) -> tuple[Array, Logprobs | None]:
+    """Each row's tokens emitted after its first ``since[r]``, left-aligned in [R, width]
+    (``pad_id`` after them; their :class:`Logprobs` as ``loop.logprobs``, zeros and ``pad_id``
+    top ids after them, None without): what a stream chunk shows."""
+    index = since[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+    new = index < loop.num_generated[:, None]
+    index = jnp.minimum(index, loop.tokens.shape[1] - 1)
+
+    def take(x, fill):
+        at = index.reshape(*index.shape, *(1,) * (x.ndim - 2))
+        got = jnp.take_along_axis(x, at, axis=1)
+        return jnp.where(new.reshape(at.shape), got, jnp.asarray(fill, x.dtype))
+
+    tokens = take(loop.tokens, pad_id)
+    if loop.logprobs is None:
+        return tokens, None
+    lp = loop.logprobs
+    return tokens, Logprobs(processed=take(lp.processed, 0), raw=take(lp.raw, 0),
+                            top_ids=take(lp.top_ids, pad_id),
+                            top_logprobs=take(lp.top_logprobs, 0))
+
+
+def speculative_chunk_fn(params: Params, loop: SpeculativeLoop, budgets: Array, eos_ids: Array,
+                         pad_id, sampling: SamplingParams | None, keys: Array,
+                         head: Array | None = None, *, num_speculative_tokens: int,
+                         chunk_size: int, features: SamplingFeatures | None = None,
+                         kernels: Kernels = choice.XLA, draft_vocab: Array | None = None,
+                         stop_sequences: Array, logprobs: int | None = None
+                         ) -> tuple[SpeculativeLoop, tuple[Array, Logprobs | None]]:
+    """Up to ``chunk_size`` verify steps (:func:`speculative_steps_fn`), then what they emitted
+    (:func:`emitted_since`: [R, chunk_size · (k + 1)] tokens and log-probabilities)."""
+    since = loop.num_generated
+    loop = speculative_steps_fn(params, loop, budgets, eos_ids, sampling, keys, head,
+                                num_speculative_tokens=num_speculative_tokens, features=features,
+                                kernels=kernels, draft_vocab=draft_vocab,
+                                stop_sequences=stop_sequences, logprobs=logprobs,
+                                max_steps=chunk_size)
+    return loop, emitted_since(loop, since, chunk_size * (num_speculative_tokens + 1), pad_id)
+
+
+def speculative_generate_fn(params: Params, state: DecodeState, prompts: Array,
+                            prompt_lengths: Array, budgets: Array, eos_ids: Array, pad_id,
+                            sampling: SamplingParams | None = None, keys: Array | None = None, *,
+                            num_speculative_tokens: int, max_new_tokens: int,
+                            features: SamplingFeatures | None = None,
+                            kernels: Kernels = choice.XLA, prefill_chunk_size: int | None = None,
+                            query_block: int = 512, draft=None,
+                            draft_vocab: Array | None = None,
+                            stop_sequences: Array | None = None,
+                            logprobs: int | None = None,
+                            return_state: bool = False, progress=None,
+                            progress_every: int = 1) -> SpeculativeLoop:
+    """Speculative generation; pure, un-jitted, unvalidated (``generate`` checks):
+    :func:`speculative_start_fn`, then :func:`speculative_steps_fn` until every row stops.
+
+    state: R rows keeping MTP pairs (``init_state(..., mtp=True)``; ValueError otherwise), empty
+    or holding earlier tokens the prompts continue, with room for prompt + budget + k more
+    tokens; prompts [R, T]
+    int32 right-padded, prompt_lengths [R] >= 1, budgets [R] >= 1, eos_ids [E] (-1 pads);
+    ``sampling`` (leaves [R]; None: greedy) without penalties, ``keys`` [R] per-row keys (a
+    row's draws at a step use ``fold_in(key, num_generated)``); statics:
+    ``num_speculative_tokens`` k >= 1, ``max_new_tokens`` N (the output width), ``features``
+    (``sampling.features_of``; None: greedy). ``draft``: test hook, ``(loop, mtp_drafts [R, k])
+    -> drafts [R, k]`` replacing the MTP's drafts (e.g. an oracle that is right with a set
+    probability; then drafts count as drawn from a one-hot q). ``draft_vocab``: [V'] int32
+    distinct ids the drafts come from (:func:`check_draft_vocab`; None: the whole vocabulary).
+    ``stop_sequences``: [S, L] int32 right-aligned, -1 padded (``generate``'s; None: none).
+    ``logprobs`` (static): fill ``loop.logprobs`` with that many top ones (None: not computed;
+    0 and ids ``pad_id`` past a row's last token, as ``generate``'s). ``return_state``
+    (static): the final loop's ``state`` holds every emitted token (the last fed through one
+    decode step, as ``generation.feed_last_fn``), else all but the last. ``progress``
+    (static): ``progress(num_generated [R])`` on the host every ``progress_every`` verify
+    steps and at the end. Returns the final loop.
+    """
+    if stop_sequences is None:
+        stop_sequences = jnp.full((1, 1), -1, jnp.int32)
+    if keys is None:
+        keys = sampling_lib.row_keys(jax.random.key(0), prompts.shape[0])
+    loop = speculative_start_fn(params, state, prompts, prompt_lengths, budgets, eos_ids, pad_id,
+                                sampling, keys, max_new_tokens=max_new_tokens, features=features,
+                                kernels=kernels, prefill_chunk_size=prefill_chunk_size,
+                                query_block=query_block, stop_sequences=stop_sequences,
+                                logprobs=logprobs)
+    loop = speculative_steps_fn(params, loop, budgets, eos_ids, sampling, keys,
+                                draft_head(params, draft_vocab),
+                                num_speculative_tokens=num_speculative_tokens, features=features,
+                                kernels=kernels, draft=draft, draft_vocab=draft_vocab,
+                                stop_sequences=stop_sequences, logprobs=logprobs,
+                                progress=progress, progress_every=progress_every)
     if return_state:
         loop = loop.replace(state=decode_step_fn(params, loop.state, loop.last, None, kernels)[1])
     return loop
-

@@ -384,6 +384,72 @@ def test_speculative_returns_and_continues_a_state_as_plain_decoding(params):
     assert not any(x.is_deleted() for x in jax.tree.leaves((kept, kept_plain)))
 
 
+@pytest.mark.parametrize("chunk_size", [1, 3])
+def test_speculative_stream_equals_speculative_generate(params, chunk_size):
+    """generate_stream(num_speculative_tokens=2): the first chunk one token a row, each later
+    one [R, chunk_size * 3], a row's new tokens first and pad_id after them; joined, they are
+    generate's speculative tokens and log-probabilities, sampled rows too (the same draws),
+    with num_samples = 2, an EOS id, a stop sequence and ragged budgets; the last chunk's state
+    is generate's return_state; greedy with a draft vocabulary gives plain greedy's tokens."""
+    c = CONFIG
+    k = 2
+    rng = np.random.default_rng(21)
+    prompts = [list(rng.integers(0, c.vocab_size, n)) for n in (6, 2)]
+    sampling = jd.SamplingParams.create(temperature=0.9, top_k=8)
+    free = np.asarray(jd.generate(params, prompts, 14, sampling, jax.random.key(4),
+                                  eos_token_ids=[], num_samples=2,
+                                  num_speculative_tokens=k).tokens)
+    kw = dict(max_new_tokens=[14, 11], sampling=sampling, key=jax.random.key(4),
+              eos_token_ids=[int(free[0, 9])], stop_sequences=[free[2, 4:6].tolist()],
+              num_samples=2, return_logprobs=True, top_logprobs=2, return_state=True,
+              max_len=64, num_speculative_tokens=k)
+    want = jd.generate(params, prompts, **kw)
+    assert {"eos", "stop", "length"} <= set(want.stop_reasons())
+    chunks = list(jd.generate_stream(params, prompts, chunk_size=chunk_size, pad_id=-7, **kw))
+    assert chunks[0].tokens.shape == (4, 1)
+    assert all(ch.tokens.shape == (4, chunk_size * (k + 1)) for ch in chunks[1:])
+    before = np.zeros(4, np.int32)
+    for ch in chunks:
+        new = ch.num_generated - before
+        width = ch.tokens.shape[1]
+        # new tokens first, then pad_id; their log-probs there, zeros and pad ids after
+        np.testing.assert_array_equal(ch.tokens == -7, np.arange(width)[None, :] >= new[:, None])
+        assert (ch.logprobs.raw[ch.tokens == -7] == 0).all()
+        assert (ch.logprobs.top_ids[ch.tokens == -7] == -7).all()
+        before = ch.num_generated
+    joined = np.concatenate([ch.tokens for ch in chunks], axis=1)
+    assert [[t for t in row if t != -7] for row in joined.tolist()] == want.token_lists()
+    for name in ("raw", "processed", "top_logprobs", "top_ids"):
+        got = np.concatenate([getattr(ch.logprobs, name) for ch in chunks], axis=1)
+        ref = np.asarray(getattr(want.logprobs, name))
+        for row in range(4):
+            n = int(want.num_generated[row])
+            np.testing.assert_array_equal(got[row][joined[row] != -7], ref[row, :n])
+    np.testing.assert_array_equal(chunks[-1].num_generated, np.asarray(want.num_generated))
+    np.testing.assert_array_equal(chunks[-1].stop_reason, np.asarray(want.stop_reason))
+    assert all(ch.state is None for ch in chunks[:-1])
+    assert_states_close(chunks[-1].state, want.state)
+
+    plain = jd.generate(params, prompts, 9, eos_token_ids=[])
+    chunks = list(jd.generate_stream(params, prompts, 9, eos_token_ids=[], chunk_size=chunk_size,
+                                     num_speculative_tokens=k,
+                                     draft_vocab=np.arange(0, c.vocab_size, 3)))
+    joined = np.concatenate([ch.tokens for ch in chunks], axis=1)
+    assert [[t for t in row if t >= 0] for row in joined.tolist()] == plain.token_lists()
+
+
+def test_speculative_progress_sees_the_counts(params):
+    """progress with num_speculative_tokens: called on the host every chunk_size verify steps
+    and after the last with num_generated [R], non-decreasing, ending at the output's counts."""
+    seen = []
+    out = jd.generate(params, [[1, 2, 3], [4]], [12, 7], eos_token_ids=[], chunk_size=2,
+                      num_speculative_tokens=2, progress=lambda n: seen.append(np.array(n)))
+    jax.block_until_ready(out)
+    assert len(seen) >= 2 and all(s.shape == (2,) for s in seen)
+    assert all((a <= b).all() and (b - a <= 2 * 3).all() for a, b in zip(seen, seen[1:]))
+    np.testing.assert_array_equal(seen[-1], np.asarray(out.num_generated))
+
+
 def test_speculative_continues_a_prefilled_state_with_its_mtp_pairs(params):
     """A state prefilled with 40 tokens (jd.prefill, keeping MTP pairs), continued by speculative
     generate: the returned state's MTP pairs are those of all its tokens (the 40, the prompts,
@@ -418,8 +484,14 @@ def test_speculative_errors(params):
         jd.generate(params, [[1, 2]], 4, jd.SamplingParams.create(temperature=0.7,
                                                                   repetition_penalty=1.2),
                     num_speculative_tokens=2)
-    with pytest.raises(ValueError, match=r"does not yet work with \['progress'\]"):
-        jd.generate(params, [[1, 2]], 4, progress=print, num_speculative_tokens=2)
+    with pytest.raises(ValueError, match=r"does not yet work with \['executables'\]"):
+        jd.generate(params, [[1, 2]], 4, num_speculative_tokens=2,
+                    executables=generation.Executables())
+    with pytest.raises(ValueError, match="penalties"):
+        next(jd.generate_stream(params, [[1, 2]], 4, jd.SamplingParams.create(
+            temperature=0.7, presence_penalty=0.5), num_speculative_tokens=2))
+    with pytest.raises(ValueError, match="draft_vocab applies to speculative decoding"):
+        next(jd.generate_stream(params, [[1, 2]], 4, draft_vocab=[1, 2]))
     for speculative_args in (dict(num_speculative_tokens=2), dict(num_speculative_tokens=-5),
                              dict(draft_vocab=[1, 2])):
         with pytest.raises(ValueError, match="precompile compiles plain decoding"):
