@@ -200,10 +200,6 @@ def _generate(args) -> int:
                              f"{bad}")
     t0 = time.perf_counter()
     speculative = args.num_speculative_tokens > 0
-    if speculative and (args.repetition_penalty != 1 or args.presence_penalty != 0
-                        or args.frequency_penalty != 0):
-        raise UsageError("--num-speculative-tokens does not yet apply --repetition-penalty, "
-                         "--presence-penalty or --frequency-penalty")
     draft_vocab = None
     if args.draft_vocab is not None:
         if not speculative:

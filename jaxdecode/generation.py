@@ -681,9 +681,10 @@ def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParam
     ``max_len`` then needs room for k more tokens; log-probabilities as plain decoding's (from
     the verify step's logits); ``num_samples`` rows prefilled apart; a ``state`` must keep the
     MTP layer's pairs (``init_state(..., mtp=True)``; ValueError otherwise), and the MTP then
-    drafts from every token in it; ``progress`` is called every ``chunk_size`` verify steps.
-    Not yet together with penalties, ``executables`` (so not from :func:`precompile`) or
-    ``batch_invariant`` kernels (ValueError).
+    drafts from every token in it; ``progress`` is called every ``chunk_size`` verify steps;
+    penalties apply as in plain decoding (each verified position counts the drafts before it;
+    the drafts themselves are proposed without them). Not yet together with ``executables``
+    (so not from :func:`precompile`) or ``batch_invariant`` kernels (ValueError).
     ``draft_vocab``: token ids [V'] the drafts are chosen from (``jaxdecode.speculative``: a
     cheaper draft, the same output; distinct ids in [0, vocab_size), else ValueError; only with
     ``num_speculative_tokens``).
@@ -744,11 +745,6 @@ def _speculative_plan(params: Params, prompts, max_new_tokens, sampling, key, eo
                  return_logprobs=return_logprobs, top_logprobs=top_logprobs, state=state,
                  return_state=return_state,
                  num_speculative_tokens=int(k))
-    if sampling_lib.features_of(plan.sampling).penalties:
-        raise ValueError("num_speculative_tokens does not yet apply repetition, presence or "
-                         "frequency penalties; leave them at their defaults")
-    # the loop has no penalty step: a ``features`` that enables it (ALL_FEATURES) changes nothing
-    plan = dataclasses.replace(plan, features=dataclasses.replace(plan.features, penalties=False))
     # num_samples: each prompt's rows prefilled apart (row p * n + j is prompt p's j-th
     # sample), so the prefill's chunks are planned for all rows
     n, mesh = plan.num_samples, sharding.mesh_of(params)

@@ -9,11 +9,15 @@ target, and continues from the state after the last emitted input without recomp
 XLA's command buffers, so the GPU evaluates its condition without a host round trip). Greedy
 rows accept while the draft is the target's argmax: the output equals plain greedy decoding
 token for token (up to float ties). Sampled rows (temperature, top-k, top-p, min-p as
-``jaxdecode.sampling``; no penalties) draw their drafts from the MTP's processed distribution q
-and use the speculative-sampling rule (:func:`accept_drafts`), so each token is distributed
-exactly as plain sampling's (not the same draws: the keys are used differently). Each emitted
-token's log-probabilities come from the verify step's logits at its position
-(:func:`emitted_logprobs`), the distribution plain decoding would draw it from.
+``jaxdecode.sampling``) draw their drafts from the MTP's processed distribution q and use the
+speculative-sampling rule (:func:`accept_drafts`), so each token is distributed exactly as plain
+sampling's (not the same draws: the keys are used differently). Repetition, presence and
+frequency penalties apply to the target at each verified position with the counts of the tokens
+emitted before it and of the drafts before it (:func:`position_counts`), as plain decoding
+would have counted them; the drafts are proposed without penalties (the rule is exact for any
+q; only acceptance can fall). Each emitted token's log-probabilities come from the verify
+step's logits at its position (:func:`emitted_logprobs`), the distribution plain decoding would
+draw it from.
 
 A draft vocabulary (``draft_vocab``: the ids the MTP may propose, e.g. a corpus's most frequent
 tokens; Zhao et al., "FR-Spec", 2025) scores each draft against those rows of the LM head only,
@@ -68,22 +72,52 @@ class SpeculativeLoop:
     accepted: Array  # [] int32 drafts accepted over the run (all rows)
     iterations: Array  # [] int32 verify steps run
     logprobs: Logprobs | None = None  # of ``tokens``, [R, N] leaves (top ones [R, N, n])
+    token_counts: Array | None = None  # [R, V] int32 emitted-token counts: the penalties
+    prompt_mask: Array | None = None  # [R, V] bool, the prompts' ids: the repetition penalty
 
 
-def distribution(logits: Array, sampling: SamplingParams, features: SamplingFeatures) -> Array:
+def distribution(logits: Array, sampling: SamplingParams, features: SamplingFeatures,
+                 token_counts: Array | None = None, prompt_mask: Array | None = None) -> Array:
     """[..., V] float32 probabilities a row draws from: ``softmax(processed_logits)`` for
     sampled rows, one-hot at the argmax for greedy ones (``sampling.is_sampled`` false);
-    ``sampling`` leaves [R], logits [R, ..., V]."""
+    ``sampling`` leaves [R], logits [R, ..., V]; the penalties' ``token_counts`` (as logits) and
+    ``prompt_mask`` [R, V] as :func:`sampling.processed_logits`' (None: none)."""
     shape = logits.shape
     flat = logits.reshape(shape[0], -1, shape[-1])
+    counts = None if token_counts is None else token_counts.reshape(flat.shape)
 
-    def one(x):  # [R, V] at one position
-        x = processed_logits(x, sampling, features=features)
+    def one(x, c):  # [R, V] at one position
+        x = processed_logits(x, sampling, c, prompt_mask=prompt_mask, features=features)
         greedy = jax.nn.one_hot(jnp.argmax(x, axis=-1), x.shape[-1], dtype=jnp.float32)
         return jnp.where(is_sampled(jnp.asarray(sampling.temperature, jnp.float32))[:, None],
                          jax.nn.softmax(x, axis=-1), greedy)
 
-    return jax.vmap(one, in_axes=1, out_axes=1)(flat).reshape(shape)
+    return jax.vmap(one, in_axes=1, out_axes=1)(flat, counts).reshape(shape)
+
+
+def penalised(logits: Array, sampling: SamplingParams | None,
+              features: SamplingFeatures | None, token_counts: Array | None,
+              prompt_mask: Array | None) -> Array:
+    """logits [R, ..., V] after the repetition, presence and frequency penalties
+    (``sampling.apply_penalties``; ``token_counts`` shaped as logits) where ``features`` has
+    them, else unchanged: what a greedy row takes the argmax of."""
+    if token_counts is None or features is None or not features.penalties:
+        return logits
+    shape = logits.shape
+    flat = logits.reshape(shape[0], -1, shape[-1]).astype(jnp.float32)
+    out = jax.vmap(lambda x, c: sampling_lib.apply_penalties(x, c, sampling, prompt_mask),
+                   in_axes=1, out_axes=1)(flat, token_counts.reshape(flat.shape))
+    return out.reshape(shape)
+
+
+def position_counts(token_counts: Array | None, drafts: Array) -> Array | None:
+    """The emitted-token counts each verified position is scored with: [R, V] counts before the
+    step, drafts [R, k] -> [R, k + 1, V], position j adding drafts 0..j-1 (None stays None)."""
+    if token_counts is None:
+        return None
+    added = jnp.cumsum(jax.nn.one_hot(drafts, token_counts.shape[-1], dtype=jnp.int32), axis=1)
+    added = jnp.concatenate([jnp.zeros_like(added[:, :1]), added], axis=1)
+    return token_counts[:, None] + added
 
 
 def check_draft_vocab(draft_vocab, vocab_size: int) -> Array:
@@ -153,17 +187,21 @@ def accept_drafts(target: Array, draft: Array, drafts: Array, key: Array):
 
 
 def emitted_logprobs(logits: Array, tokens: Array, sampling: SamplingParams | None,
-                     features: SamplingFeatures | None, top_logprobs: int) -> Logprobs:
+                     features: SamplingFeatures | None, top_logprobs: int,
+                     token_counts: Array | None = None,
+                     prompt_mask: Array | None = None) -> Logprobs:
     """:class:`Logprobs` [R, W] (top ones [R, W, n]) of ``tokens`` [R, W] under the verify
     step's logits [R, W, V] at their positions: the distributions plain decoding draws them from
-    (``sampling.token_logprobs``; no penalties here, so a greedy row's processed logits are its
-    raw ones)."""
+    (``sampling.token_logprobs``), penalised with ``token_counts`` [R, W, V] and
+    ``prompt_mask`` [R, V] (None: no penalties)."""
     rows, width, vocab = logits.shape
     if sampling is None or features is None or not features.sampled:
-        processed = logits
+        processed = penalised(logits, sampling, features, token_counts, prompt_mask)
     else:
-        processed = jax.vmap(lambda x: processed_logits(x, sampling, features=features),
-                             in_axes=1, out_axes=1)(logits)
+        processed = jax.vmap(  # (a None token_counts maps as an empty tree)
+            lambda x, c: processed_logits(x, sampling, c, prompt_mask=prompt_mask,
+                                          features=features),
+            in_axes=1, out_axes=1)(logits, token_counts)
     lp = sampling_lib.token_logprobs(logits.reshape(rows * width, vocab),
                                      processed.reshape(rows * width, vocab),
                                      tokens.reshape(-1), top_logprobs)
@@ -177,8 +215,9 @@ def _emit(loop: SpeculativeLoop, new: Array, count: Array, eos_ids: Array, budge
     EOS id, after the last token of a stop sequence ([S, L], ``stopping.token_ends``; matched
     against the emitted tokens only) or at its budget; the reason in ``stopping``'s order when
     several fall on one token; ``new_logprobs`` ([R, W] leaves) into
-    ``loop.logprobs`` at the same places. Returns (loop with tokens/num_generated/stop_reason/
-    recent/logprobs updated, the number of tokens each row took)."""
+    ``loop.logprobs`` at the same places, the taken ids into ``loop.token_counts`` (if kept).
+    Returns (loop with tokens/num_generated/stop_reason/recent/logprobs/token_counts updated,
+    the number of tokens each row took)."""
     width = new.shape[1]
     j = jnp.arange(width, dtype=jnp.int32)[None, :]
     running = loop.stop_reason == STOP_RUNNING
@@ -198,6 +237,11 @@ def _emit(loop: SpeculativeLoop, new: Array, count: Array, eos_ids: Array, budge
     if new_logprobs is not None:
         loop = loop.replace(logprobs=jax.tree.map(lambda old, v: put(old, slots, v),
                                                   loop.logprobs, new_logprobs))
+    if loop.token_counts is not None:  # the penalties count each taken id (an invalid -1: none)
+        counted = (j < took[:, None]) & (new >= 0)
+        rows = jnp.broadcast_to(jnp.arange(new.shape[0])[:, None], new.shape)
+        loop = loop.replace(token_counts=loop.token_counts.at[rows, jnp.where(counted, new, 0)]
+                            .add(counted.astype(jnp.int32)))
     num_generated = loop.num_generated + took
     stop = stop_reason(first_invalid < took, first_eos < took, first_stop < took,
                        num_generated >= budgets)
@@ -237,14 +281,21 @@ def speculative_start_fn(params: Params, state: DecodeState, prompts: Array,
                        kernels=kernels)[1]
     last_prompt = jnp.take_along_axis(prompts, (prompt_lengths - 1)[:, None], axis=1)
     logits, hidden, pending, traces = verify_fn(params, state, last_prompt, one, kernels)
-    first, _ = choose(logits[:, 0], jax.vmap(jax.random.fold_in)(keys, 0 * one))
+    counts = prompt_mask = None
+    if features is not None and features.penalties:
+        vocab = params.config.vocab_size
+        counts = jnp.zeros((rows, vocab), jnp.int32)
+        prompt_mask = sampling_lib.prompt_mask_of(prompts, prompt_lengths, vocab)
+    first, _ = choose(logits[:, 0], jax.vmap(jax.random.fold_in)(keys, 0 * one), counts,
+                      prompt_mask)
     first = jnp.where(sampling_lib.invalid(logits[:, 0]), -1, first)  # as sample's -1
     loop = SpeculativeLoop(
         state=commit_fn(params, pending, traces, last_prompt, hidden, one, kernels), last=first,
         tokens=jnp.full((rows, max_new_tokens), pad_id, jnp.int32),
         num_generated=jnp.zeros((rows,), jnp.int32), stop_reason=jnp.zeros((rows,), jnp.int32),
         recent=jnp.full((rows, stop_sequences.shape[1] - 1), -1, jnp.int32),
-        accepted=jnp.zeros((), jnp.int32), iterations=jnp.zeros((), jnp.int32))
+        accepted=jnp.zeros((), jnp.int32), iterations=jnp.zeros((), jnp.int32),
+        token_counts=counts, prompt_mask=prompt_mask)
     if logprobs is not None:
         zeros = jnp.zeros((rows, max_new_tokens), jnp.float32)
         loop = loop.replace(logprobs=Logprobs(
@@ -252,19 +303,22 @@ def speculative_start_fn(params: Params, state: DecodeState, prompts: Array,
             top_ids=jnp.full((rows, max_new_tokens, logprobs), pad_id, jnp.int32),
             top_logprobs=jnp.zeros((rows, max_new_tokens, logprobs), jnp.float32)))
     return _emit(loop, first[:, None], one, eos_ids, budgets, stop_sequences,
-                 _logprobs_of(logits[:, :1], first[:, None], sampling, features, logprobs))[0]
+                 _logprobs_of(logits[:, :1], first[:, None], sampling, features, logprobs,
+                              None if counts is None else counts[:, None], prompt_mask))[0]
 
 
 def _choosers(sampling, features, draft_vocab, vocab):
-    """(choose, choose_draft): logits [R, V] and keys [R] -> (tokens [R], probabilities [R, V]
-    or None for greedy rows); choose_draft over the draft vocabulary's logits [R, V'], its ids
-    and q mapped back to the model's (:func:`draft_tokens`)."""
+    """(choose, choose_draft): logits [R, V] and keys [R] (and the penalties' counts [R, V] and
+    prompt mask) -> (tokens [R], probabilities [R, V] or None for greedy rows); choose_draft
+    over the draft vocabulary's logits [R, V'], without penalties (any q keeps the output
+    exact), its ids and q mapped back to the model's (:func:`draft_tokens`)."""
     greedy = sampling is None or features is None or not features.sampled
 
-    def choose(logits, key):
+    def choose(logits, key, token_counts=None, prompt_mask=None):
         if greedy:
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
-        probs = distribution(logits, sampling, features)
+            x = penalised(logits, sampling, features, token_counts, prompt_mask)
+            return jnp.argmax(x, axis=-1).astype(jnp.int32), None
+        probs = distribution(logits, sampling, features, token_counts, prompt_mask)
         return jax.vmap(jax.random.categorical)(key, jnp.log(probs)).astype(jnp.int32), probs
 
     def choose_draft(logits, key):
@@ -273,11 +327,13 @@ def _choosers(sampling, features, draft_vocab, vocab):
     return choose, choose_draft
 
 
-def _logprobs_of(logits, tokens, sampling, features, logprobs):
+def _logprobs_of(logits, tokens, sampling, features, logprobs, token_counts=None,
+                 prompt_mask=None):
     """[R, W, V] logits, [R, W] tokens -> :class:`Logprobs` [R, W], None if not computed."""
     if logprobs is None:
         return None
-    return emitted_logprobs(logits, tokens, sampling, features, logprobs)
+    return emitted_logprobs(logits, tokens, sampling, features, logprobs, token_counts,
+                            prompt_mask)
 
 
 def speculative_steps_fn(params: Params, loop: SpeculativeLoop, budgets: Array, eos_ids: Array,
@@ -332,18 +388,23 @@ def speculative_steps_fn(params: Params, loop: SpeculativeLoop, budgets: Array, 
             logits, hidden, pending, traces = verify_fn(params, state, verify, live * (k + 1),
                                                         kernels)
         with jax.named_scope("accept"):
+            # the penalties at position j count the emitted tokens and drafts 0..j-1
+            counts = position_counts(loop.token_counts, drafts)
             if greedy:
-                target = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [R, k + 1]
+                target = jnp.argmax(penalised(logits, sampling, features, counts,
+                                              loop.prompt_mask), axis=-1).astype(jnp.int32)
                 # an invalid row's -1: a draft never matches
                 target = jnp.where(sampling_lib.invalid(logits), -1, target)
                 match = jnp.cumprod((drafts == target[:, :k]).astype(jnp.int32), axis=1)
                 emitted, count = target, jnp.sum(match, axis=1) + 1
             else:
-                emitted, count = accept_drafts(distribution(logits, sampling, features),
-                                               jnp.stack(qs, axis=1), drafts, step_keys[:, k])
+                emitted, count = accept_drafts(
+                    distribution(logits, sampling, features, counts, loop.prompt_mask),
+                    jnp.stack(qs, axis=1), drafts, step_keys[:, k])
                 emitted = jnp.where(sampling_lib.invalid(logits), -1, emitted)
             loop, took = _emit(loop, emitted, count, eos_ids, budgets, stop_sequences,
-                               _logprobs_of(logits, emitted, sampling, features, logprobs))
+                               _logprobs_of(logits, emitted, sampling, features, logprobs,
+                                            counts, loop.prompt_mask))
         with jax.named_scope("commit"):
             # took tokens emitted = took - 1 accepted drafts and the token after them: ``last``
             # and those drafts enter the state (with their MTP pairs); the last emitted token is
@@ -431,10 +492,11 @@ def speculative_generate_fn(params: Params, state: DecodeState, prompts: Array,
     or holding earlier tokens the prompts continue, with room for prompt + budget + k more
     tokens; prompts [R, T]
     int32 right-padded, prompt_lengths [R] >= 1, budgets [R] >= 1, eos_ids [E] (-1 pads);
-    ``sampling`` (leaves [R]; None: greedy) without penalties, ``keys`` [R] per-row keys (a
+    ``sampling`` (leaves [R]; None: greedy), ``keys`` [R] per-row keys (a
     row's draws at a step use ``fold_in(key, num_generated)``); statics:
     ``num_speculative_tokens`` k >= 1, ``max_new_tokens`` N (the output width), ``features``
-    (``sampling.features_of``; None: greedy). ``draft``: test hook, ``(loop, mtp_drafts [R, k])
+    (``sampling.features_of``; None: greedy; with ``penalties``, [R, V] token counts and the
+    prompts' ids are kept). ``draft``: test hook, ``(loop, mtp_drafts [R, k])
     -> drafts [R, k]`` replacing the MTP's drafts (e.g. an oracle that is right with a set
     probability; then drafts count as drawn from a one-hot q). ``draft_vocab``: [V'] int32
     distinct ids the drafts come from (:func:`check_draft_vocab`; None: the whole vocabulary).

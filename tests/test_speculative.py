@@ -480,16 +480,9 @@ def test_speculative_errors(params):
     no_mtp = jd.init_params(tiny(), jax.random.key(0))
     with pytest.raises(ValueError, match="mtp=True"):
         jd.generate(no_mtp, [[1, 2]], 4, num_speculative_tokens=2)
-    with pytest.raises(ValueError, match="penalties"):
-        jd.generate(params, [[1, 2]], 4, jd.SamplingParams.create(temperature=0.7,
-                                                                  repetition_penalty=1.2),
-                    num_speculative_tokens=2)
     with pytest.raises(ValueError, match=r"does not yet work with \['executables'\]"):
         jd.generate(params, [[1, 2]], 4, num_speculative_tokens=2,
                     executables=generation.Executables())
-    with pytest.raises(ValueError, match="penalties"):
-        next(jd.generate_stream(params, [[1, 2]], 4, jd.SamplingParams.create(
-            temperature=0.7, presence_penalty=0.5), num_speculative_tokens=2))
     with pytest.raises(ValueError, match="draft_vocab applies to speculative decoding"):
         next(jd.generate_stream(params, [[1, 2]], 4, draft_vocab=[1, 2]))
     for speculative_args in (dict(num_speculative_tokens=2), dict(num_speculative_tokens=-5),
@@ -588,6 +581,73 @@ def test_speculative_logprobs_equal_plain(params):
     np.testing.assert_array_equal(np.asarray(spec.tokens), ref)
     np.testing.assert_allclose(np.asarray(spec.logprobs.raw), np.asarray(plain.logprobs.raw),
                                rtol=0, atol=2e-5)
+
+
+def test_speculative_penalties_equal_plain(params):
+    """Repetition (prompt counted in row 0 only), presence and frequency penalties, greedy,
+    oracle drafts right 3 times in 4 (a verified position's penalties count the drafts before
+    it): the tokens and each token's processed/raw log-probabilities and top 3 equal plain
+    generate's (float32), an EOS and ragged budgets included; through generate (the MTP's
+    drafts) and generate_stream too; the penalties change the tokens."""
+    c = CONFIG
+    rng = np.random.default_rng(31)
+    prompts = [list(rng.integers(0, c.vocab_size, n)) for n in (7, 3, 12)]
+    budgets = [16, 7, 14]
+    sampling = jd.SamplingParams.create(3, repetition_penalty=[1.8, 1.5, 2.5],
+                                        presence_penalty=[0.7, 0.0, 0.3],
+                                        frequency_penalty=[0.4, 0.9, 0.0],
+                                        penalize_prompt=[True, False, False])
+    free = np.asarray(jd.generate(params, prompts, budgets, sampling, eos_token_ids=[]).tokens)
+    unpenalised = np.asarray(jd.generate(params, prompts, budgets, eos_token_ids=[]).tokens)
+    assert (free != unpenalised).any()
+    eos = int(free[2, 9])
+    plain = jd.generate(params, prompts, budgets, sampling, eos_token_ids=[eos],
+                        return_logprobs=True, top_logprobs=3)
+    ref = np.asarray(plain.tokens)
+    k = 3
+    loop = generation.speculative_generate_jit(
+        params, jd.init_state(c, 3, 64, mtp=True), jnp.asarray(padded_prompts(prompts)),
+        jnp.asarray([len(p) for p in prompts]), jnp.asarray(budgets),
+        jnp.asarray([eos] + [-1] * 7, jnp.int32), -1, sampling,
+        num_speculative_tokens=k, max_new_tokens=ref.shape[1],
+        features=jd.sampling.features_of(sampling), kernels=jd.Kernels(),
+        draft=oracle_draft(ref, k), logprobs=3)
+    np.testing.assert_array_equal(np.asarray(loop.tokens), ref)
+    assert int(loop.accepted) > 0.4 * int(np.sum(plain.num_generated))
+    for name in ("processed", "raw", "top_logprobs"):
+        np.testing.assert_allclose(np.asarray(getattr(loop.logprobs, name)),
+                                   np.asarray(getattr(plain.logprobs, name)), rtol=0, atol=2e-5,
+                                   err_msg=name)
+    np.testing.assert_array_equal(np.asarray(loop.logprobs.top_ids),
+                                  np.asarray(plain.logprobs.top_ids))
+    spec = jd.generate(params, prompts, budgets, sampling, eos_token_ids=[eos],
+                       num_speculative_tokens=2)
+    np.testing.assert_array_equal(np.asarray(spec.tokens), ref)
+    chunks = jd.generate_stream(params, prompts, budgets, sampling, eos_token_ids=[eos],
+                                num_speculative_tokens=2, chunk_size=2)
+    joined = np.concatenate([ch.tokens for ch in chunks], axis=1)
+    assert [[t for t in row if t >= 0] for row in joined.tolist()] == plain.token_lists()
+
+
+def test_speculative_sampling_with_penalties_matches_plain_in_distribution(params):
+    """2,048 rows of one prompt, temperature 1, top-k 4 and a repetition penalty of 3 on
+    generated and prompt tokens plus a frequency penalty: the joint distribution of the 2nd
+    and 3rd tokens from speculative sampling (k = 2: both past a verify step, penalised by the
+    tokens before them) against plain sampling's, a two-sample chi-square."""
+    rows = 2048
+    prompt = [[5, 17, 99, 3]] * rows
+    sampling = jd.SamplingParams.create(temperature=1.0, top_k=4, repetition_penalty=3.0,
+                                        frequency_penalty=0.5)
+    plain = np.asarray(jd.generate(params, prompt, 3, sampling, jax.random.key(1),
+                                   eos_token_ids=[]).tokens)
+    spec = np.asarray(jd.generate(params, prompt, 3, sampling, jax.random.key(2),
+                                  eos_token_ids=[], num_speculative_tokens=2).tokens)
+    unpenalised = np.asarray(jd.generate(params, prompt[:256], 3, jd.SamplingParams.create(
+        temperature=1.0, top_k=4), jax.random.key(1), eos_token_ids=[]).tokens)
+    # the penalty bites: a repeat of the first token is rarer than without it
+    repeats = lambda t: np.mean(t[:, 1] == t[:, 0])  # noqa: E731
+    assert repeats(plain) < repeats(unpenalised)
+    _chi_square_same(plain[:, 1:3], spec[:, 1:3])
 
 
 def test_speculative_sampled_logprobs_and_num_samples(params):
