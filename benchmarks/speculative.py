@@ -3,7 +3,7 @@ number of drafts accepted, in one run.
 
     python benchmarks/speculative.py [--model qwen3.5-9b] [--batches 1,8] [--ks 1,2,3,4]
         [--context 1024] [--tokens 256] [--oracle 0.8,0.9] [--accept 2] [--draft-vocab N]
-        [--profile] [--smoke]
+        [--stream 1,4] [--penalty 1.1] [--profile] [--smoke]
 
 Per (batch, k), ms per call (median of 3 repeats of 30 calls, compile apart): a plain decode step
 (``step.jit_decode_step``, the library's step; again on a state keeping the MTP layer's pairs,
@@ -28,6 +28,11 @@ timed twice: each call with the last call's output alive (as every row), and wit
 ``--draft-vocab N``: the drafts (MTP pass and end to end) from N fixed random ids
 (``generate``'s ``draft_vocab``: the LM head's rows of those ids only); 0, the default, the whole
 vocabulary.
+
+``--stream 1,4``: the MTP-draft run again through ``jd.generate_stream`` at each chunk size (the
+host reads every chunk), beside the same run in one ``generate`` call; ``--penalty r``: plain and
+MTP-draft speculative ``generate`` with a repetition penalty of r (token counts kept), beside the
+runs without: the cost of streaming and of the penalties at the same (near-zero) acceptance.
 
 ``--profile``: the first oracle run once more under CUPTI: its kernel time and kernel count per
 verify step beside its wall time per step, and its largest kernels (where a step's time goes
@@ -177,6 +182,40 @@ def oracle_draft(reference, k, p=None, accept=None):
     return draft
 
 
+def overheads(params, tokens, k, streams, penalty, draft_vocab=None):
+    """Seconds per token of the MTP-draft speculative run through ``jd.generate_stream`` (one
+    per chunk size of ``streams``, the host reading each chunk) and of plain and speculative
+    ``jd.generate`` with a repetition penalty of ``penalty`` (greedy; None: not run):
+    [(label, seconds per token, the matching unstreamed, unpenalised run's label)]."""
+    prompt = [list(np.random.default_rng(2).integers(0, 1000, 16))]
+    kw = dict(eos_token_ids=(), num_speculative_tokens=k, draft_vocab=draft_vocab)
+
+    def best(fn, repeats=3):
+        jax.block_until_ready(fn())
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            times.append(time.perf_counter() - t0)
+        return min(times) / tokens
+
+    rows = []
+    for chunk in streams:
+        t = best(lambda: [c.tokens for c in jd.generate_stream(params, prompt, tokens,
+                                                                chunk_size=chunk, **kw)])
+        rows.append((f"speculative, MTP drafts, `generate_stream` chunk_size {chunk}", t,
+                     "speculative"))
+    if penalty is not None:
+        sampling = jd.SamplingParams.create(repetition_penalty=penalty)
+        rows.append((f"plain, repetition penalty {penalty}",
+                     best(lambda: jd.generate(params, prompt, tokens, sampling,
+                                              eos_token_ids=())), "plain"))
+        rows.append((f"speculative, MTP drafts, repetition penalty {penalty}",
+                     best(lambda: jd.generate(params, prompt, tokens, sampling, **kw)),
+                     "speculative"))
+    return rows
+
+
 def end_to_end(params, tokens, k, ps, kernels, draft_vocab=None, profile=False):
     """Seconds per token of plain generate and speculative (own drafts), and for each oracle
     of ``ps`` (a probability ``p``, or an int: exactly that many drafts right a step): (its
@@ -319,6 +358,12 @@ def main():
                     help="drafts from this many fixed random ids (0: the whole vocabulary)")
     ap.add_argument("--profile", action="store_true",
                     help="the first oracle run once more under CUPTI: kernel time per step")
+    ap.add_argument("--stream", default="",
+                    help="comma-separated chunk sizes: the MTP-draft run streamed "
+                    "(jd.generate_stream) at each, against the same run unstreamed")
+    ap.add_argument("--penalty", type=float, default=None,
+                    help="also plain and MTP-draft speculative generate with this repetition "
+                    "penalty (the penalties' cost)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     try:
@@ -326,10 +371,13 @@ def main():
         ks = [int(k) for k in args.ks.split(",")]
         ps = [float(p) for p in args.oracle.split(",") if p]
         accepts = [int(n) for n in args.accept.split(",") if n]
+        streams = [int(n) for n in args.stream.split(",") if n]
     except ValueError:
-        ap.error("--batches, --ks and --accept take comma-separated ints, --oracle floats")
-    if min(batches) < 1 or min(ks) < 1 or not all(0 <= p <= 1 for p in ps):
-        ap.error("batches and ks must be >= 1, --oracle in [0, 1]")
+        ap.error("--batches, --ks, --accept and --stream take comma-separated ints, --oracle "
+                 "floats")
+    if (min(batches) < 1 or min(ks) < 1 or not all(0 <= p <= 1 for p in ps)
+            or not all(n >= 1 for n in streams)):
+        ap.error("batches, ks and --stream's chunk sizes must be >= 1, --oracle in [0, 1]")
     name, context, tokens = args.model, args.context, args.tokens
     if args.smoke:
         name, batches, ks, context, tokens = "tiny", [1, 2], [1, 3], 32, 12
@@ -362,6 +410,7 @@ def main():
                   f"{t_plain_mtp * 1e3:.3f} ms", flush=True)
     e2e = end_to_end(params, tokens, k_e2e, ps + accepts, kernels_for(params, 1), draft_vocab,
                      args.profile)
+    extra = overheads(params, tokens, k_e2e, streams, args.penalty, draft_vocab)
 
     print(f"\n## Verify step against the plain step ({name}, context {context})\n")
     print("| batch | k | plain ms | plain, MTP pairs kept | verify ms (k+1 tokens) | "
@@ -382,6 +431,10 @@ def main():
     print(f"| plain `jd.generate` | {t_plain * 1e3:.3f} | {1 / t_plain:.0f} | 1.00x | - |")
     print(f"| speculative, MTP drafts (random weights) | {t_own * 1e3:.3f} | {1 / t_own:.0f} | "
           f"{t_plain / t_own:.2f}x | - |")
+    for label, t, base in extra:
+        ref = t_plain if base == "plain" else t_own
+        print(f"| {label} | {t * 1e3:.3f} | {1 / t:.0f} | {t_plain / t:.2f}x "
+              f"({t / ref:.3f}x the {base} run's time) | - |")
     for label, t_oracle, accepted, iterations, _, _, t_freed in oracles:
         print(f"| speculative, oracle right {label} | {t_oracle * 1e3:.3f} | "
               f"{1 / t_oracle:.0f} | {t_plain / t_oracle:.2f}x | {accepted:.2f} "
