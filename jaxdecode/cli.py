@@ -250,14 +250,10 @@ def _generate(args) -> int:
     kwargs = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, eos_token_ids=eos,
                   key=jax.random.key(args.seed), num_samples=args.num_samples,
                   stop_sequences=stops, chunk_size=args.chunk_size or (1 if args.stream else 8))
-    if args.stream:
-        if speculative:
-            kwargs.update(num_speculative_tokens=args.num_speculative_tokens,
-                          draft_vocab=draft_vocab)
-        return _stream(params, [prompt_ids], kwargs, tokenizer, args.compile_cache)
     if speculative:
-        return _speculative(params, [prompt_ids], dict(kwargs, draft_vocab=draft_vocab), args,
-                            tokenizer)
+        kwargs.update(num_speculative_tokens=args.num_speculative_tokens, draft_vocab=draft_vocab)
+    if args.stream:
+        return _stream(params, [prompt_ids], kwargs, tokenizer, args.compile_cache)
     progress = _Progress(args.max_new_tokens * args.num_samples) if sys.stderr.isatty() else None
     t = time.perf_counter()
     executables = precompile(params, [prompt_ids], progress=progress, **kwargs)
@@ -274,9 +270,10 @@ def _generate(args) -> int:
     total = int(np.sum(out.num_generated))
     _say("--- timing (wall clock, first run after compiling) ---\n"
          + _compile_line(compile_s, args.compile_cache))
+    how = (f"speculative, {args.num_speculative_tokens} drafts per step from the MTP layer"
+           if speculative else "prefill + decode in one on-device loop")
     _say(f"generate: {total} tokens in {run_s * 1e3:.1f} ms = {total / run_s:.1f} tokens/s "
-         f"(prefill + decode in one on-device loop, {args.num_samples} row(s); --stream splits "
-         f"prefill and decode)")
+         f"({how}, {args.num_samples} row(s); --stream splits prefill and decode)")
     return 0
 
 
@@ -286,30 +283,6 @@ def _say_samples(out, tokenizer) -> None:
         _say(f"--- sample {r}: {len(ids)} tokens, stopped by {reason} ---\nids: {ids}")
         if tokenizer is not None:
             _say(f"text: {tokenizer.decode(ids)}")
-
-
-def _speculative(params, prompts, kwargs, args, tokenizer) -> int:
-    """``generate(..., num_speculative_tokens=K)``: once to compile, once timed."""
-    import jax
-    import numpy as np
-    from jaxdecode.generation import generate
-
-    kwargs.pop("chunk_size")
-    k = args.num_speculative_tokens
-    t = time.perf_counter()
-    jax.block_until_ready(generate(params, prompts, num_speculative_tokens=k, **kwargs))
-    compile_s = time.perf_counter() - t
-    t = time.perf_counter()
-    out = jax.block_until_ready(generate(params, prompts, num_speculative_tokens=k, **kwargs))
-    run_s = time.perf_counter() - t
-    _say_samples(out, tokenizer)
-    total = int(np.sum(out.num_generated))
-    _say("--- timing (wall clock, second run) ---\n"
-         f"first run (compile + run): {compile_s:.2f} s\n"
-         f"generate: {total} tokens in {run_s * 1e3:.1f} ms = {total / run_s:.1f} "
-         f"tokens/s (speculative, {k} drafts per step from the MTP layer, {args.num_samples} "
-         f"row(s))")
-    return 0
 
 
 def _compile_line(seconds: float, cache: str | None) -> str:
@@ -342,12 +315,7 @@ def _stream(params, prompts, kwargs, tokenizer, cache) -> int:
     from jaxdecode.tokenizer import StreamDecoder
 
     t = time.perf_counter()
-    if kwargs.get("num_speculative_tokens"):  # precompile takes no speculative decoding
-        executables = None
-        for _ in generate_stream(params, prompts, **kwargs):  # a first run compiles
-            pass
-    else:
-        executables = precompile(params, prompts, stream=True, **kwargs)
+    executables = precompile(params, prompts, stream=True, **kwargs)
     compile_s = time.perf_counter() - t
     decoder = StreamDecoder(tokenizer) if tokenizer is not None else None
     ids: list[int] = []
@@ -367,8 +335,7 @@ def _stream(params, prompts, kwargs, tokenizer, cache) -> int:
     _say(decoder.flush() if decoder else "")
     _say(f"--- {len(ids)} tokens, stopped by {STOP_REASONS[int(piece.stop_reason[0])]} ---\n"
          f"ids: {ids}\n--- timing (wall clock, first run after compiling) ---\n"
-         + (f"first run (compile + run): {compile_s:.2f} s" if executables is None
-            else _compile_line(compile_s, cache)))
+         + _compile_line(compile_s, cache))
     _say(f"prefill: {t_prefill * 1e3:.1f} ms ({len(prompts[0])} prompt tokens, incl. sampling "
          f"the first token)\ntime to first token: {t_first * 1e3:.1f} ms")
     if len(ids) > 1:

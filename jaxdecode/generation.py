@@ -514,19 +514,42 @@ SPECULATIVE_COMPILER_OPTIONS = types.MappingProxyType({
     **COMPILER_OPTIONS,
     "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"})
 
+def _speculative_state(params: Params, state: DecodeState | None, rows: int, max_len: int | None,
+                       kernels: Kernels | None) -> DecodeState:
+    """``state``, or (None) a new one of ``rows`` x ``max_len`` keeping MTP pairs, in the state
+    layout (its memory was checked by ``_plan``)."""
+    if state is not None:
+        return state
+    return _laid_out(init_state(params.config, rows, max_len, params.dtype, mtp=True,
+                                check_memory=False), kernels)
+
+
+def _speculative_generate(params, state, prompts, prompt_lengths, budgets, eos_ids, pad_id,
+                          sampling=None, keys=None, draft_vocab=None, stop_sequences=None, *,
+                          max_len=None, **static):
+    """:func:`speculative.speculative_generate_fn` on ``state``, or (None) on a new state of
+    ``max_len`` made inside the call (arrays positional: ``precompile``'s signatures)."""
+    state = _speculative_state(params, state, prompts.shape[0], max_len, static.get("kernels"))
+    return speculative.speculative_generate_fn(
+        params, state, prompts, prompt_lengths, budgets, eos_ids, pad_id, sampling, keys,
+        draft_vocab=draft_vocab, stop_sequences=stop_sequences, **static)
+
+
 speculative_generate_jit = jax.jit(
-    speculative.speculative_generate_fn,
+    _speculative_generate,
     static_argnames=("num_speculative_tokens", "max_new_tokens", "features", "kernels",
                      "prefill_chunk_size", "query_block", "draft", "logprobs", "return_state",
-                     "progress", "progress_every"),
+                     "progress", "progress_every", "max_len"),
     donate_argnames=("state",), compiler_options=SPECULATIVE_COMPILER_OPTIONS)
 
 
 def _speculative_start(params, state, prompts, prompt_lengths, budgets, eos_ids, pad_id,
-                       sampling, keys, *, stop_sequences, max_new_tokens, features, kernels,
-                       prefill_chunk_size, query_block, logprobs):
-    """:func:`speculative.speculative_start_fn`, and the first token each row emitted ([R, 1]
-    with its log-probabilities: a stream's first chunk)."""
+                       sampling, keys, stop_sequences, *, max_len, max_new_tokens, features,
+                       kernels, prefill_chunk_size, query_block, logprobs):
+    """:func:`speculative.speculative_start_fn` (on a new state where ``state`` is None), and
+    the first token each row emitted ([R, 1] with its log-probabilities: a stream's first
+    chunk)."""
+    state = _speculative_state(params, state, prompts.shape[0], max_len, kernels)
     loop = speculative.speculative_start_fn(
         params, state, prompts, prompt_lengths, budgets, eos_ids, pad_id, sampling, keys,
         stop_sequences=stop_sequences, max_new_tokens=max_new_tokens, features=features,
@@ -535,14 +558,22 @@ def _speculative_start(params, state, prompts, prompt_lengths, budgets, eos_ids,
     return loop, speculative.emitted_since(loop, jnp.zeros_like(loop.num_generated), 1, pad_id)
 
 
+def _speculative_chunk(params, loop, budgets, eos_ids, pad_id, sampling, keys, head, draft_vocab,
+                       stop_sequences, **static):
+    """:func:`speculative.speculative_chunk_fn`, its arrays positional."""
+    return speculative.speculative_chunk_fn(params, loop, budgets, eos_ids, pad_id, sampling,
+                                            keys, head, draft_vocab=draft_vocab,
+                                            stop_sequences=stop_sequences, **static)
+
+
 # generate_stream's speculative calls: the start (donating the state), then chunks of verify
 # steps (donating the loop), their loops in command buffers as speculative_generate_jit's
 speculative_start_jit = jax.jit(
-    _speculative_start, static_argnames=("max_new_tokens", "features", "kernels",
+    _speculative_start, static_argnames=("max_len", "max_new_tokens", "features", "kernels",
                                          "prefill_chunk_size", "query_block", "logprobs"),
     donate_argnames=("state",), compiler_options=COMPILER_OPTIONS)
 speculative_chunk_jit = jax.jit(
-    speculative.speculative_chunk_fn,
+    _speculative_chunk,
     static_argnames=("num_speculative_tokens", "chunk_size", "features", "kernels", "logprobs"),
     donate_argnames=("loop",), compiler_options=SPECULATIVE_COMPILER_OPTIONS)
 _draft_head_jit = jax.jit(speculative.draft_head)
@@ -683,8 +714,8 @@ def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParam
     MTP layer's pairs (``init_state(..., mtp=True)``; ValueError otherwise), and the MTP then
     drafts from every token in it; ``progress`` is called every ``chunk_size`` verify steps;
     penalties apply as in plain decoding (each verified position counts the drafts before it;
-    the drafts themselves are proposed without them). Not yet together with ``executables``
-    (so not from :func:`precompile`) or ``batch_invariant`` kernels (ValueError).
+    the drafts themselves are proposed without them); :func:`precompile` takes it. Not yet
+    together with ``batch_invariant`` kernels (ValueError).
     ``draft_vocab``: token ids [V'] the drafts are chosen from (``jaxdecode.speculative``: a
     cheaper draft, the same output; distinct ids in [0, vocab_size), else ValueError; only with
     ``num_speculative_tokens``).
@@ -710,12 +741,13 @@ def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParam
 
 def _speculative_plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids, k,
                       *, stop_sequences, state, return_state, max_len, num_samples, pad_id,
-                      kernels, executables, prefill_chunk_size, activation_budget,
-                      return_logprobs, top_logprobs, chunk_size, features, draft_vocab
-                      ) -> tuple[_Plan, DecodeState, Array | None]:
-    """The checks and plan of :func:`generate` / :func:`generate_stream` with
-    ``num_speculative_tokens=k``: (plan, the state to donate to the loop, draft_vocab as a
-    device array or None)."""
+                      kernels, prefill_chunk_size, activation_budget, return_logprobs,
+                      top_logprobs, chunk_size, features, draft_vocab, abstract: bool = False
+                      ) -> tuple[_Plan, DecodeState | None, Array | None]:
+    """The checks and plan of :func:`generate` / :func:`generate_stream` /
+    :func:`precompile` with ``num_speculative_tokens=k``: (plan, the state to donate to the loop,
+    None for a new one made inside it; draft_vocab as a device array or None). A given state
+    with ``num_samples`` > 1 is forked here (``abstract``: its shape only)."""
     check_params(params)
     if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)) or k < 1:
         raise ValueError(f"num_speculative_tokens={k!r} must be a positive int (0: off)")
@@ -726,12 +758,10 @@ def _speculative_plan(params: Params, prompts, max_new_tokens, sampling, key, eo
     if params.mtp is None:
         raise ValueError("num_speculative_tokens needs the MTP layer: load the checkpoint with "
                          "jd.load_checkpoint(path, mtp=True)")
-    unsupported = [name for name, used in (
-        ("executables", executables is not None),
-        # the verify step runs rows batched: a row's logits could depend on the batch
-        ("kernels.batch_invariant", kernels is not None and kernels.batch_invariant)) if used]
-    if unsupported:
-        raise ValueError(f"num_speculative_tokens does not yet work with {unsupported}")
+    # the verify step runs rows batched: a row's logits could depend on the batch
+    if kernels is not None and kernels.batch_invariant:
+        raise ValueError("num_speculative_tokens does not yet work with "
+                         "['kernels.batch_invariant']")
     if isinstance(state, DecodeState) and state.mtp is None:
         raise ValueError("num_speculative_tokens continues a state only if it keeps the MTP "
                          "layer's pairs: make it with jd.init_state(..., mtp=True) (prefill, "
@@ -753,72 +783,87 @@ def _speculative_plan(params: Params, prompts, max_new_tokens, sampling, key, eo
             params, len(plan.budgets), plan.prompts.shape[1], plan.max_len, mesh=mesh,
             prefill_chunk_size=prefill_chunk_size, activation_budget=activation_budget,
             kernels=plan.kernels))
-    if state is None:  # created in its layout (its memory was checked by _plan)
-        state = sharding.laid_out_state(params.config, mesh, len(plan.budgets), plan.max_len,
-                                        params.dtype, mtp=True)
-    elif n > 1:  # each prompt's rows continue its row (``state`` kept)
-        state = sharding.constrain_state(fork(state, n), mesh)
+    if state is not None and n > 1:  # each prompt's rows continue its row (``state`` kept)
+        forked = lambda state: sharding.constrain_state(fork(state, n), mesh)  # noqa: E731
+        state = (_abstract_on(jax.eval_shape(forked, state), _device_of(params)) if abstract
+                 else forked(state))
     return plan, state, draft_vocab
 
 
-def _speculative_args(params: Params, plan: _Plan, state: DecodeState) -> tuple:
+def _speculative_args(params: Params, plan: _Plan, state: DecodeState | None) -> tuple:
     """The loop's dynamic start arguments, each prompt repeated for its samples: (params, state,
     prompts, prompt_lengths, budgets, eos_ids, pad_id, sampling, keys)."""
     n = plan.num_samples
     return (params, state, jnp.asarray(np.repeat(plan.prompts, n, axis=0)),
             jnp.asarray(np.repeat(plan.prompt_lengths, n, axis=0)), jnp.asarray(plan.budgets),
-            jnp.asarray(plan.eos_token_ids), plan.pad_id, plan.sampling, plan.keys)
+            jnp.asarray(plan.eos_token_ids), np.int32(plan.pad_id), plan.sampling, plan.keys)
+
+
+def _speculative_generate_args(params, plan, state, draft_vocab, k, progress):
+    args = (*_speculative_args(params, plan, state), draft_vocab,
+            jnp.asarray(plan.stop_sequences))
+    return args, dict(max_len=plan.max_len, features=plan.features, num_speculative_tokens=int(k),
+                      max_new_tokens=plan.max_new_tokens, kernels=plan.kernels,
+                      prefill_chunk_size=plan.prefill.prefill_chunk_size,
+                      query_block=plan.prefill.query_block, logprobs=plan.logprobs,
+                      return_state=plan.return_state, progress=progress,
+                      progress_every=plan.chunk_size)
+
+
+def _speculative_start_args(params, plan, state):
+    args = (*_speculative_args(params, plan, state), jnp.asarray(plan.stop_sequences))
+    return args, dict(max_len=plan.max_len, max_new_tokens=plan.max_new_tokens,
+                      features=plan.features, kernels=plan.kernels,
+                      prefill_chunk_size=plan.prefill.prefill_chunk_size,
+                      query_block=plan.prefill.query_block, logprobs=plan.logprobs)
+
+
+def _speculative_chunk_args(params, plan, loop, start_args, head, draft_vocab, k):
+    _, _, _, _, budgets, eos_ids, pad_id, sampling, keys, stop_sequences = start_args
+    return ((params, loop, budgets, eos_ids, pad_id, sampling, keys, head, draft_vocab,
+             stop_sequences),
+            dict(num_speculative_tokens=int(k), chunk_size=plan.chunk_size,
+                 features=plan.features, kernels=plan.kernels, logprobs=plan.logprobs))
 
 
 def _generate_speculative(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
-                          k, *, progress, **kwargs) -> GenerateOutput:
+                          k, *, progress, executables, **kwargs) -> GenerateOutput:
     """:func:`generate` with ``num_speculative_tokens=k`` (checks, then
     ``speculative.speculative_generate_fn`` in one jitted call)."""
     plan, state, draft_vocab = _speculative_plan(params, prompts, max_new_tokens, sampling, key,
                                                  eos_token_ids, k, **kwargs)
-    loop = speculative_generate_jit(
-        *_speculative_args(params, plan, state), features=plan.features,
-        num_speculative_tokens=int(k), max_new_tokens=plan.max_new_tokens,
-        kernels=plan.kernels, prefill_chunk_size=plan.prefill.prefill_chunk_size,
-        query_block=plan.prefill.query_block, draft_vocab=draft_vocab,
-        stop_sequences=jnp.asarray(plan.stop_sequences), logprobs=plan.logprobs,
-        return_state=plan.return_state, progress=progress, progress_every=plan.chunk_size)
+    loop = _call(speculative_generate_jit,
+                 *_speculative_generate_args(params, plan, state, draft_vocab, k, progress),
+                 executables)
     return GenerateOutput(tokens=loop.tokens, num_generated=loop.num_generated,
                           stop_reason=loop.stop_reason, logprobs=loop.logprobs,
                           state=loop.state if plan.return_state else None)
 
 
 def _stream_speculative(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
-                        k, **kwargs) -> Iterator[StreamChunk]:
+                        k, *, executables, **kwargs) -> Iterator[StreamChunk]:
     """:func:`generate_stream` with ``num_speculative_tokens=k``: the loop's start, then chunks
     of ``chunk_size`` verify steps, each yielding the tokens its rows emitted."""
     plan, state, draft_vocab = _speculative_plan(params, prompts, max_new_tokens, sampling, key,
                                                  eos_token_ids, k, **kwargs)
-    args = _speculative_args(params, plan, state)
-    stop_sequences = jnp.asarray(plan.stop_sequences)
-    loop, emitted = speculative_start_jit(
-        *args, max_new_tokens=plan.max_new_tokens, features=plan.features,
-        kernels=plan.kernels, prefill_chunk_size=plan.prefill.prefill_chunk_size,
-        query_block=plan.prefill.query_block, stop_sequences=stop_sequences,
-        logprobs=plan.logprobs)
-    head = None if draft_vocab is None else _draft_head_jit(params, draft_vocab)
-    _, _, _, budgets, eos_ids, pad_id, sampling, keys = args[1:]
+    args, static = _speculative_start_args(params, plan, state)
+    loop, emitted = _call(speculative_start_jit, args, static, executables)
+    head = (None if draft_vocab is None
+            else _call(_draft_head_jit, (params, draft_vocab), {}, executables))
     while True:
         (ids, lp), num_generated, stop_reason = jax.tree.map(np.asarray, jax.device_get(
             (emitted, loop.num_generated, loop.stop_reason)))
         chunk = StreamChunk(ids, num_generated, stop_reason, logprobs=lp)
         done = bool((chunk.stop_reason != STOP_RUNNING).all())
         if done and plan.return_state:
-            chunk = dataclasses.replace(chunk, state=_feed_last_jit(
-                params, loop.state, loop.last, kernels=plan.kernels))
+            chunk = dataclasses.replace(chunk, state=_call(
+                _feed_last_jit, (params, loop.state, loop.last), dict(kernels=plan.kernels),
+                executables))
         yield chunk
         if done:
             return
-        loop, emitted = speculative_chunk_jit(
-            params, loop, budgets, eos_ids, pad_id, sampling, keys, head,
-            num_speculative_tokens=int(k), chunk_size=plan.chunk_size, features=plan.features,
-            kernels=plan.kernels, draft_vocab=draft_vocab, stop_sequences=stop_sequences,
-            logprobs=plan.logprobs)
+        loop, emitted = _call(speculative_chunk_jit, *_speculative_chunk_args(
+            params, plan, loop, args, head, draft_vocab, k), executables)
 
 
 def generate_stream(params: Params, prompts, max_new_tokens=64,
@@ -841,9 +886,9 @@ def generate_stream(params: Params, prompts, max_new_tokens=64,
     :func:`generate`. The last chunk carries ``.state`` (with ``state`` or ``return_state``; lost
     if the iteration stops early). Validation happens on the first ``next()``.
     ``num_speculative_tokens`` k, ``draft_vocab``: speculative decoding as :func:`generate`'s
-    (the same tokens and draws as its speculative call); a later chunk then holds
-    ``chunk_size`` verify steps, [R, chunk_size · (k + 1)] tokens, each row's new ones first and
-    ``pad_id`` after them.
+    (the same tokens and draws as its speculative call); a later chunk then holds c verify
+    steps, [R, c · (k + 1)] tokens, each row's new ones first and ``pad_id`` after them (c:
+    ``chunk_size``, at most the token budget's bucket less one, as for plain chunks).
     """
     if _speculative(num_speculative_tokens, draft_vocab):
         yield from _stream_speculative(
@@ -884,23 +929,35 @@ generate.__doc__ += _DOC_ARGS
 generate_stream.__doc__ += _DOC_ARGS
 
 
+def _device_of(params: Params):
+    """The params' sharding where they sit on one device, else None (for abstract arguments)."""
+    where = jax.tree.leaves(params)[0].sharding
+    return where if isinstance(where, jax.sharding.SingleDeviceSharding) else None
+
+
+def _abstract_on(tree, where):
+    """``ShapeDtypeStruct`` leaves placed on ``where``: arguments whose signatures match the
+    arrays a run will pass (on the params' device; with sharded params they will not match, and
+    jit compiles that call on its first run)."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type,
+                                                       sharding=where), tree)
+
+
 def precompile(params: Params, prompts, max_new_tokens=64, sampling: SamplingParams | None = None,
                key=None, eos_token_ids: Sequence[int] | None = None, *, stream: bool = False,
                chunk_size: int | None = None, progress: Callable[[np.ndarray], None] | None = None,
                state: DecodeState | None = None, **kwargs) -> Executables:
     """Compiles (without running) what :func:`generate` (or, with ``stream``,
-    :func:`generate_stream`) runs for these arguments (the same keywords; ``state`` is read, not
-    donated), so compile time can be timed apart; pass the result as their ``executables=``.
-    ValueError: as theirs, and for speculative decoding (``num_speculative_tokens``,
-    ``draft_vocab``), which compiles in ``generate``'s own call."""
-    speculative_args = {name: kwargs.pop(name) for name in ("num_speculative_tokens", "draft_vocab")
-                        if name in kwargs}
-    if (speculative_args.get("num_speculative_tokens", 0) != 0
-            or speculative_args.get("draft_vocab") is not None):
-        raise ValueError("precompile compiles plain decoding; speculative decoding "
-                         "(num_speculative_tokens, draft_vocab) compiles in generate's first "
-                         "call, which takes no executables")
+    :func:`generate_stream`) runs for these arguments (the same keywords, speculative decoding
+    included; ``state`` is read, not donated), so compile time can be timed apart; pass the
+    result as their ``executables=``. ValueError: as theirs."""
     chunk_size = chunk_size or (1 if stream else 8)
+    if _speculative(kwargs.get("num_speculative_tokens", 0), kwargs.get("draft_vocab")):
+        return _precompile_speculative(params, prompts, max_new_tokens, sampling, key,
+                                       eos_token_ids, stream=stream, chunk_size=chunk_size,
+                                       progress=progress, state=state, **kwargs)
+    kwargs.pop("num_speculative_tokens", None)
+    kwargs.pop("draft_vocab", None)
     plan = _plan(params, prompts, max_new_tokens, sampling, key, eos_token_ids, state=state,
                  chunk_size=chunk_size, **{"max_len": None, "num_samples": 1, "pad_id": -1,
                                            "kernels": None, **kwargs})
@@ -908,15 +965,45 @@ def precompile(params: Params, prompts, max_new_tokens=64, sampling: SamplingPar
     if not stream:
         return Executables((_compile(fn, *_generate_args(params, plan, progress, state)),))
     args, static = _start_args(params, plan, state)
-    loop = fn.eval_shape(*args, **static)[0]  # top-level: it has compiler_options
-    # The chunk's signature is that of the loop the start returns: on the params' device (with
-    # sharded params it will not match: jit compiles the chunk on its first call).
-    where = jax.tree.leaves(params)[0].sharding
-    where = where if isinstance(where, jax.sharding.SingleDeviceSharding) else None
-    loop = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type,
-                                                       sharding=where), loop)
+    # the chunk's signature is that of the loop the start returns (top-level eval_shape: it has
+    # compiler_options)
+    loop = _abstract_on(fn.eval_shape(*args, **static)[0], _device_of(params))
     compiled = [_compile(fn, args, static), _compile(_chunk_jit, *_chunk_args(params, plan, loop))]
     if plan.return_state:
         compiled.append(_compile(_feed_last_jit, (params, loop.state, loop.last_token),
+                                 dict(kernels=plan.kernels)))
+    return Executables(tuple(compiled))
+
+
+def _precompile_speculative(params: Params, prompts, max_new_tokens, sampling, key,
+                            eos_token_ids, *, stream, chunk_size, progress, state,
+                            num_speculative_tokens, **kwargs) -> Executables:
+    """:func:`precompile` of speculative decoding: its one jitted loop, or (``stream``) its
+    start, the draft vocabulary's head, its chunks and the last token's step."""
+    options = dict(stop_sequences=None, return_state=False, max_len=None, num_samples=1,
+                   pad_id=-1, kernels=None, prefill_chunk_size=None, activation_budget=None,
+                   return_logprobs=False, top_logprobs=0, features=None, draft_vocab=None)
+    unknown = sorted(set(kwargs) - set(options))
+    if unknown:
+        raise TypeError(f"precompile got unexpected keyword arguments {unknown}")
+    k = num_speculative_tokens
+    plan, state, draft_vocab = _speculative_plan(
+        params, prompts, max_new_tokens, sampling, key, eos_token_ids, k, state=state,
+        chunk_size=chunk_size, abstract=True, **{**options, **kwargs})
+    if not stream:
+        return Executables((_compile(speculative_generate_jit, *_speculative_generate_args(
+            params, plan, state, draft_vocab, k, progress)),))
+    where = _device_of(params)
+    args, static = _speculative_start_args(params, plan, state)
+    compiled = [_compile(speculative_start_jit, args, static)]
+    loop = _abstract_on(speculative_start_jit.eval_shape(*args, **static)[0], where)
+    head = None
+    if draft_vocab is not None:
+        compiled.append(_compile(_draft_head_jit, (params, draft_vocab), {}))
+        head = _abstract_on(_draft_head_jit.eval_shape(params, draft_vocab), where)
+    compiled.append(_compile(speculative_chunk_jit, *_speculative_chunk_args(
+        params, plan, loop, args, head, draft_vocab, k)))
+    if plan.return_state:
+        compiled.append(_compile(_feed_last_jit, (params, loop.state, loop.last),
                                  dict(kernels=plan.kernels)))
     return Executables(tuple(compiled))

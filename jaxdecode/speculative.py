@@ -347,8 +347,8 @@ def speculative_steps_fn(params: Params, loop: SpeculativeLoop, budgets: Array, 
     """Verify steps (draft, verify, accept, commit) in one ``lax.while_loop`` while a row runs,
     at most ``max_steps`` (static; None: until every row stops). ``head``: :func:`draft_head`
     of ``draft_vocab``. ``progress``: called on the host with ``num_generated`` [R] after every
-    ``progress_every``-th verify step and after the one where the last row stops. Other
-    arguments as :func:`speculative_generate_fn`."""
+    ``progress_every``-th verify step and after the one where the last row stops (or once,
+    where no step runs). Other arguments as :func:`speculative_generate_fn`."""
     k = num_speculative_tokens
     vocab = params.config.vocab_size
     greedy = sampling is None or features is None or not features.sampled
@@ -426,10 +426,16 @@ def speculative_steps_fn(params: Params, loop: SpeculativeLoop, budgets: Array, 
 
     def running(loop):
         return jnp.any(loop.stop_reason == STOP_RUNNING)
+    start = loop.iterations
     if max_steps is None:
-        return lax.while_loop(running, body, loop)
-    end = loop.iterations + max_steps
-    return lax.while_loop(lambda loop: running(loop) & (loop.iterations < end), body, loop)
+        loop = lax.while_loop(running, body, loop)
+    else:
+        loop = lax.while_loop(lambda loop: running(loop) & (loop.iterations < start + max_steps),
+                              body, loop)
+    if progress is not None:  # every row stopped on its first token: no step ran
+        lax.cond(loop.iterations == start, lambda n: jax.debug.callback(progress, n),
+                 lambda n: None, loop.num_generated)
+    return loop
 
 
 def emitted_since(loop: SpeculativeLoop, since: Array, width: int, pad_id

@@ -438,6 +438,54 @@ def test_speculative_stream_equals_speculative_generate(params, chunk_size):
     assert [[t for t in row if t >= 0] for row in joined.tolist()] == plain.token_lists()
 
 
+def test_speculative_precompiled_executables_are_used(params):
+    """precompile(..., num_speculative_tokens=2) and generate/generate_stream given its
+    executables: no jit call traces or compiles (the loop's, the stream's start, draft-vocabulary
+    head, chunk and last-token step), and the tokens, sampled, are those of the same calls
+    without them; a given state with num_samples = 2 too."""
+    prompts = [[5, 6, 7], [8, 9]]
+    kw = dict(max_new_tokens=[9, 6], sampling=jd.SamplingParams.create(temperature=0.8,
+                                                                        top_k=20),
+              key=jax.random.key(3), eos_token_ids=(), num_speculative_tokens=2,
+              return_logprobs=True, pad_id=-5)
+    jits = (generation.speculative_generate_jit, generation.speculative_start_jit,
+            generation.speculative_chunk_jit, generation._draft_head_jit,
+            generation._feed_last_jit)
+
+    def sizes():
+        return [f._cache_size() for f in jits]
+
+    want = jd.generate(params, prompts, **kw)
+    executables = generation.precompile(params, prompts, **kw)
+    before = sizes()
+    out = jd.generate(params, prompts, executables=executables, **kw)
+    assert sizes() == before  # ran the precompiled executable, no jit
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(want.tokens))
+
+    skw = dict(kw, draft_vocab=np.arange(0, CONFIG.vocab_size, 2), return_state=True)
+    want = jd.generate(params, prompts, **skw)
+    executables = generation.precompile(params, prompts, stream=True, chunk_size=2, **skw)
+    assert len(executables.by_signature) == 4  # start, head, chunk, last token
+    before = sizes()
+    chunks = list(jd.generate_stream(params, prompts, chunk_size=2, executables=executables,
+                                     **skw))
+    assert sizes() == before
+    joined = np.concatenate([ch.tokens for ch in chunks], axis=1)
+    assert [[t for t in row if t != -5] for row in joined.tolist()] == want.token_lists()
+    assert_states_close(chunks[-1].state, want.state)
+
+    state = lambda: jd.prefill(params, jd.init_state(CONFIG, 2, 64, mtp=True),  # noqa: E731
+                               [[3, 1, 4], [1, 5, 0]], [3, 2])[1]
+    fkw = dict(kw, num_samples=2, max_new_tokens=5)
+    want = jd.generate(params, prompts, state=state(), **fkw)
+    given = state()
+    executables = generation.precompile(params, prompts, state=given, **fkw)
+    before = sizes()
+    out = jd.generate(params, prompts, state=given, executables=executables, **fkw)
+    assert sizes() == before
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(want.tokens))
+
+
 def test_speculative_progress_sees_the_counts(params):
     """progress with num_speculative_tokens: called on the host every chunk_size verify steps
     and after the last with num_generated [R], non-decreasing, ending at the output's counts."""
@@ -445,9 +493,15 @@ def test_speculative_progress_sees_the_counts(params):
     out = jd.generate(params, [[1, 2, 3], [4]], [12, 7], eos_token_ids=[], chunk_size=2,
                       num_speculative_tokens=2, progress=lambda n: seen.append(np.array(n)))
     jax.block_until_ready(out)
+    jax.effects_barrier()
     assert len(seen) >= 2 and all(s.shape == (2,) for s in seen)
     assert all((a <= b).all() and (b - a <= 2 * 3).all() for a, b in zip(seen, seen[1:]))
     np.testing.assert_array_equal(seen[-1], np.asarray(out.num_generated))
+    seen.clear()  # every row stops on its first token: no verify step, one call
+    jax.block_until_ready(jd.generate(params, [[1, 2, 3], [4]], 1, eos_token_ids=[],
+                                      num_speculative_tokens=2, progress=seen.append))
+    jax.effects_barrier()
+    assert [np.asarray(n).tolist() for n in seen] == [[1, 1]]
 
 
 def test_speculative_continues_a_prefilled_state_with_its_mtp_pairs(params):
@@ -480,15 +534,16 @@ def test_speculative_errors(params):
     no_mtp = jd.init_params(tiny(), jax.random.key(0))
     with pytest.raises(ValueError, match="mtp=True"):
         jd.generate(no_mtp, [[1, 2]], 4, num_speculative_tokens=2)
-    with pytest.raises(ValueError, match=r"does not yet work with \['executables'\]"):
-        jd.generate(params, [[1, 2]], 4, num_speculative_tokens=2,
-                    executables=generation.Executables())
     with pytest.raises(ValueError, match="draft_vocab applies to speculative decoding"):
         next(jd.generate_stream(params, [[1, 2]], 4, draft_vocab=[1, 2]))
-    for speculative_args in (dict(num_speculative_tokens=2), dict(num_speculative_tokens=-5),
-                             dict(draft_vocab=[1, 2])):
-        with pytest.raises(ValueError, match="precompile compiles plain decoding"):
-            generation.precompile(params, [[1, 2]], 4, **speculative_args)
+    with pytest.raises(ValueError, match="draft_vocab applies to speculative decoding"):
+        generation.precompile(params, [[1, 2]], 4, draft_vocab=[1, 2])
+    with pytest.raises(ValueError, match="positive int"):
+        generation.precompile(params, [[1, 2]], 4, num_speculative_tokens=-5)
+    with pytest.raises(ValueError, match="mtp=True"):
+        generation.precompile(no_mtp, [[1, 2]], 4, num_speculative_tokens=2, stream=True)
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['top_p'\]"):
+        generation.precompile(params, [[1, 2]], 4, num_speculative_tokens=2, top_p=0.9)
     generation.precompile(params, [[1, 2]], 4, num_speculative_tokens=0, draft_vocab=None)
     with pytest.raises(ValueError, match="num_speculative_tokens=3 .* exceeds max_len=16"):
         jd.generate(params, [[1, 2]], 4, state=jd.prefill(
