@@ -478,6 +478,14 @@ def test_speculative_errors(params):
             call()
 
 
+def assert_logprobs_equal(got, want):
+    """Two runs' :class:`Logprobs`: values within float32 rounding, the top ids equal."""
+    for name in ("processed", "raw", "top_logprobs"):
+        np.testing.assert_allclose(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)),
+                                   rtol=0, atol=2e-5, err_msg=name)
+    np.testing.assert_array_equal(np.asarray(got.top_ids), np.asarray(want.top_ids))
+
+
 def test_speculative_logprobs_equal_plain(params):
     """Greedy, oracle drafts right 3 times in 4 (runs accepted, rejections mid-run), ragged
     prompts and budgets, an EOS: each emitted token's processed/raw log-probability and the
@@ -503,12 +511,7 @@ def test_speculative_logprobs_equal_plain(params):
         max_new_tokens=ref.shape[1], kernels=jd.Kernels(), draft=oracle, logprobs=3)
     np.testing.assert_array_equal(np.asarray(loop.tokens), ref)
     assert int(loop.accepted) > 0
-    for name in ("processed", "raw", "top_logprobs"):
-        np.testing.assert_allclose(np.asarray(getattr(loop.logprobs, name)),
-                                   np.asarray(getattr(plain.logprobs, name)), rtol=0, atol=2e-5,
-                                   err_msg=name)
-    np.testing.assert_array_equal(np.asarray(loop.logprobs.top_ids),
-                                  np.asarray(plain.logprobs.top_ids))
+    assert_logprobs_equal(loop.logprobs, plain.logprobs)
     assert np.asarray(plain.logprobs.top_ids)[1, 6:].tolist() == [[-1] * 3] * (ref.shape[1] - 6)
     # through generate (the MTP's own drafts)
     spec = jd.generate(params, prompts, max_new_tokens=budgets, eos_token_ids=[eos],
