@@ -182,6 +182,22 @@ def oracle_draft(reference, k, p=None, accept=None):
     return draft
 
 
+def timed(fn, repeats=3, keep=True):
+    """(the best of ``repeats`` calls' seconds after a first, compiling one; the last output);
+    ``keep`` False: the last call's output freed before each call (its buffers reusable)."""
+    out = fn()
+    jax.block_until_ready(out)
+    best = float("inf")
+    for _ in range(repeats):
+        if not keep:
+            out = None
+        t0 = time.perf_counter()
+        out = fn()
+        jax.block_until_ready(out)
+        best = min(best, time.perf_counter() - t0)
+    return best, out
+
+
 def overheads(params, tokens, k, streams, penalty, draft_vocab=None):
     """Seconds per token of the MTP-draft speculative run through ``jd.generate_stream`` (one
     per chunk size of ``streams``, the host reading each chunk) and of plain and speculative
@@ -190,14 +206,8 @@ def overheads(params, tokens, k, streams, penalty, draft_vocab=None):
     prompt = [list(np.random.default_rng(2).integers(0, 1000, 16))]
     kw = dict(eos_token_ids=(), num_speculative_tokens=k, draft_vocab=draft_vocab)
 
-    def best(fn, repeats=3):
-        jax.block_until_ready(fn())
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            times.append(time.perf_counter() - t0)
-        return min(times) / tokens
+    def best(fn):
+        return timed(fn)[0] / tokens
 
     rows = []
     for chunk in streams:
@@ -226,19 +236,6 @@ def end_to_end(params, tokens, k, ps, kernels, draft_vocab=None, profile=False):
     call, where the others keep it alive during the next: its buffers then sit elsewhere)."""
     c = params.config
     prompt = [list(np.random.default_rng(2).integers(0, 1000, 16))]
-
-    def timed(fn, repeats=3, keep=True):  # best of ``repeats`` after a first (compiling) call
-        out = fn()
-        jax.block_until_ready(out)
-        best = float("inf")
-        for _ in range(repeats):
-            if not keep:  # the last call's buffers freed first: this call may reuse them
-                out = None
-            t0 = time.perf_counter()
-            out = fn()
-            jax.block_until_ready(out)
-            best = min(best, time.perf_counter() - t0)
-        return best, out
 
     t_plain, plain = timed(lambda: jd.generate(params, prompt, tokens, eos_token_ids=()))
     t_own, own = timed(lambda: jd.generate(params, prompt, tokens, eos_token_ids=(),

@@ -740,14 +740,16 @@ def generate(params: Params, prompts, max_new_tokens=64, sampling: SamplingParam
 
 
 def _speculative_plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids, k,
-                      *, stop_sequences, state, return_state, max_len, num_samples, pad_id,
-                      kernels, prefill_chunk_size, activation_budget, return_logprobs,
-                      top_logprobs, chunk_size, features, draft_vocab, abstract: bool = False
+                      *, chunk_size, state=None, stop_sequences=None, return_state=False,
+                      max_len=None, num_samples=1, pad_id=-1, kernels=None,
+                      prefill_chunk_size=None, activation_budget=None, return_logprobs=False,
+                      top_logprobs=0, features=None, draft_vocab=None, abstract: bool = False
                       ) -> tuple[_Plan, DecodeState | None, Array | None]:
     """The checks and plan of :func:`generate` / :func:`generate_stream` /
-    :func:`precompile` with ``num_speculative_tokens=k``: (plan, the state to donate to the loop,
-    None for a new one made inside it; draft_vocab as a device array or None). A given state
-    with ``num_samples`` > 1 is forked here (``abstract``: its shape only)."""
+    :func:`precompile` with ``num_speculative_tokens=k`` (keyword defaults: ``generate``'s):
+    (plan, the state to donate to the loop, None for a new one made inside it; draft_vocab as a
+    device array or None). A given state with ``num_samples`` > 1 is forked here (``abstract``:
+    its shape only)."""
     check_params(params)
     if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)) or k < 1:
         raise ValueError(f"num_speculative_tokens={k!r} must be a positive int (0: off)")
@@ -850,20 +852,10 @@ def _stream_speculative(params: Params, prompts, max_new_tokens, sampling, key, 
     loop, emitted = _call(speculative_start_jit, args, static, executables)
     head = (None if draft_vocab is None
             else _call(_draft_head_jit, (params, draft_vocab), {}, executables))
-    while True:
-        (ids, lp), num_generated, stop_reason = jax.tree.map(np.asarray, jax.device_get(
-            (emitted, loop.num_generated, loop.stop_reason)))
-        chunk = StreamChunk(ids, num_generated, stop_reason, logprobs=lp)
-        done = bool((chunk.stop_reason != STOP_RUNNING).all())
-        if done and plan.return_state:
-            chunk = dataclasses.replace(chunk, state=_call(
-                _feed_last_jit, (params, loop.state, loop.last), dict(kernels=plan.kernels),
-                executables))
-        yield chunk
-        if done:
-            return
-        loop, emitted = _call(speculative_chunk_jit, *_speculative_chunk_args(
-            params, plan, loop, args, head, draft_vocab, k), executables)
+    yield from _chunks(params, plan, loop, emitted, lambda loop: loop.last,
+                       lambda loop: _call(speculative_chunk_jit, *_speculative_chunk_args(
+                           params, plan, loop, args, head, draft_vocab, k), executables),
+                       executables)
 
 
 def generate_stream(params: Params, prompts, max_new_tokens=64,
@@ -908,21 +900,35 @@ def generate_stream(params: Params, prompts, max_new_tokens=64,
                  top_logprobs=top_logprobs)
     fn = _fork_jit if plan.fork_state else _start_jit
     loop, emitted = _call(fn, *_start_args(params, plan, state), executables)
-    emitted = jax.tree.map(lambda x: x[:, None], emitted)
+
+    def advance(loop):  # the next chunk: (loop, (ids, Logprobs or None))
+        loop, emitted = _call(_chunk_jit, *_chunk_args(params, plan, loop), executables)
+        return loop, (emitted if plan.logprobs is not None else (emitted, None))
+
+    first = jax.tree.map(lambda x: x[:, None], emitted)
+    yield from _chunks(params, plan, loop, first if plan.logprobs is not None else (first, None),
+                       lambda loop: loop.last_token, advance, executables)
+
+
+def _chunks(params: Params, plan: _Plan, loop, emitted, last, advance,
+            executables) -> Iterator[StreamChunk]:
+    """A stream's chunks from its started loop (plain or speculative): each one's ``emitted``
+    (ids, Logprobs or None) read to the host, until every row has stopped, the last carrying
+    the final state (``last(loop)``, the token not yet in it, fed through one step) where
+    ``plan.return_state``; ``advance(loop)`` runs the next chunk."""
     while True:
-        ids, lp = emitted if plan.logprobs is not None else (emitted, None)
-        ids, lp, num_generated, stop_reason = jax.tree.map(np.asarray, jax.device_get(
-            (ids, lp, loop.num_generated, loop.stop_reason)))
+        (ids, lp), num_generated, stop_reason = jax.tree.map(np.asarray, jax.device_get(
+            (emitted, loop.num_generated, loop.stop_reason)))
         chunk = StreamChunk(ids, num_generated, stop_reason, logprobs=lp)
         done = bool((chunk.stop_reason != STOP_RUNNING).all())
         if done and plan.return_state:
             chunk = dataclasses.replace(chunk, state=_call(
-                _feed_last_jit, (params, loop.state, loop.last_token),
-                dict(kernels=plan.kernels), executables))
+                _feed_last_jit, (params, loop.state, last(loop)), dict(kernels=plan.kernels),
+                executables))
         yield chunk
         if done:
             return
-        loop, emitted = _call(_chunk_jit, *_chunk_args(params, plan, loop), executables)
+        loop, emitted = advance(loop)
 
 
 generate.__doc__ += _DOC_ARGS
@@ -980,16 +986,10 @@ def _precompile_speculative(params: Params, prompts, max_new_tokens, sampling, k
                             num_speculative_tokens, **kwargs) -> Executables:
     """:func:`precompile` of speculative decoding: its one jitted loop, or (``stream``) its
     start, the draft vocabulary's head, its chunks and the last token's step."""
-    options = dict(stop_sequences=None, return_state=False, max_len=None, num_samples=1,
-                   pad_id=-1, kernels=None, prefill_chunk_size=None, activation_budget=None,
-                   return_logprobs=False, top_logprobs=0, features=None, draft_vocab=None)
-    unknown = sorted(set(kwargs) - set(options))
-    if unknown:
-        raise TypeError(f"precompile got unexpected keyword arguments {unknown}")
     k = num_speculative_tokens
     plan, state, draft_vocab = _speculative_plan(
         params, prompts, max_new_tokens, sampling, key, eos_token_ids, k, state=state,
-        chunk_size=chunk_size, abstract=True, **{**options, **kwargs})
+        chunk_size=chunk_size, abstract=True, **kwargs)
     if not stream:
         return Executables((_compile(speculative_generate_jit, *_speculative_generate_args(
             params, plan, state, draft_vocab, k, progress)),))

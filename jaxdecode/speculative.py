@@ -76,6 +76,11 @@ class SpeculativeLoop:
     prompt_mask: Array | None = None  # [R, V] bool, the prompts' ids: the repetition penalty
 
 
+def _all_greedy(sampling: SamplingParams | None, features: SamplingFeatures | None) -> bool:
+    """Whether no row samples (``features.sampled`` off, or none given): tokens are argmaxes."""
+    return sampling is None or features is None or not features.sampled
+
+
 def distribution(logits: Array, sampling: SamplingParams, features: SamplingFeatures,
                  token_counts: Array | None = None, prompt_mask: Array | None = None) -> Array:
     """[..., V] float32 probabilities a row draws from: ``softmax(processed_logits)`` for
@@ -195,7 +200,7 @@ def emitted_logprobs(logits: Array, tokens: Array, sampling: SamplingParams | No
     (``sampling.token_logprobs``), penalised with ``token_counts`` [R, W, V] and
     ``prompt_mask`` [R, V] (None: no penalties)."""
     rows, width, vocab = logits.shape
-    if sampling is None or features is None or not features.sampled:
+    if _all_greedy(sampling, features):
         processed = penalised(logits, sampling, features, token_counts, prompt_mask)
     else:
         processed = jax.vmap(  # (a None token_counts maps as an empty tree)
@@ -312,7 +317,7 @@ def _choosers(sampling, features, draft_vocab, vocab):
     prompt mask) -> (tokens [R], probabilities [R, V] or None for greedy rows); choose_draft
     over the draft vocabulary's logits [R, V'], without penalties (any q keeps the output
     exact), its ids and q mapped back to the model's (:func:`draft_tokens`)."""
-    greedy = sampling is None or features is None or not features.sampled
+    greedy = _all_greedy(sampling, features)
 
     def choose(logits, key, token_counts=None, prompt_mask=None):
         if greedy:
@@ -351,7 +356,7 @@ def speculative_steps_fn(params: Params, loop: SpeculativeLoop, budgets: Array, 
     where no step runs). Other arguments as :func:`speculative_generate_fn`."""
     k = num_speculative_tokens
     vocab = params.config.vocab_size
-    greedy = sampling is None or features is None or not features.sampled
+    greedy = _all_greedy(sampling, features)
     _, choose_draft = _choosers(sampling, features, draft_vocab, vocab)
 
     def body(loop: SpeculativeLoop) -> SpeculativeLoop:
