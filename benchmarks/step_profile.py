@@ -2,7 +2,7 @@
 
     python benchmarks/step_profile.py [--cells 0.8b:1:1024,9b:1:1024] [--attention auto,reference]
         [--deltanet auto,reference] [--options ';name=value,...'] [--pdl on,off] [--fp8]
-        [--layers N]
+        [--fp8-linear auto,pallas,xla] [--layers N]
 
 Per cell (model:batch:context) and variant (attention and DeltaNet implementations, XLA
 options): wall ms per step (the same timing as ``benchmarks/decode.py``), the sum of kernel
@@ -36,6 +36,7 @@ from decode import kernels_for, randomize_state, time_decode  # noqa: E402
 CHOICES = ("auto", "pallas", "xla")
 DELTANET = {"auto": {}, "pallas": dict(deltanet="pallas"),
             "xla": dict(deltanet="xla", delta_rule="xla")}
+FP8_LINEAR = {"auto": {}, "pallas": dict(fp8_linear="pallas"), "xla": dict(fp8_linear="xla")}
 
 
 def parse_options(text: str) -> dict:
@@ -142,14 +143,21 @@ def main():
     ap.add_argument("--dump-hlo", default=None, help="write each cell's optimised HLO here")
     ap.add_argument("--fp8", action="store_true",
                     help="the same weights as block-FP8 Linears (jd.quantize_fp8)")
+    ap.add_argument("--fp8-linear", default="auto",
+                    help="with --fp8: comma-separated FP8 Linear forms, each timed in the same "
+                         "process (auto: jd.choose_kernels; pallas: the kernel; xla: dequantise "
+                         "+ dot)")
     ap.add_argument("--layers", type=int, default=None,
                     help="each preset's first N layers only, at full width (a model that does "
                          "not fit the card beside its FP8 copy); per-layer kernels unchanged")
     args = ap.parse_args()
-    for flag, values in (("--attention", args.attention), ("--deltanet", args.deltanet)):
+    for flag, values in (("--attention", args.attention), ("--deltanet", args.deltanet),
+                         ("--fp8-linear", args.fp8_linear)):
         unknown = [v for v in values.split(",") if v not in CHOICES]
         if unknown:
             ap.error(f"{flag}: unknown {unknown}; choose from {CHOICES}")
+    if args.fp8_linear != "auto" and not args.fp8:
+        ap.error("--fp8-linear compares FP8 Linear forms: it needs --fp8")
     if "pallas" in args.deltanet.split(","):
         for cell in args.cells.split(","):
             name = cell.split(":")[0]
@@ -184,17 +192,18 @@ def main():
                 params_cache[preset] = jd.quantize_fp8(params_cache[preset])
         params = params_cache[preset]
         config = params.config
-        variants = [(impl, opts, form, pdl) for impl in args.attention.split(",")
+        variants = [(impl, opts, form, pdl, fp8_form) for impl in args.attention.split(",")
                     for opts in args.options.split(";")
                     for form in args.deltanet.split(",")
-                    for pdl in args.pdl.split(",")]
-        for impl, opts, form, pdl in variants:
+                    for pdl in args.pdl.split(",")
+                    for fp8_form in args.fp8_linear.split(",")]
+        for impl, opts, form, pdl, fp8_form in variants:
             if args.pdl != "on":  # only an on/off comparison patches the kernel modules
                 set_pdl(pdl == "on")
             options = parse_options(opts)
             state = randomize_state(jd.init_state(config, batch, context + 256,
                                                    dtype="bfloat16"), context)
-            kernels = kernels_for(params, batch, impl, **DELTANET[form])
+            kernels = kernels_for(params, batch, impl, **DELTANET[form], **FP8_LINEAR[fp8_form])
             dt, compile_s, compiled = time_decode(params, state, batch, kernels=kernels,
                                                   compiler_options=options or None)
             hlo = compiled.as_text()
@@ -240,7 +249,8 @@ def main():
             entry = hlo[hlo.index("ENTRY"):]
             copies = re.findall(r"= (\S+) copy\(", entry[:entry.index("\n}\n")])
             n_cmd = len(copies)
-            fp8 = " fp8" if args.fp8 else ""
+            fp8 = (" fp8" + (f" fp8_linear={fp8_form}" if fp8_form != "auto" else "")
+                   if args.fp8 else "")
             tag = (f"{name}{fp8} b{batch} ctx{context} attention={impl}"
                    + (f" {opts}" if opts else "")
                    + (f" deltanet={form}" if form != "auto" else "")
