@@ -29,8 +29,8 @@ timed twice: each call with the last call's output alive (as every row), and wit
 (``generate``'s ``draft_vocab``: the LM head's rows of those ids only); 0, the default, the whole
 vocabulary.
 
-``--stream 1,4``: the MTP-draft run again through ``jd.generate_stream`` at each chunk size (the
-host reads every chunk), beside the same run in one ``generate`` call; ``--penalty r``: plain and
+``--stream 1,4``: the MTP-draft run and the plain run again through ``jd.generate_stream`` at each
+chunk size (the host reads every chunk), beside the same runs in one ``generate`` call; ``--penalty r``: plain and
 MTP-draft speculative ``generate`` with a repetition penalty of r (token counts kept), beside the
 runs without: the cost of streaming and of the penalties at the same (near-zero) acceptance.
 
@@ -199,9 +199,10 @@ def timed(fn, repeats=3, keep=True):
 
 
 def overheads(params, tokens, k, streams, penalty, draft_vocab=None):
-    """Seconds per token of the MTP-draft speculative run through ``jd.generate_stream`` (one
-    per chunk size of ``streams``, the host reading each chunk) and of plain and speculative
-    ``jd.generate`` with a repetition penalty of ``penalty`` (greedy; None: not run):
+    """Seconds per token of the MTP-draft speculative and the plain run through
+    ``jd.generate_stream`` (each chunk size of ``streams``, the host reading each chunk), and of
+    plain and speculative ``jd.generate`` with a repetition penalty of ``penalty`` (greedy;
+    None: not run):
     [(label, seconds per token, the matching unstreamed, unpenalised run's label)]."""
     prompt = [list(np.random.default_rng(2).integers(0, 1000, 16))]
     kw = dict(eos_token_ids=(), num_speculative_tokens=k, draft_vocab=draft_vocab)
@@ -215,6 +216,10 @@ def overheads(params, tokens, k, streams, penalty, draft_vocab=None):
                                                                 chunk_size=chunk, **kw)])
         rows.append((f"speculative, MTP drafts, `generate_stream` chunk_size {chunk}", t,
                      "speculative"))
+        t = best(lambda: [c.tokens for c in jd.generate_stream(params, prompt, tokens,
+                                                                chunk_size=chunk,
+                                                                eos_token_ids=())])
+        rows.append((f"plain, `generate_stream` chunk_size {chunk}", t, "plain"))
     if penalty is not None:
         sampling = jd.SamplingParams.create(repetition_penalty=penalty)
         rows.append((f"plain, repetition penalty {penalty}",
