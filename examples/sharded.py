@@ -111,13 +111,12 @@ def main(argv=None) -> int:
     mesh = sharding.make_mesh(args.data, args.model)
     if args.checkpoint:
         params = jd.load_checkpoint(args.checkpoint, args.dtype, mesh=mesh)
-        config = params.config
     else:
-        config = demo_config()
-        sharding.check_mesh(sharding.config_on(config, mesh), mesh)  # before any device work
+        demo = demo_config()
+        sharding.check_mesh(sharding.config_on(demo, mesh), mesh)  # before any device work
         params = sharding.shard_params(
-            jd.init_params(config, jax.random.key(args.seed), args.dtype), mesh)
-        config = params.config  # KV heads repeated where the mesh needs it
+            jd.init_params(demo, jax.random.key(args.seed), args.dtype), mesh)
+    config = params.config  # KV heads repeated where the mesh needs it
     say(f"mesh data={args.data} x model={args.model} over {jax.device_count()} "
         f"{jax.devices()[0].platform} devices in {jax.process_count()} process(es); "
         f"batch {args.batch}, {args.dtype}")
@@ -145,12 +144,12 @@ def main(argv=None) -> int:
     for row in range(min(args.batch, 4)):
         say(f"row {row}: {tokens[row].tolist()}")
 
-    if args.check:
+    if args.check:  # the same model on one device, with its own KV heads
         if args.checkpoint:
             ref_params = jd.load_checkpoint(args.checkpoint, args.dtype)
         else:
-            ref_params = jd.init_params(config, jax.random.key(args.seed), args.dtype)
-        state = jd.init_state(config, args.batch, max_len, args.dtype)
+            ref_params = jd.init_params(demo_config(), jax.random.key(args.seed), args.dtype)
+        state = jd.init_state(ref_params.config, args.batch, max_len, args.dtype)
         ref = np.stack([np.asarray(t) for t in greedy(ref_params, state, prompts, num_new,
                                                       args.max_new_tokens)], axis=1)
         differ = int((ref != tokens).sum())

@@ -592,6 +592,22 @@ def test_example_runs_and_matches_one_device():
     assert "check: sharded tokens == single-device tokens" in proc.stdout
 
 
+@pytest.mark.slow
+def test_example_checks_a_checkpoint_with_fewer_kv_heads_than_the_model_axis(tmp_path):
+    """--check compares with the checkpoint on one device (its own 2 KV heads), not the mesh's
+    config (KV heads repeated to 4)."""
+    from test_checkpoint import write_checkpoint
+    config = dataclasses.replace(TINY, linear_num_key_heads=4, linear_num_value_heads=8)
+    assert config.num_key_value_heads == 2
+    path = write_checkpoint(tmp_path / "ck", jd.init_params(config, jax.random.key(3)))
+    proc = subprocess.run(
+        [sys.executable, str(HERE.parent / "examples" / "sharded.py"), "--mesh", "1,4",
+         "--checkpoint", str(path), "--max-new-tokens", "3", "--prompt-len", "5", "--check"],
+        capture_output=True, text=True, timeout=240, env=_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "check: sharded tokens == single-device tokens" in proc.stdout
+
+
 def test_example_reports_bad_mesh_in_one_line():
     proc = subprocess.run(
         [sys.executable, str(HERE.parent / "examples" / "sharded.py"), "--mesh", "3,3"],
