@@ -87,8 +87,9 @@ _PER_EXPERT = re.compile(r"^((?:model|mtp)\.layers\.(?:0|[1-9]\d*)\.mlp\.experts
 def _fuse_experts(config: Config, found: dict, problems: list[str]) -> None:
     """Replaces per-expert 2-D tensors in ``found`` by entries for the fused 3-D ones, whose
     "stored" field lists the parts: gate_up_proj [E, 2·I_e, H] = expert e's gate then up rows,
-    down_proj [E, H, I_e]. Appends to ``problems`` a missing, misshapen or doubly stored part,
-    and the per-expert tensors of a layer outside ``config.moe_layers`` (unexpected)."""
+    down_proj [E, H, I_e]. Appends to ``problems`` a missing or misshapen part, a part of a layer
+    whose experts are also stored fused (twice), and the per-expert tensors of a layer outside
+    ``config.moe_layers`` (unexpected)."""
     parts: dict[str, dict[tuple[int, str], tuple]] = {}
     for name in [n for n in found if _PER_EXPERT.match(n)]:
         prefix, expert, kind = _PER_EXPERT.match(name).groups()
@@ -103,10 +104,17 @@ def _fuse_experts(config: Config, found: dict, problems: list[str]) -> None:
                         for entry in parts.pop(prefix).values())
     e, ie, h = config.num_experts, config.moe_intermediate_size, config.hidden_size
     want = {"gate": (ie, h), "up": (ie, h), "down": (h, ie)}
+    fused_of = {"gate": "gate_up_proj", "up": "gate_up_proj", "down": "down_proj"}
+    for prefix, layer in list(parts.items()):
+        stored = [prefix + f for f in ("gate_up_proj", "down_proj") if prefix + f in found]
+        if stored:  # the layer's experts are stored fused: no per-expert tensor belongs
+            problems.extend(
+                f"tensor {entry[1]} is stored twice: per expert and in the fused "
+                f"{prefix}{fused_of[kind]}" if prefix + fused_of[kind] in found else
+                f"unexpected tensor {entry[1]}: the layer's experts are stored fused "
+                f"({', '.join(stored)})" for (_, kind), entry in layer.items())
+            del parts[prefix]
     for prefix, layer in parts.items():
-        for fused in ("gate_up_proj", "down_proj"):
-            if prefix + fused in found:
-                problems.append(f"tensor {prefix}{fused} is stored twice: fused and per expert")
         for (expert, kind), entry in layer.items():
             if expert >= e:
                 problems.append(f"unexpected tensor {entry[1]} (num_experts={e})")
@@ -392,7 +400,7 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
                 _check_finite_stack(array, found[name][1])
                 _check_finite_stack(scale, found[name][1], SCALE_SUFFIX)
                 _check_dequantized(array, scale, block, dtype, lambda lead, row, e=found[name][1]:
-                                   _stack_part(e, lead[0], row, array.shape[1])[:2])
+                                   _stack_part(e, lead[0], row, array.shape[1]))
             flat[name] = Fp8Linear(place(name, array), place(name + SCALE_SUFFIX, scale), block)
             continue
         if name in scales:
@@ -403,7 +411,7 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
                                   scales=x is scale)
             if name in kept and check_finite:  # (dequantised ones: checked after the cast)
                 _check_dequantized(array, scale, block, dtype,
-                                   lambda lead, row: found[name][:2])
+                                   lambda lead, row: (*found[name][:2], slice(0, None)))
             if name in kept:
                 for leaf, rows in kept[name].items():
                     w8, scale_rows = (array, scale) if rows is None else (
@@ -457,8 +465,8 @@ def _check_finite(array: np.ndarray, stored: str, path: str, scales: bool = Fals
 def _check_dequantized(w8: np.ndarray, scale: np.ndarray, block, dtype, where) -> None:
     """ValueError when a block of FP8 values [..., N, K] times its scale [..., R, C] exceeds
     ``dtype``'s largest value (the step dequantises to it: inf), naming ``where(lead, row)``
-    (the (file, stored name) holding that block: ``lead`` its stack index, () for a Linear,
-    ``row`` its first row).
+    (the (file, stored name, its rows in the stack) holding that block: ``lead`` its stack
+    index, () for a Linear, ``row`` its first row) and the block's index in that tensor.
     Only blocks whose scale allows it (scale · 448 above that value: none in a checkpoint
     quantised from ``dtype``) are read."""
     limit = float(jnp.finfo(dtype).max)
@@ -466,7 +474,8 @@ def _check_dequantized(w8: np.ndarray, scale: np.ndarray, block, dtype, where) -
         *lead, r, c = (int(i) for i in idx)
         part = w8[tuple(lead)][r * block[0]:(r + 1) * block[0], c * block[1]:(c + 1) * block[1]]
         if float(np.abs(part.astype(np.float64)).max()) * float(scale[tuple(idx)]) > limit:
-            path, stored = where(tuple(lead), r * block[0])
+            path, stored, rows = where(tuple(lead), r * block[0])
+            r -= (rows.start or 0) // block[0]  # the block's row in the stored tensor
             raise ValueError(
                 f"tensor {stored} in {path!r}: its FP8 block {r, c} times its weight_scale_inv "
                 f"{float(scale[tuple(idx)]):.3g} exceeds {np.dtype(dtype).name}'s largest value "

@@ -322,3 +322,26 @@ def test_qwen3_next_checkpoint_problems_name_each_tensor(tmp_path):
             "(96, 64)") in msg
     assert ("unexpected tensor model.layers.2.mlp.experts.0.gate_proj.weight with shape "
             "(16, 64)") in msg
+
+
+def test_a_per_expert_tensor_beside_fused_experts_is_named_once(tmp_path):
+    """A stray per-expert tensor in a layer stored fused is the one problem reported (not every
+    other expert's tensors as missing)."""
+    params = jd.init_params(MOE_CONFIG, jax.random.key(3))
+    tensors = {k: np.asarray(v, np.float32) for k, v in params_to_hf(params).items()}
+    stray = "model.layers.1.mlp.experts.0.gate_proj.weight"
+    tensors[stray] = np.zeros((16, 64), np.float32)
+    del tensors["model.layers.2.mlp.experts.down_proj"]
+    other = "model.layers.2.mlp.experts.3.down_proj.weight"
+    tensors[other] = np.zeros((64, 16), np.float32)
+    (tmp_path / "config.json").write_text(json.dumps(MOE_CONFIG.to_hf_config()))
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError) as err:
+        load_checkpoint(tmp_path)
+    msg = str(err.value)
+    assert "3 problems" in msg, msg
+    assert (f"tensor {stray} is stored twice: per expert and in the fused "
+            "model.layers.1.mlp.experts.gate_up_proj") in msg
+    assert (f"unexpected tensor {other}: the layer's experts are stored fused "
+            "(model.layers.2.mlp.experts.gate_up_proj)") in msg
+    assert "missing tensor model.layers.2.mlp.experts.down_proj" in msg

@@ -405,9 +405,12 @@ def test_fp8_moe_release_loads_its_experts(tmp_path, config):
                                              r"NaN, inf or negative block scale values"):
             jd.load_checkpoint(negative, dtype="float32")
     # a finite scale whose block overflows the model dtype once multiplied out (kept FP8: the
-    # step would dequantise it to inf), of a stack (named by its expert's tensor) and a Linear
+    # step would dequantise it to inf), of a stack (named by its expert's tensor, the block by
+    # its index in that tensor: an up_proj's rows follow the gate's in the stack) and a Linear
+    whole = config.moe_intermediate_size % 128 == 0  # gate_up kept FP8
     for name in ("model.layers.0.mlp.experts.2.down_proj.weight",
-                 "model.layers.1.self_attn.o_proj.weight"):
+                 "model.layers.1.self_attn.o_proj.weight",
+                 *(["model.layers.0.mlp.experts.3.up_proj.weight"] if whole else [])):
         huge = _write_fp8_checkpoint(tmp_path / ("huge" + name), params, change={
             name + "_scale_inv": np.full((1, 1), 1e37, np.float32)})
         for dtype in ("float32", "bfloat16"):
