@@ -30,9 +30,10 @@ timed twice: each call with the last call's output alive (as every row), and wit
 vocabulary.
 
 ``--stream 1,4``: the MTP-draft run and the plain run again through ``jd.generate_stream`` at each
-chunk size (the host reads every chunk), beside the same runs in one ``generate`` call; ``--penalty r``: plain and
-MTP-draft speculative ``generate`` with a repetition penalty of r (token counts kept), beside the
-runs without: the cost of streaming and of the penalties at the same (near-zero) acceptance.
+chunk size (the host reads every chunk), beside the same runs in one ``generate`` call;
+``--penalty r``: plain and MTP-draft speculative ``generate`` with a repetition penalty of r
+(token counts kept), beside the runs without: the cost of streaming and of the penalties at the
+same (near-zero) acceptance.
 
 ``--profile``: the first oracle run once more under CUPTI: its kernel time and kernel count per
 verify step beside its wall time per step, and its largest kernels (where a step's time goes
