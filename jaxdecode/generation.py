@@ -876,9 +876,9 @@ def generate_stream(params: Params, prompts, max_new_tokens=64,
     The first chunk holds each row's first token (prefill + one sample: the time to first token),
     each later one ``chunk_size`` decode steps, until every row has stopped; the same tokens as
     :func:`generate`. The last chunk carries ``.state`` (with ``state`` or ``return_state``; lost
-    if the iteration stops early). Validation happens on the first ``next()``. Each chunk is
-    dispatched before the previous one is read back, so the device runs it while the caller
-    handles that one (an iteration stopped early has run one chunk more).
+    if the iteration stops early). Validation happens on the first ``next()``. On a GPU each
+    later chunk is dispatched before the previous one is read back, so the device runs it while
+    the caller handles that one (an iteration stopped early has run one chunk more).
     ``num_speculative_tokens`` k, ``draft_vocab``: speculative decoding as :func:`generate`'s
     (the same tokens and draws as its speculative call); a later chunk then holds c verify
     steps, [R, c · (k + 1)] tokens, each row's new ones first and ``pad_id`` after them (c:
@@ -919,19 +919,25 @@ def _chunks(params: Params, plan: _Plan, loop, emitted, last, advance,
     the final state (``last(loop)``, the token not yet in it, fed through one step) where
     ``plan.return_state``; ``advance(loop)`` runs the next chunk (donating ``loop``).
 
-    The next chunk is dispatched before this one is read back, so the device runs it while the
-    host reads, yields and the caller works (one chunk per host round trip otherwise leaves the
-    device idle in between); after the last chunk that one runs no step (every row stopped) and
-    leaves the loop as it was."""
+    From the second chunk on, the next chunk is dispatched before this one is read back, so the
+    device runs it while the host reads, yields and the caller works (a host round trip per
+    chunk otherwise leaves the device idle); after the last chunk that one runs no step (every
+    row stopped) and leaves the loop as it was. The first chunk is read first (the time to first
+    token does not wait for the chunk's compile), and on the CPU backend nothing is dispatched
+    ahead (a read there waits for every call dispatched before it)."""
+    ahead, later = False, _dispatch_ahead(loop)
     while True:
-        # copies: advance donates the loop, whose counts this chunk reports
-        status = (jnp.copy(loop.num_generated), jnp.copy(loop.stop_reason))
-        ahead = advance(loop)
+        if ahead:  # copies: advance donates the loop, whose counts this chunk reports
+            status = (jnp.copy(loop.num_generated), jnp.copy(loop.stop_reason))
+            following = advance(loop)
+        else:
+            status = (loop.num_generated, loop.stop_reason)
         (ids, lp), num_generated, stop_reason = jax.tree.map(np.asarray, jax.device_get(
             (emitted, *status)))
         chunk = StreamChunk(ids, num_generated, stop_reason, logprobs=lp)
         done = bool((chunk.stop_reason != STOP_RUNNING).all())
-        loop, emitted = ahead
+        if ahead:
+            loop, emitted = following
         if done and plan.return_state:
             chunk = dataclasses.replace(chunk, state=_call(
                 _feed_last_jit, (params, loop.state, last(loop)), dict(kernels=plan.kernels),
@@ -939,6 +945,16 @@ def _chunks(params: Params, plan: _Plan, loop, emitted, last, advance,
         yield chunk
         if done:
             return
+        if not ahead:
+            loop, emitted = advance(loop)
+            ahead = later
+
+
+def _dispatch_ahead(loop) -> bool:
+    """Whether a stream dispatches its next chunk before reading this one: not on the CPU
+    backend, where a read waits for every call dispatched before it (each chunk would then
+    reach the host one chunk later)."""
+    return not all(d.platform == "cpu" for d in loop.num_generated.sharding.device_set)
 
 
 generate.__doc__ += _DOC_ARGS

@@ -383,9 +383,16 @@ def test_start_fn_tracks_counts_when_features_have_penalties(params):
 
 # ----- streaming == on-device ---------------------------------------------------------------------
 
+@pytest.fixture(params=[False, True], ids=["read_then_dispatch", "dispatch_ahead"])
+def dispatch_ahead(request, monkeypatch):
+    """Both stream loops on the CPU, whose backend reads first (a GPU dispatches ahead)."""
+    monkeypatch.setattr(gen, "_dispatch_ahead", lambda loop: request.param)
+    return request.param
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("chunk_size", [1, 3])
-def test_stream_matches_on_device_loop(params, chunk_size):
+def test_stream_matches_on_device_loop(params, chunk_size, dispatch_ahead):
     kw = dict(sampling=SamplingParams.create(temperature=[1.0, 0.7, 1.2], top_k=[0, 40, 0],
                                              top_p=[1.0, 1.0, 0.9]),
               key=jax.random.key(11), eos_token_ids=(5, 6))
@@ -656,7 +663,7 @@ def test_continuing_a_prefilled_state_with_num_samples_forks_after_the_new_token
 
 
 @pytest.mark.slow
-def test_stream_returns_the_final_state_on_its_last_chunk(params):
+def test_stream_returns_the_final_state_on_its_last_chunk(params, dispatch_ahead):
     prompts = [[5, 17, 33, 2, 9], [100, 7]]
     eos = (gen.generate(params, prompts, 12, eos_token_ids=()).token_lists()[1][4],)
     out = gen.generate(params, prompts, 12, eos_token_ids=eos, return_state=True)
@@ -670,6 +677,17 @@ def test_stream_returns_the_final_state_on_its_last_chunk(params):
     _close(_probe_logits(params, chunks[-1].state), _probe_logits(params, out.state))
     assert all(c.state is None for c in gen.generate_stream(params, prompts, 4))  # not asked
     assert gen.generate(params, prompts, 4).state is None
+
+
+def test_a_stream_ending_on_its_first_token_runs_no_chunk(params, monkeypatch):
+    """The first chunk is read before any later one is dispatched (the time to first token
+    waits for no chunk's compile); a stream that ends there runs none."""
+    monkeypatch.setattr(gen, "_dispatch_ahead", lambda loop: True)
+    calls = []
+    real = gen._chunk_args
+    monkeypatch.setattr(gen, "_chunk_args", lambda *a: calls.append(1) or real(*a))
+    chunks = list(gen.generate_stream(params, PROMPTS, 1))
+    assert len(chunks) == 1 and chunks[0].tokens.shape == (len(PROMPTS), 1) and not calls
 
 
 def _state(params, rows=2, fill=(3, 5), config=SMALL, dtype="float32"):

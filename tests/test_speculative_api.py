@@ -24,13 +24,16 @@ def params():
     return jd.init_params(CONFIG, jax.random.key(3))
 
 
-@pytest.mark.parametrize("chunk_size", [1, 3])
-def test_speculative_stream_equals_speculative_generate(params, chunk_size):
+@pytest.mark.parametrize("chunk_size, dispatch_ahead", [(1, False), (3, False), (1, True)],
+                         ids=["1-read_then_dispatch", "3-read_then_dispatch", "1-dispatch_ahead"])
+def test_speculative_stream_equals_speculative_generate(params, chunk_size, dispatch_ahead,
+                                                        monkeypatch):
     """generate_stream(num_speculative_tokens=2): the first chunk one token a row, each later
     one [R, chunk_size * 3], a row's new tokens first and pad_id after them; joined, they are
     generate's speculative tokens and log-probabilities, sampled rows too (the same draws),
     with num_samples = 2, an EOS id, a stop sequence and ragged budgets; the last chunk's state
     is generate's return_state; greedy with a draft vocabulary gives plain greedy's tokens."""
+    monkeypatch.setattr(generation, "_dispatch_ahead", lambda loop: dispatch_ahead)  # (a GPU's)
     c = CONFIG
     k = 2
     rng = np.random.default_rng(21)
