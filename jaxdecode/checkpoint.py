@@ -475,7 +475,7 @@ def _check_dequantized(w8: np.ndarray, scale: np.ndarray, block, dtype, where) -
         part = w8[tuple(lead)][r * block[0]:(r + 1) * block[0], c * block[1]:(c + 1) * block[1]]
         if float(np.abs(part.astype(np.float64)).max()) * float(scale[tuple(idx)]) > limit:
             path, stored, rows = where(tuple(lead), r * block[0])
-            r -= (rows.start or 0) // block[0]  # the block's row in the stored tensor
+            r -= rows.start // block[0]  # the block's row in the stored tensor
             raise ValueError(
                 f"tensor {stored} in {path!r}: its FP8 block {r, c} times its weight_scale_inv "
                 f"{float(scale[tuple(idx)]):.3g} exceeds {np.dtype(dtype).name}'s largest value "

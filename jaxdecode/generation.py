@@ -925,7 +925,7 @@ def _chunks(params: Params, plan: _Plan, loop, emitted, last, advance,
     row stopped) and leaves the loop as it was. The first chunk is read first (the time to first
     token does not wait for the chunk's compile), and on the CPU backend nothing is dispatched
     ahead (a read there waits for every call dispatched before it)."""
-    ahead, later = False, _dispatch_ahead(loop)
+    ahead = False  # the first chunk: read before the next is dispatched
     while True:
         if ahead:  # copies: advance donates the loop, whose counts this chunk reports
             status = (jnp.copy(loop.num_generated), jnp.copy(loop.stop_reason))
@@ -947,7 +947,7 @@ def _chunks(params: Params, plan: _Plan, loop, emitted, last, advance,
             return
         if not ahead:
             loop, emitted = advance(loop)
-            ahead = later
+            ahead = _dispatch_ahead(loop)
 
 
 def _dispatch_ahead(loop) -> bool:
