@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import re
+import warnings
 from collections.abc import Callable, Iterator
 
 import jax
@@ -132,6 +133,17 @@ def _fuse_experts(config: Config, found: dict, problems: list[str]) -> None:
                                        (e, h, ie))
 
 
+def holds_mtp_layer(directory: str | os.PathLike) -> bool:
+    """Whether a checkpoint directory stores an MTP layer (``mtp.*`` tensors; read from the
+    safetensors headers alone). Errors: as :func:`checkpoint_files`, and a ValueError naming a
+    damaged file."""
+    for path in checkpoint_files(directory):
+        with _open(path) as f:
+            if any(name.startswith(MTP_PREFIX) for name in f.keys()):
+                return True
+    return False
+
+
 def _index_tensors(files: list[str], problems: list[str], fp8: set[str], mtp: bool = False):
     """{canonical name: (file, stored name, shape)} from the headers alone (``mtp.*`` only with
     ``mtp``); appends to
@@ -195,8 +207,10 @@ def _pair_scales(config: Config, found: dict, fp8: set[str], block, problems: li
             problems.append(f"unexpected tensor {entry[1]} with shape {entry[2]} (no weight "
                             f"{weight} stored beside it)")
         elif weight not in fp8:
+            with _open(found[weight][0]) as f:
+                stored_dtype = f.get_slice(found[weight][1]).get_dtype()
             problems.append(f"unexpected tensor {entry[1]} with shape {entry[2]} (its weight "
-                            f"{found[weight][1]} is stored as another dtype, not {FP8_DTYPE})")
+                            f"{found[weight][1]} is stored as {stored_dtype}, not {FP8_DTYPE})")
         else:
             scales[weight] = entry
     for name in sorted(fp8):
@@ -208,9 +222,9 @@ def _pair_scales(config: Config, found: dict, fp8: set[str], block, problems: li
             problems.append(f"tensor {stored} is {FP8_DTYPE} with shape {shape}: only 2-D "
                             "Linear weights are read as FP8")
         elif scales[name][2] != quantization.scale_shape(shape, block):
-            problems.append(f"tensor {scales[name][1]} has shape {scales[name][2]}, expected "
-                            f"{quantization.scale_shape(shape, block)} (weight {shape}, "
-                            f"blocks {list(block)})")
+            problems.append(f"tensor {scales[name][1]} has shape {scales[name][2]}, but its "
+                            f"weight {stored} as stored, {shape} in blocks {list(block)}, needs "
+                            f"{quantization.scale_shape(shape, block)}")
     return scales
 
 
@@ -274,8 +288,9 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
         negative value (one host pass over each tensor as read; damaged data otherwise loads
         silently and decodes garbage).
       quantize: None, or "fp8": the Linears of ``quantization.QUANTIZED_LEAVES`` quantised at
-        load to block FP8 (``quantization.quantize``, 128 x 128 blocks), as the FP8 releases
-        store them.
+        load to block FP8 (``quantization.quantize``), as the FP8 releases store them: in the
+        checkpoint's ``weight_block_size`` where config.json has one (an FP8 checkpoint), else
+        128 x 128 blocks.
       mtp: also load the multi-token-prediction layer (``mtp.*``, spec §6; ``Params.mtp``,
         ``config.mtp_num_hidden_layers = 1``) that speculative decoding drafts with; HF (and
         the default) skip it.
@@ -367,6 +382,7 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
                          f"({len(problems)} problems):\n  " + "\n  ".join(sorted(problems)))
 
     stacks = _fp8_stacks(config, found, scales, block)
+    _warn_mixed_experts(found, scales, stacks, dtype)
     # {stored FP8 tensor: {leaf: its rows}} for those whose every leaf stays FP8
     kept = {name: rows for name in scales.keys() & found.keys()  # (per-expert parts: stacks)
             if (rows := _fp8_rows(config, name, found[name][2][0], block[0]))}
@@ -531,6 +547,24 @@ def _fp8_stacks(config: Config, found: dict, scales: dict, block) -> set[str]:
             if path is None and (whole or name.endswith("down_proj"))
             and all(canonical_name(stored, mtp=True) in scales
                     for expert in parts for _, stored in expert)}
+
+
+def _warn_mixed_experts(found: dict, scales: dict, stacks: set[str], dtype) -> None:
+    """Warns, naming each, of the stacked expert entries of ``found`` stored partly in FP8 (an
+    expert's tensor in another dtype): they load dequantised in ``dtype`` (the same values, more
+    memory than the FP8 stacks of :func:`_fp8_stacks`)."""
+    mixed = []
+    for name, (path, parts, _) in found.items():
+        if path is None and name not in stacks:
+            stored = [s for expert in parts for _, s in expert]
+            n8 = sum(canonical_name(s, mtp=True) in scales for s in stored)
+            if 0 < n8 < len(stored):
+                mixed.append(f"{name} ({n8} of {len(stored)} tensors {FP8_DTYPE})")
+    if mixed:
+        warnings.warn(f"jaxdecode: {len(mixed)} expert stacks are stored partly in FP8 and "
+                      f"load dequantised in {np.dtype(dtype).name}: " + "; ".join(mixed[:3])
+                      + (f"; and {len(mixed) - 3} more" if len(mixed) > 3 else ""),
+                      stacklevel=3)
 
 
 def _iter_tensors(found, scales=None, block=quantization.DEFAULT_BLOCK, stacks=frozenset(),

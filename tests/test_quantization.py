@@ -229,8 +229,9 @@ def test_fp8_checkpoint_problems_name_the_tensor_and_both_shapes(tmp_path):
     name = "model.layers.1.self_attn.o_proj.weight"
     bad = _write_fp8_checkpoint(tmp_path / "bad", params, change={
         name + "_scale_inv": np.ones((2, 2), np.float32)})
-    with pytest.raises(ValueError, match=rf"{name}_scale_inv has shape \(2, 2\), expected "
-                                         r"\(1, 1\) \(weight \(96, 128\)"):
+    with pytest.raises(ValueError, match=rf"{name}_scale_inv has shape \(2, 2\), but its "
+                                         rf"weight {name} as stored, \(96, 128\) in blocks "
+                                         r"\[128, 128\], needs \(1, 1\)"):
         jd.load_checkpoint(bad, dtype="float32")
     hf = params_to_hf(params)
     w8, _ = quantization.quantize(np.asarray(hf[name], np.float32))
@@ -268,7 +269,7 @@ def test_fp8_checkpoint_problems_name_the_tensor_and_both_shapes(tmp_path):
             assert f"missing tensor {name}" in str(e.value)
         else:
             assert (f"unexpected tensor {name}_scale_inv with shape (1, 1) (its weight {name} is "
-                    "stored as another dtype, not F8_E4M3)") in str(e.value)
+                    "stored as F32, not F8_E4M3)") in str(e.value)
 
 
 def test_fp8_tensor_of_an_unquantised_leaf_is_dequantised_at_load(tmp_path):
@@ -386,8 +387,23 @@ def test_fp8_moe_release_loads_its_experts(tmp_path, config):
     name = "model.layers.1.mlp.experts.1.up_proj.weight_scale_inv"
     bad = _write_fp8_checkpoint(tmp_path / "bad", params, change={
         name: np.ones((3, 3), np.float32)})
-    with pytest.raises(ValueError, match=rf"{name} has shape \(3, 3\), expected \(1, 1\)"):
+    with pytest.raises(ValueError, match=rf"{name} has shape \(3, 3\), but its weight "
+                                         rf"{name[:-len('_scale_inv')]} as stored, "
+                                         rf"\({config.moe_intermediate_size}, "
+                                         rf"{config.hidden_size}\) in blocks \[128, 128\], "
+                                         r"needs \(1, 1\)"):
         jd.load_checkpoint(bad, dtype="float32")
+    # an expert stored in another dtype: its layer's stack loads dequantised, with a warning
+    name = "model.layers.0.mlp.experts.1.down_proj.weight"
+    mixed = _write_fp8_checkpoint(tmp_path / "mixed", params, drop=(name + "_scale_inv",),
+                                  change={name: np.asarray(dense.layers[0].mlp.experts_down_proj[1])})
+    with pytest.warns(UserWarning, match=r"1 expert stacks are stored partly in FP8 and load "
+                      r"dequantised in float32: model.layers.0.mlp.experts.down_proj \(3 of 4 "
+                      r"tensors F8_E4M3\)$"):
+        got = jd.load_checkpoint(mixed, dtype="float32")
+    assert not isinstance(got.layers[0].mlp.experts_down_proj, jd.Fp8Linear)
+    np.testing.assert_array_equal(np.asarray(got.layers[0].mlp.experts_down_proj),
+                                  np.asarray(dense.layers[0].mlp.experts_down_proj))
     # and a NaN in an expert of a stack (down_proj: always one) by that expert's tensor and file
     name = "model.layers.0.mlp.experts.2.down_proj.weight_scale_inv"
     nan = _write_fp8_checkpoint(tmp_path / "nan", params, change={
