@@ -175,6 +175,7 @@ def _generate(args) -> int:
     import numpy as np
 
     import jaxdecode as jd
+    from jaxdecode import checkpoint
     from jaxdecode import tokenizer as tok_lib
     from jaxdecode.generation import generate, precompile
 
@@ -222,6 +223,9 @@ def _generate(args) -> int:
                 f"{RANDOM_WEIGHTS_NOTE}")
         eos = tuple(config.eos_token_id)
     else:
+        if speculative and not checkpoint.holds_mtp_layer(args.checkpoint):
+            raise UsageError(f"--num-speculative-tokens: {args.checkpoint} has no MTP layer "
+                             f"(no {checkpoint.MTP_PREFIX}* tensors) to draft with; run without it")
         params = jd.load_checkpoint(args.checkpoint, dtype=args.dtype, quantize=args.quantize,
                                     mtp=speculative)
         config = params.config

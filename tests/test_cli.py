@@ -194,6 +194,14 @@ def test_checkpoint_may_be_the_safetensors_file(tmp_path, capsys):
     assert cli.main(["generate", "--checkpoint", str(tmp_path / "model.safetensors"),
                      "--prompt-ids", "1,2", "--max-new-tokens", "2", "--no-compile-cache"]) == 0
     assert "2 tokens" in capsys.readouterr().out
+    # speculative decoding drafts with the checkpoint's MTP layer: this one has none
+    for where in (tmp_path, tmp_path / "model.safetensors"):
+        assert cli.main(["generate", "--checkpoint", str(where), "--prompt-ids", "1,2",
+                         "--num-speculative-tokens", "2", "--no-compile-cache"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and re.search(
+            rf"--num-speculative-tokens: {re.escape(str(tmp_path))} has no MTP layer \(no mtp\.\* "
+            r"tensors\) to draft with; run without it", err), err
 
 
 # ----- stop sequences: --stop / --stop-ids (issue 22) ----------------------------------------
