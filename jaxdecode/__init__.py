@@ -19,7 +19,8 @@ __version__ = "0.2.0"
 from jaxdecode import memory, model, sharding  # noqa: E402 (after __version__, pyproject reads it)
 from jaxdecode.checkpoint import load_checkpoint
 from jaxdecode.config import PRESETS, Config
-from jaxdecode.generation import GenerateOutput, StreamChunk, generate, generate_stream
+from jaxdecode.generation import (GenerateOutput, StreamChunk, generate, generate_stream,
+                                  precompile)
 from jaxdecode.kernels.choice import Kernels, choose_kernels
 from jaxdecode.params import Params, init_params, num_params, param_specs, quantize_fp8
 from jaxdecode.quantization import Fp8Linear
@@ -34,6 +35,7 @@ __all__ = [
     "Fp8Linear", "Kernels", "Logprobs", "MTPCache",
     "PRESETS", "Params", "SamplingParams", "StreamChunk", "choose_kernels", "decode_step",
     "fork", "generate", "generate_stream", "init_params", "init_state", "load_checkpoint",
-    "load_tokenizer", "memory", "model", "num_params", "param_specs", "prefill", "quantize_fp8", "sample",
+    "load_tokenizer", "memory", "model", "num_params", "param_specs", "precompile", "prefill",
+    "quantize_fp8", "sample",
     "score", "ScoreOutput", "sharding",
 ]

@@ -452,7 +452,8 @@ def init_params(config: Config, key: Array, dtype="float32") -> Params:
     dtype = model_dtype(dtype)
     if not isinstance(key, Tracer):  # (jax.eval_shape allocates nothing)
         memory.check_fits(f"init_params' weights ({dtype.name})", params_bytes(config, dtype),
-                          advice="use a mesh (sharding.init_params_sharded) or FP8 weights")
+                          advice="use a mesh, or FP8 weights: sharding.init_params_sharded("
+                          "config, mesh, key, quantize='fp8') (a (1, 1) mesh for one device)")
     specs = param_specs(config)
     flat = {name: init_leaf(spec, jax.random.fold_in(key, n), dtype, config)
             for n, (name, spec) in enumerate(specs.items())}

@@ -505,7 +505,7 @@ def test_precompiled_executables_are_used_and_give_the_same_tokens(params):
     prompts = [[5, 6, 7], [8, 9]]
     kw = dict(max_new_tokens=6, key=jax.random.key(3), eos_token_ids=(),
               sampling=SamplingParams.create(temperature=0.8, top_k=20))
-    executables = gen.precompile(params, prompts, **kw)
+    executables = jd.precompile(params, prompts, **kw)
     before = gen._generate_jit._cache_size()
     out = gen.generate(params, prompts, executables=executables, **kw)
     assert gen._generate_jit._cache_size() == before  # ran the precompiled executable, no jit
