@@ -339,3 +339,21 @@ def test_gradient_through_the_kernel_equals_xla_form():
     assert_rel_close(np.asarray(gx, np.float32), np.asarray(want_x, np.float32), 1e-2,
                      "x's gradient")
     assert not np.asarray(gw.scale_inv).any() and not np.asarray(want_w.scale_inv).any()
+
+
+def test_gradient_through_several_linears_in_one_launch_equals_xla_form():
+    """Reverse mode through ``choice.fp8_linears`` of two weights in one kernel launch
+    (interpreter): x's gradient, the sum over both products, as XLA's form gives it."""
+    x, w8, scale = inputs(8, 3, 256, 384)
+    _, w8b, scaleb = inputs(9, 3, 128, 384)
+    ws = (jd.Fp8Linear(w8, scale), jd.Fp8Linear(w8b, scaleb))
+
+    def loss(x, kernels):
+        ys = choice.fp8_linears(kernels, x, ws)
+        return sum((y.astype(f32) * jnp.arange(y.size, dtype=f32).reshape(y.shape) / (i + 1)).sum()
+                   for i, y in enumerate(ys)) / 1e3
+
+    gx = jax.grad(loss)(x, choice.Kernels(fp8_linear="pallas", interpret=True))
+    want = jax.grad(loss)(x, choice.XLA)
+    assert_rel_close(np.asarray(gx, np.float32), np.asarray(want, np.float32), 1e-2,
+                     "x's gradient")
