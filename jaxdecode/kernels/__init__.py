@@ -21,15 +21,11 @@ from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
-def wait_for_inputs(interpret: bool, prefetch=None) -> None:
+def wait_for_inputs(interpret: bool) -> None:
     """The first statement of every kernel body: programmatic dependent launch (PDL, Hopper; CUDA
     programming guide). The GPU may launch the kernel while the previous one runs; it waits here
     for that kernel's writes, then lets the next kernel launch early. Used as XLA's own kernels
-    do (effect within noise: benchmarks/RESULTS.md); a no-op in the interpreter. ``prefetch()``,
-    run before the wait: copies of inputs no kernel of the step writes (the weights), so that
-    their first bytes' latency overlaps the previous kernel."""
-    if prefetch is not None:
-        prefetch()
+    do (effect within noise: benchmarks/RESULTS.md); a no-op in the interpreter."""
     if not interpret:
         plgpu.griddepcontrol_wait()
         plgpu.griddepcontrol_launch_dependents()

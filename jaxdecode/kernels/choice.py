@@ -397,11 +397,11 @@ def _fp8_linears_kernel_fwd(x, weights, scale_invs, block_size, interpret):
 
 def _fp8_linears_kernel_bwd(block_size, interpret, residuals, gs):
     weights, scale_invs = residuals
+    # each weight's part rounded to g's dtype, then added: what XLA's form, one dot each, gives
     dx = sum(jnp.einsum("mn,nk->mk", g, quantization.dequantize(w, s, block_size, g.dtype),
-                        preferred_element_type=jnp.float32)
+                        preferred_element_type=jnp.float32).astype(g.dtype)
              for g, w, s in zip(gs, weights, scale_invs))
-    return (dx.astype(gs[0].dtype), tuple(map(jnp.zeros_like, weights)),
-            tuple(map(jnp.zeros_like, scale_invs)))
+    return dx, tuple(map(jnp.zeros_like, weights)), tuple(map(jnp.zeros_like, scale_invs))
 
 
 _fp8_linears_kernel.defvjp(_fp8_linears_kernel_fwd, _fp8_linears_kernel_bwd)

@@ -30,9 +30,6 @@ hopper_mixed_type_matmul_mgpu.py``; Marlin, Frantar et al., 2024, for the weight
   picking each block's weight. At the 35B-A3B's widths a launch's fixed costs (the first bytes'
   latency, the partials' write) and the pad and sum XLA adds around it are as long as a small
   weight's bytes.
-* The TMA warpgroup issues its first stages' weight copies before waiting for the previous
-  kernel (programmatic dependent launch: ``kernels.wait_for_inputs``); no kernel of a step
-  writes the weights. x's copies follow the wait.
 * A pipeline step copies ``cols_per_step`` column blocks at once ([128, 128·c] FP8, 128·c-byte
   rows per TMA copy): fewer, larger steps issue fewer instructions per byte. A 4-block step's
   wgmmas share one accumulator scope (:data:`SCOPE_MIN_COLS`): block j + 1 is converted while
@@ -163,6 +160,7 @@ def check_supported(x_shape, w_shape, x_dtype, w_dtype, block_size) -> str | Non
 
 def _kernel(x_gmem, w_gmems, s_gmems, o_gmem, scoped, *, first_rows, steps_per_program,
             steps_per_row, total_steps, cols, num_stages, dtype, interpret):
+    wait_for_inputs(interpret)
     (w_smem, x_smem, o_smem2, w_tmp2), (w_barriers, x_barriers), consumed = scoped
     program, wg = lax.axis_index("p"), lax.axis_index("wg")
     scope = cols if cols >= SCOPE_MIN_COLS else 1  # blocks per accumulator scope
@@ -190,7 +188,6 @@ def _kernel(x_gmem, w_gmems, s_gmems, o_gmem, scoped, *, first_rows, steps_per_p
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
-        wait_for_inputs(interpret)
         rows = pl.ds(wg * ROWS_PER_WG, ROWS_PER_WG)
         layout = plgpu.Layout.WGMMA
         zero = plgpu.layout_cast(jnp.zeros((ROWS_PER_WG, x_smem.shape[1]), jnp.float32), layout)
@@ -248,33 +245,18 @@ def _kernel(x_gmem, w_gmems, s_gmems, o_gmem, scoped, *, first_rows, steps_per_p
         if not interpret:
             plgpu.set_max_registers(40, action="decrease")
 
-        def fetch_w(i, slot):
-            row, col = where(i)
-            for w, _, inside, local in parts(row):
-                copy = functools.partial(
-                    plgpu.copy_gmem_to_smem,
-                    w.at[pl.ds(local * BLOCK, BLOCK), pl.ds(col * BLOCK, cols * BLOCK)],
-                    w_smem.at[slot], w_barriers.at[slot])
-                copy() if inside is True else pl.when(inside)(copy)
-
-        def fetch_x(i, slot):
-            _, col = where(i)
-            plgpu.copy_gmem_to_smem(x_gmem.at[:, pl.ds(col * BLOCK, cols * BLOCK)],
-                                    x_smem.at[slot], x_barriers.at[slot])
-
         def fetch(i, slot):
-            fetch_w(i, slot)
-            fetch_x(i, slot)
+            row, col = where(i)
+            span = pl.ds(col * BLOCK, cols * BLOCK)
+            for w, _, inside, local in parts(row):  # the one weight row block ``row`` is in
+                copy = functools.partial(plgpu.copy_gmem_to_smem,
+                                         w.at[pl.ds(local * BLOCK, BLOCK), span],
+                                         w_smem.at[slot], w_barriers.at[slot])
+                copy() if inside is True else pl.when(inside)(copy)
+            plgpu.copy_gmem_to_smem(x_gmem.at[:, span], x_smem.at[slot], x_barriers.at[slot])
 
-        def first_stages(fetch_one):
-            for i in range(num_stages):
-                pl.when(i < steps)(functools.partial(fetch_one, i, i))
-
-        # the weights (no kernel of the step writes them) while the previous kernel runs; x after
-        wait_for_inputs(interpret, prefetch=lambda: first_stages(fetch_w))
-        first_stages(fetch_x)
         stream_blocks(fetch, steps, num_stages,
-                      lambda slot: plgpu.barrier_wait(consumed.at[slot]), prologue=0)
+                      lambda slot: plgpu.barrier_wait(consumed.at[slot]))
 
 
 def fp8_linear_pallas(x, weight, scale_inv, block_size=DEFAULT_BLOCK, *,
@@ -299,7 +281,7 @@ def fp8_linears_pallas(x, weights, scale_invs, block_size=DEFAULT_BLOCK, *,
         raise ValueError(f"{len(weights)} weights and {len(scale_invs)} scales (one per weight)")
     for weight, scale_inv in zip(weights, scale_invs):
         if (why := check_supported(x.shape, weight.shape, x.dtype, weight.dtype, block_size)):
-            raise ValueError(f"fp8_linear_pallas does not take {why}")
+            raise ValueError(f"fp8_linears_pallas does not take {why}")
         if scale_inv.shape != (weight.shape[0] // BLOCK, weight.shape[1] // BLOCK):
             raise ValueError(f"{scale_inv.shape=} does not match {weight.shape=} in "
                              f"{BLOCK}-blocks")
