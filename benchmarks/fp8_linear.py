@@ -3,7 +3,7 @@
 model ran before the kernel) and the bf16 weight's dot, in one process.
 
     python benchmarks/fp8_linear.py [--shapes 12288x4096,4096x12288,...] [--batches 1,8,64]
-        [--configs 2:4:8,4:2:21] [--smoke]
+        [--configs 2:4:8,4:2:21] [--groups 8192+4096x2048,512+512x2048] [--smoke]
 
 Per (out x in, rows): microseconds per matrix (``--layers`` different matrices of the shape
 summed in one jitted call, so the weights do not sit in the 60 MB L2; median of 5 repeats of 50
@@ -15,7 +15,9 @@ gate/up, down; DeltaNet in_proj_qkv, out_proj; attention k_proj) and the 27B's M
 it ignores --shapes, --batches and --layers). ``--configs``: the kernel once more per
 ``num_stages:cols_per_step:steps_per_program`` (``Fp8LinearConfig``; a field left empty is
 ``choose_config``'s), beside ``choose_config``'s own; one the kernel refuses for a shape is
-reported and skipped.
+reported and skipped. ``--groups``: weights of one x (``N1+N2+...xK``, e.g. the 35B-A3B's
+in_proj_qkv + in_proj_z, 8192+4096x2048) as one launch (``fp8_linears_pallas``) against one
+kernel launch each, per rows count (us per group, % of the copy bandwidth).
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ def main():
     ap.add_argument("--configs", default="",
                     help="extra kernel configs, comma-separated num_stages:cols_per_step:"
                          "steps_per_program (an empty field: choose_config's)")
+    ap.add_argument("--groups", default="",
+                    help="comma-separated N1+N2+...xK: those weights as one launch and as one "
+                         "each (the default shapes are skipped unless --shapes is given)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     try:
@@ -72,11 +77,18 @@ def main():
     except (ValueError, TypeError) as e:
         ap.error(f"--shapes takes OUTxIN,..., --batches N,..., --configs S:C:T,...; got "
                  f"{args.shapes!r}, {args.batches!r}, {args.configs!r} ({e})")
+    try:
+        groups = [(tuple(int(n) for n in g.split("x")[0].split("+")), int(g.split("x")[1]))
+                  for g in args.groups.split(",") if g]
+    except (ValueError, IndexError) as e:
+        ap.error(f"--groups takes N1+N2+...xK,...; got {args.groups!r} ({e})")
+    if groups and args.shapes == DEFAULT_SHAPES:
+        shapes = []
     if any(len(s) != 2 or min(s) < 1 for s in shapes) or min(batches) < 1 or args.layers < 1:
         ap.error("shapes, batches and --layers must be positive")
     layers = args.layers
     if args.smoke:  # fixed tiny shapes: a check of the script, not a measurement
-        shapes, batches, layers = [(256, 384)], [1, 3], 2
+        shapes, batches, layers, groups = [(256, 384)], [1, 3], 2, [((256, 128), 384)]
         configs = configs or [fl.Fp8LinearConfig(2, 1, 2), fl.Fp8LinearConfig(3, 1, 4)]
     elif jax.default_backend() != "gpu":
         ap.error("timings need a GPU (the kernel compiles for Hopper); on a CPU run --smoke")
@@ -122,9 +134,25 @@ def main():
             print(f"{n}x{k} rows {m} (choose_config: {fl.choose_config(n, k, m)}): " + ", ".join(
                 f"{name} {res[name] * 1e6:.1f} us" if res[name] else name for name in outs)
                 + f"; max |diff| to the bf16 dot / max: {max(err.values()):.1e}", flush=True)
+    group_rows = [time_group(sizes, k, m, layers, interpret, args.smoke)
+                  for sizes, k in groups for m in batches]
     if args.smoke:
         assert all("fp8 kernel" in e and max(e.values()) < 2e-2 for *_, e in rows), rows
-        print("smoke: every form agrees with the bf16 dot of the dequantised weights")
+        assert all(err < 2e-2 for *_, err in group_rows), group_rows
+        print("smoke: every form agrees with the bf16 dot of the dequantised weights; a group's "
+              "one launch with its weights' own launches")
+        return
+    if group_rows:
+        print(f"\n## weights of one x: one launch each vs one launch for all (us per group; % "
+              f"of the copy bandwidth {bw:.0f} GB/s)\n")
+        print("| weights (N x K) | rows | one launch each | one launch | speed-up |")
+        print("|---|---:|---:|---:|---:|")
+        for sizes, k, m, (each, one), _ in group_rows:
+            nbytes = sum(n * k + (n // 128) * (k // 128) * 4 for n in sizes)
+            pct = lambda t: nbytes / t / 1e9 / bw * 100  # noqa: E731
+            print(f"| {'+'.join(map(str, sizes))} x {k} | {m} | {each * 1e6:.1f} "
+                  f"({pct(each):.0f}%) | {one * 1e6:.1f} ({pct(one):.0f}%) | {each / one:.2f}x |")
+    if not rows:
         return
     print(f"\n## block-FP8 linear (us per matrix; % of the copy bandwidth {bw:.0f} GB/s over "
           "the weight's bytes)\n")
@@ -138,6 +166,38 @@ def main():
                          f"{res[name] * 1e6:.1f} ({nbytes / res[name] / 1e9 / bw * 100:.0f}%)")
         print(f"| {n} x {k} | {m} | " + " | ".join(cells)
               + f" | {res['fp8 XLA form'] / res['fp8 kernel']:.2f}x |")
+
+
+def time_group(sizes, k, m, layers, interpret, smoke):
+    """(sizes, k, m, (s each, s one launch) per group, max |difference| of the two forms over
+    max |out|): ``layers`` different groups in one jitted call."""
+    key = jax.random.key(3)
+    w8s, ss = [], []
+    for i, n in enumerate(sizes):
+        w8, s = jax.vmap(quantization.quantize)(
+            jax.random.normal(jax.random.fold_in(key, i), (layers, n, k), jnp.bfloat16))
+        w8s.append(w8)
+        ss.append(s)
+    x = jax.random.normal(jax.random.key(2), (m, k), jnp.bfloat16)
+
+    def each(x, w8s, ss):
+        return [sum(fl.fp8_linear_pallas(x, w8[i], s[i], interpret=interpret).astype(jnp.float32)
+                    for i in range(layers)) for w8, s in zip(w8s, ss)]
+
+    def one(x, w8s, ss):
+        outs = [fl.fp8_linears_pallas(x, [w8[i] for w8 in w8s], [s[i] for s in ss],
+                                      interpret=interpret) for i in range(layers)]
+        return [sum(o[j].astype(jnp.float32) for o in outs) for j in range(len(sizes))]
+    fe, fo = jax.jit(each), jax.jit(one)
+    err = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(a)))
+              for a, b in zip(fe(x, w8s, ss), fo(x, w8s, ss)))
+    if smoke:
+        return sizes, k, m, (None, None), err
+    first = lambda f: lambda *a: f(*a)[0]  # noqa: E731 (bench waits on one array)
+    times = (bench(first(fe), (x, w8s, ss)) / layers, bench(first(fo), (x, w8s, ss)) / layers)
+    print(f"{'+'.join(map(str, sizes))}x{k} rows {m}: one launch each {times[0] * 1e6:.1f} us, "
+          f"one launch {times[1] * 1e6:.1f} us", flush=True)
+    return sizes, k, m, times, err
 
 
 if __name__ == "__main__":

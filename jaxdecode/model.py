@@ -54,6 +54,14 @@ def linear(x: Array, w: Array | Fp8Linear, *, out_dtype=None,
     return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=out_dtype)
 
 
+def linears(x: Array, ws, *, kernels: Kernels = choice.XLA) -> tuple[Array, ...]:
+    """:func:`linear` of each column-parallel ``w`` in ``ws`` on the same x; block-FP8 ones
+    together (``choice.fp8_linears``: one kernel launch where it takes them all)."""
+    if all(isinstance(w, Fp8Linear) for w in ws):
+        return choice.fp8_linears(kernels, x, tuple(ws))
+    return tuple(linear(x, w, kernels=kernels) for w in ws)
+
+
 def rms_norm(x: Array, w: Array, eps: float) -> Array:
     """HF ``Qwen3_5RMSNorm``: zero-centred gain ``1 + w``, applied in float32 before the cast back
     to x's dtype. Used for input/post/final norms and q_norm/k_norm."""
@@ -102,9 +110,8 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
 def mlp(p: MLPParams, x: Array, kernels: Kernels = choice.XLA) -> Array:
     """HF ``Qwen3_5MLP``: ``down_proj(silu(gate_proj x) * up_proj x)``, elementwise in the model
     dtype (each op rounded once, as torch)."""
-    gate = linear(x, p.gate_proj, kernels=kernels)
-    return linear(silu(gate) * linear(x, p.up_proj, kernels=kernels), p.down_proj,
-                  kernels=kernels, row_parallel=True)
+    gate, up = linears(x, (p.gate_proj, p.up_proj), kernels=kernels)
+    return linear(silu(gate) * up, p.down_proj, kernels=kernels, row_parallel=True)
 
 
 def route(p: MoEParams, x: Array, config: Config,
@@ -165,7 +172,7 @@ def token_mask(length: int, num_new: Array) -> Array:
 def deltanet_projections(p: GatedDeltaNetParams, x: Array, kernels: Kernels = choice.XLA):
     """The input projections of HF ``Qwen3_5GatedDeltaNet``: x [B, T, H] -> (mixed_qkv [B, T, C]
     pre-conv q, k, v grouped per key head, z [B, T, Hv*dv], b [B, T, Hv], a [B, T, Hv])."""
-    return (linear(x, p.in_proj_qkv, kernels=kernels), linear(x, p.in_proj_z, kernels=kernels),
+    return (*linears(x, (p.in_proj_qkv, p.in_proj_z), kernels=kernels),
             linear(x, p.in_proj_b, kernels=kernels), linear(x, p.in_proj_a, kernels=kernels))
 
 
@@ -303,10 +310,11 @@ def attention_projections(p: AttentionParams, x: Array, positions: Array, config
     batch, length, _ = x.shape
     hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     # q_proj holds query and output gate interleaved per head: [Hq, 2D], not two halves.
-    qg = linear(x, p.q_proj, kernels=kernels).reshape(batch, length, hq, 2 * d)
+    qg, k, v = linears(x, (p.q_proj, p.k_proj, p.v_proj), kernels=kernels)
+    qg = qg.reshape(batch, length, hq, 2 * d)
     q, gate = qg[..., :d], qg[..., d:]
-    k = linear(x, p.k_proj, kernels=kernels).reshape(batch, length, hkv, d)
-    v = linear(x, p.v_proj, kernels=kernels).reshape(batch, length, hkv, d)
+    k = k.reshape(batch, length, hkv, d)
+    v = v.reshape(batch, length, hkv, d)
     q = rms_norm(q, p.q_norm, c.rms_norm_eps)  # per head over D, before RoPE
     k = rms_norm(k, p.k_norm, c.rms_norm_eps)
     cos, sin = rope_cos_sin(positions, c)

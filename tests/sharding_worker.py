@@ -382,42 +382,48 @@ def check_fp8_kernel_on_mesh() -> dict:
     mesh = sharding.make_mesh(2, 4)
     rng = np.random.default_rng(8)
     out = {}
-    kernel, shapes = choice._fp8_linear_kernel, []
+    kernel, shapes = choice._fp8_linears_kernel, []
 
-    def reference(x, w, s, block, interpret):  # traced per device: the local shapes
-        shapes.append([list(x.shape), list(w.shape)])
-        return fl.fp8_linear_reference(x, w, s, block)
-    choice._fp8_linear_kernel = reference
-    for name, n, row_parallel, rows in (("column", 512, False, 8), ("row", 128, True, 8),
-                                        ("column, 3 rows", 512, False, 3),
-                                        ("row, 3 rows", 128, True, 3)):
+    def reference(x, ws, ss, block, interpret):  # traced per device: the local shapes
+        shapes.append([list(x.shape)] + [list(w.shape) for w in ws])
+        return tuple(fl.fp8_linear_reference(x, w, s, block) for w, s in zip(ws, ss))
+    choice._fp8_linears_kernel = reference
+    for name, ns, row_parallel, rows in (("column", (512,), False, 8), ("row", (128,), True, 8),
+                                         ("column, 3 rows", (512,), False, 3),
+                                         ("row, 3 rows", (128,), True, 3),
+                                         ("column, two weights", (512, 1024), False, 8)):
         x = jnp.asarray(rng.standard_normal((rows, 512)), jnp.bfloat16)
-        w = jd.Fp8Linear(*quantization.quantize(rng.standard_normal((n, 512)).astype(np.float32)))
-        one = choice.fp8_linear(choice.XLA, x, w)
+        ws = tuple(jd.Fp8Linear(*quantization.quantize(
+            rng.standard_normal((n, 512)).astype(np.float32))) for n in ns)
+        one = [choice.fp8_linear(choice.XLA, x, w) for w in ws]
         spec = P(None, "model") if row_parallel else P("model", None)
-        placed = jd.Fp8Linear(*(jax.device_put(a, NamedSharding(mesh, spec))
-                                for a in (w.weight, w.scale_inv)))
+        placed = tuple(jd.Fp8Linear(*(jax.device_put(a, NamedSharding(mesh, spec))
+                                      for a in (w.weight, w.scale_inv))) for w in ws)
         xs = jax.device_put(x, NamedSharding(mesh, P("data" if rows % 2 == 0 else None,
                                                      "model" if row_parallel else None)))
+
+        def call(kernels, x, ws, rp=row_parallel):
+            if len(ws) > 1:
+                return choice.fp8_linears(kernels, x, ws)
+            return (choice.fp8_linear(kernels, x, ws[0], row_parallel=rp),)
         kernels = choice.Kernels(fp8_linear="pallas", interpret=True, mesh=mesh)
-        fn = jax.jit(lambda x, w, rp=row_parallel: choice.fp8_linear(kernels, x, w,
-                                                                     row_parallel=rp))
+        fn = jax.jit(functools.partial(call, kernels))
         real = choice.Kernels(fp8_linear="pallas", interpret=False, mesh=mesh)
-        choice._fp8_linear_kernel = kernel  # the real kernel, per device, lowered for CUDA
-        text = jax.jit(lambda x, w, rp=row_parallel: choice.fp8_linear(
-            real, x, w, row_parallel=rp)).trace(xs, placed).lower(
-                lowering_platforms=("cuda",)).as_text()
-        choice._fp8_linear_kernel = reference
+        choice._fp8_linears_kernel = kernel  # the real kernel, per device, lowered for CUDA
+        text = jax.jit(functools.partial(call, real)).trace(xs, placed).lower(
+            lowering_platforms=("cuda",)).as_text()
+        choice._fp8_linears_kernel = reference
         shapes.clear()
         got = fn(xs, placed)
-        one = np.asarray(one, np.float32)
-        out[name] = {"rel_error": float(np.abs(np.asarray(got, np.float32) - one).max()
-                                        / np.abs(one).max()),
+        got, one = ([np.asarray(a, np.float32) for a in arrays] for arrays in (got, one))
+        out[name] = {"rel_error": max(float(np.abs(g - o).max() / np.abs(o).max())
+                                      for g, o in zip(got, one)),
                      "collectives": collectives(fn.lower(xs, placed).compile().as_text()),
                      "local_shapes": shapes[:1],
-                     "cuda_lowering": {"mosaic_kernel": "mosaic_gpu" in text,
+                     "cuda_lowering": {"mosaic_kernels": len(re.findall(
+                                           r"custom_call @mosaic_gpu", text)),
                                        "all_reduces": text.count("stablehlo.all_reduce")}}
-    choice._fp8_linear_kernel = kernel
+    choice._fp8_linears_kernel = kernel
     return out
 
 

@@ -10,6 +10,7 @@ marked slow); "gpu" compiles it (``pytest -m gpu`` on an sm_90 machine).
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -80,6 +81,43 @@ def test_kernel_against_float64(mode, case):
     assert_rel_close(np.asarray(got, np.float32), want, 8e-3, f"{case} kernel")
     ref = fl.fp8_linear_reference(x, w8, scale)
     assert_rel_close(np.asarray(ref, np.float32), want, 8e-3, f"{case} reference")
+
+
+# (m, sizes N_i, k, config): weights of 256, 128 and 384 rows in one launch, one column block a
+# step, ranges of 3 steps (ranges crossing from one weight into the next, a weight's one row
+# block over several programs); two weights, 2 blocks a step, the library's config
+SEVERAL = {
+    "m3-three-weights-ranges-cross-weights": (3, (256, 128, 384), 384, fl.Fp8LinearConfig(2, 1, 2)),
+    "m9-two-weights": (9, (512, 128), 512, None),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", list(SEVERAL))
+def test_several_weights_in_one_launch_against_float64(mode, case):
+    """``fp8_linears_pallas``: each weight's product as if computed alone (its scales, its rows),
+    each with different random weights and scales."""
+    m, sizes, k, config = SEVERAL[case]
+    parts = [inputs(20 + i, m, n, k) for i, n in enumerate(sizes)]
+    x = parts[0][0]
+    weights, scales = [p[1] for p in parts], [p[2] for p in parts]
+    got = jax.jit(lambda x, w, s: fl.fp8_linears_pallas(
+        x, w, s, config=config, interpret=mode == "interpret"))(x, weights, scales)
+    assert [g.shape for g in got] == [(m, n) for n in sizes]
+    for i, (g, w8, scale) in enumerate(zip(got, weights, scales)):
+        want = reference_f64(x, w8, scale, bf16)
+        assert_rel_close(np.asarray(g, np.float32), want, 8e-3, f"{case} weight {i}")
+
+
+def test_several_weights_errors():
+    x = jnp.zeros((2, 256), bf16)
+    w, s = jnp.zeros((128, 256), FP8), jnp.ones((1, 2), f32)
+    with pytest.raises(ValueError, match="2 weights and 1 scales"):
+        fl.fp8_linears_pallas(x, (w, w), (s,))
+    with pytest.raises(ValueError, match=r"x \(2, 256\) and weight \(128, 384\)"):
+        fl.fp8_linears_pallas(x, (w, jnp.zeros((128, 384), FP8)), (s, jnp.ones((1, 3), f32)))
+    with pytest.raises(ValueError, match="does not match"):
+        fl.fp8_linears_pallas(x, (w, w), (s, jnp.ones((2, 2), f32)))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -228,6 +266,32 @@ def test_choice_runs_the_kernel_up_to_64_rows_and_xla_above():
     assert "mosaic_gpu" not in lowered((2, 384), kernels=choice.XLA)
 
 
+def test_choice_runs_the_linears_it_takes_in_one_launch():
+    """``choice.fp8_linears``: the weights the kernel takes in one Mosaic GPU call (lowered for
+    CUDA), a weight it does not take (200 rows) in XLA's form beside it; the values of one
+    ``fp8_linear`` each in XLA's form (the kernel in the interpreter)."""
+    k = choice.Kernels(fp8_linear="pallas", interpret=False)
+    shapes = [(256, 384), (128, 384), (200, 384)]
+    specs = [s for n in shapes for s in (jax.ShapeDtypeStruct(n, FP8), jax.ShapeDtypeStruct(
+        quantization.scale_shape(n, (128, 128)), f32))]
+
+    def call(x, *a):
+        return choice.fp8_linears(k, x, [jd.Fp8Linear(a[i], a[i + 1])
+                                         for i in range(0, len(a), 2)])
+    text = lower_for_cuda_text(call, jax.ShapeDtypeStruct((2, 384), bf16), *specs)
+    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1, text[-2000:]
+    assert text.count("stablehlo.dot_general") == 1
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((2, 384)), bf16)
+    ws = [jd.Fp8Linear(*quantization.quantize(rng.standard_normal(n).astype(np.float32)))
+          for n in shapes]
+    interpret = choice.Kernels(fp8_linear="pallas", interpret=True)
+    got = jax.jit(lambda x, ws: choice.fp8_linears(interpret, x, ws))(x, ws)
+    for i, (g, w) in enumerate(zip(got, ws)):  # (the kernel's sum order: one bf16 rounding)
+        assert_rel_close(np.asarray(g, f32), np.asarray(choice.fp8_linear(choice.XLA, x, w), f32),
+                         8e-3, f"weight {i}")
+
+
 # Every FP8 Linear of this model has dimensions in 128-blocks except k_proj / v_proj (64 rows):
 # those run XLA's form beside the kernel.
 CONFIG = tiny(vocab_size=300, hidden_size=128, intermediate_size=256, num_attention_heads=2,
@@ -275,3 +339,21 @@ def test_gradient_through_the_kernel_equals_xla_form():
     assert_rel_close(np.asarray(gx, np.float32), np.asarray(want_x, np.float32), 1e-2,
                      "x's gradient")
     assert not np.asarray(gw.scale_inv).any() and not np.asarray(want_w.scale_inv).any()
+
+
+def test_gradient_through_several_linears_in_one_launch_equals_xla_form():
+    """Reverse mode through ``choice.fp8_linears`` of two weights in one kernel launch
+    (interpreter): x's gradient, the sum over both products, as XLA's form gives it."""
+    x, w8, scale = inputs(8, 3, 256, 384)
+    _, w8b, scaleb = inputs(9, 3, 128, 384)
+    ws = (jd.Fp8Linear(w8, scale), jd.Fp8Linear(w8b, scaleb))
+
+    def loss(x, kernels):
+        ys = choice.fp8_linears(kernels, x, ws)
+        return sum((y.astype(f32) * jnp.arange(y.size, dtype=f32).reshape(y.shape) / (i + 1)).sum()
+                   for i, y in enumerate(ys)) / 1e3
+
+    gx = jax.grad(loss)(x, choice.Kernels(fp8_linear="pallas", interpret=True))
+    want = jax.grad(loss)(x, choice.XLA)
+    assert_rel_close(np.asarray(gx, np.float32), np.asarray(want, np.float32), 1e-2,
+                     "x's gradient")

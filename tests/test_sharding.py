@@ -402,21 +402,26 @@ def test_fp8_kernel_runs_per_device_on_a_mesh(meshes):
     shards (4 rows of x; 128 of the 512 weight rows, or 128 of the 512 columns with x's K) and
     gives XLA's one-device result: exactly (column-parallel), or within the bf16 rounding of the
     partial sums one all-reduce adds (row-parallel, as the partitioner's 16-bit dot). The real
-    kernel's path lowers for CUDA on that mesh. Rows that do not divide "data" too."""
+    kernel's path lowers for CUDA on that mesh. Rows that do not divide "data" too; and
+    ``choice.fp8_linears`` of two weights, one kernel for both."""
     res = meshes["fp8"]["kernel"]
     assert res["column"] == {"rel_error": 0.0, "collectives": {},
                              "local_shapes": [[[4, 512], [128, 512]]],
-                             "cuda_lowering": {"mosaic_kernel": True, "all_reduces": 0}}, res
+                             "cuda_lowering": {"mosaic_kernels": 1, "all_reduces": 0}}, res
+    # two column-parallel weights of one x: one kernel per device for both
+    assert res["column, two weights"] == {
+        "rel_error": 0.0, "collectives": {}, "local_shapes": [[[4, 512], [128, 512], [256, 512]]],
+        "cuda_lowering": {"mosaic_kernels": 1, "all_reduces": 0}}, res
     assert res["row"]["local_shapes"] == [[[4, 128], [128, 128]]], res
-    assert res["row"]["cuda_lowering"] == {"mosaic_kernel": True, "all_reduces": 1}, res
+    assert res["row"]["cuda_lowering"] == {"mosaic_kernels": 1, "all_reduces": 1}, res
     assert res["row"]["collectives"] == {"all-reduce": 1}, res
     assert res["row"]["rel_error"] <= 1e-2, res
     # 3 rows (not dividing "data" = 2): all 3 on every device, the kernel still taking them
     assert res["column, 3 rows"]["local_shapes"] == [[[3, 512], [128, 512]]], res
     assert res["row, 3 rows"]["local_shapes"] == [[[3, 128], [128, 128]]], res
     assert res["column, 3 rows"]["rel_error"] == 0.0 and res["row, 3 rows"]["rel_error"] <= 1e-2
-    assert all(res[c]["cuda_lowering"]["mosaic_kernel"] for c in ("column, 3 rows",
-                                                                  "row, 3 rows")), res
+    assert all(res[c]["cuda_lowering"]["mosaic_kernels"] == 1 for c in ("column, 3 rows",
+                                                                        "row, 3 rows")), res
 
 
 @pytest.mark.slow

@@ -163,8 +163,8 @@ _prefill_attention_pallas = jax.jit(prefill_kernel.prefill_attention_pallas,
                                     static_argnames=("config", "interpret"))
 _prefill_delta_rule_pallas = jax.jit(chunk_rule_kernel.chunk_gated_delta_rule_pallas,
                                      static_argnames=("interpret",))
-_fp8_linear_pallas = jax.jit(fp8_kernel.fp8_linear_pallas,
-                             static_argnames=("block_size", "config", "interpret"))
+_fp8_linears_pallas = jax.jit(fp8_kernel.fp8_linears_pallas,
+                              static_argnames=("block_size", "config", "interpret"))
 
 
 def _compute_capability(device) -> tuple[int, int] | None:
@@ -321,28 +321,62 @@ def fp8_linear(kernels: Kernels, x, w, *, out_dtype=None, row_parallel: bool = F
     over "model", x's rows over "data") or, ``row_parallel``, w's columns and x's K split over
     "model" and the partial products summed (one psum in x's dtype, the all-reduce the
     partitioner puts after a 16-bit row-parallel dot)."""
+    if not row_parallel:
+        return fp8_linears(kernels, x, (w,), out_dtype=out_dtype)[0]
     lead, k = x.shape[:-1], x.shape[-1]
     rows = math.prod(lead)
     model = 1 if kernels.mesh is None else kernels.mesh.shape[MODEL]
-    local = ((device_rows(rows, kernels.mesh), k // model if row_parallel else k),
-             (w.shape[0], k // model) if row_parallel else (w.shape[0] // model, k))
-    if (kernels.fp8_linear == "pallas" and out_dtype in (None, x.dtype)
-            and fp8_kernel.check_supported(*local, x.dtype, w.weight.dtype,
-                                           w.block_size) is None):
+    if _takes_kernel(kernels, x, w, out_dtype, (device_rows(rows, kernels.mesh), k // model),
+                     (w.shape[0], k // model)):
         block, interpret = w.block_size, _interpret(kernels)
 
         def kernel(x, weight, scale_inv):
-            return _fp8_linear_kernel(x, weight, scale_inv, block, interpret)
-        if kernels.mesh is None:
-            y = kernel(x.reshape(rows, k), w.weight, w.scale_inv)
-        elif row_parallel and model > 1:
-            y = _on_mesh(kernels, lambda *a: jax.lax.psum(kernel(*a), MODEL),
-                         (P(DATA, MODEL), P(None, MODEL), P(None, MODEL)), P(DATA, None))(
-                x.reshape(rows, k), w.weight, w.scale_inv)
-        else:  # column-parallel (or one "model" device: nothing to sum)
-            y = _on_mesh(kernels, kernel, (P(DATA, None), P(MODEL, None), P(MODEL, None)),
-                         P(DATA, MODEL))(x.reshape(rows, k), w.weight, w.scale_inv)
+            y = _fp8_linears_kernel(x, (weight,), (scale_inv,), block, interpret)[0]
+            return jax.lax.psum(y, MODEL) if model > 1 else y
+        y = _on_mesh(kernels, kernel, (P(DATA, MODEL), P(None, MODEL), P(None, MODEL)),
+                     P(DATA, None))(x.reshape(rows, k), w.weight, w.scale_inv)
         return y.reshape(*lead, w.shape[0])
+    return _fp8_dot(x, w, out_dtype)
+
+
+def fp8_linears(kernels: Kernels, x, ws, *, out_dtype=None) -> tuple:
+    """:func:`fp8_linear` of each column-parallel block-FP8 ``w`` in ``ws`` on the same x (e.g. a
+    layer's ``gate_proj`` and ``up_proj``), the ones the kernel takes in one launch
+    (``fp8_linear.fp8_linears_pallas``: one launch's fixed costs, one pad of x and one sum of
+    partials instead of one each), the others in XLA's form. The same values as one
+    :func:`fp8_linear` each. Returns a tuple of [..., N_i]."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = math.prod(lead)
+    model = 1 if kernels.mesh is None else kernels.mesh.shape[MODEL]
+    x_local = (device_rows(rows, kernels.mesh), k)
+    out = [None if _takes_kernel(kernels, x, w, out_dtype, x_local, (w.shape[0] // model, k))
+           else _fp8_dot(x, w, out_dtype) for w in ws]
+    taken = [i for i, y in enumerate(out) if y is None]
+    if taken:
+        block, interpret = ws[taken[0]].block_size, _interpret(kernels)
+
+        def kernel(x, weights, scale_invs):
+            return _fp8_linears_kernel(x, weights, scale_invs, block, interpret)
+        column = tuple(P(MODEL, None) for _ in taken)
+        ys = _on_mesh(kernels, kernel, (P(DATA, None), column, column),
+                      tuple(P(DATA, MODEL) for _ in taken))(
+            x.reshape(rows, k), tuple(ws[i].weight for i in taken),
+            tuple(ws[i].scale_inv for i in taken))
+        for i, y in zip(taken, ys):
+            out[i] = y.reshape(*lead, ws[i].shape[0])
+    return tuple(out)
+
+
+def _takes_kernel(kernels: Kernels, x, w, out_dtype, x_local, w_local) -> bool:
+    """Whether the FP8 kernel runs this Linear: chosen, in x's dtype, and w's per-device shape
+    ``w_local`` one the kernel takes beside x's (``x_local``)."""
+    return (kernels.fp8_linear == "pallas" and out_dtype in (None, x.dtype)
+            and fp8_kernel.check_supported(x_local, w_local, x.dtype, w.weight.dtype,
+                                           w.block_size) is None)
+
+
+def _fp8_dot(x, w, out_dtype):
+    """XLA's form: the weight dequantised to x's dtype, then the dot."""
     # the 16-bit copy made when this call runs; the dot reads the barrier's x too (with the
     # original x a little more stays alive)
     x, w = quantization.tie_to_input(x, w)
@@ -350,24 +384,27 @@ def fp8_linear(kernels: Kernels, x, w, *, out_dtype=None, row_parallel: bool = F
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _fp8_linear_kernel(x, weight, scale_inv, block_size, interpret):
-    """The kernel with a VJP: x's cotangent through the dequantised weight (XLA), none into the
-    frozen FP8 weight and its scales."""
-    return _fp8_linear_pallas(x, weight, scale_inv, block_size, interpret=interpret)
+def _fp8_linears_kernel(x, weights, scale_invs, block_size, interpret):
+    """The kernel with a VJP: x's cotangent through the dequantised weights (XLA), none into the
+    frozen FP8 weights and their scales."""
+    return _fp8_linears_pallas(x, weights, scale_invs, block_size, interpret=interpret)
 
 
-def _fp8_linear_kernel_fwd(x, weight, scale_inv, block_size, interpret):
-    return _fp8_linear_kernel(x, weight, scale_inv, block_size, interpret), (weight, scale_inv)
+def _fp8_linears_kernel_fwd(x, weights, scale_invs, block_size, interpret):
+    return (_fp8_linears_kernel(x, weights, scale_invs, block_size, interpret),
+            (weights, scale_invs))
 
 
-def _fp8_linear_kernel_bwd(block_size, interpret, residuals, g):
-    weight, scale_inv = residuals
-    w = quantization.dequantize(weight, scale_inv, block_size, g.dtype)
-    dx = jnp.einsum("mn,nk->mk", g, w, preferred_element_type=jnp.float32).astype(g.dtype)
-    return dx, jnp.zeros_like(weight), jnp.zeros_like(scale_inv)
+def _fp8_linears_kernel_bwd(block_size, interpret, residuals, gs):
+    weights, scale_invs = residuals
+    # each weight's part rounded to g's dtype, then added: what XLA's form, one dot each, gives
+    dx = sum(jnp.einsum("mn,nk->mk", g, quantization.dequantize(w, s, block_size, g.dtype),
+                        preferred_element_type=jnp.float32).astype(g.dtype)
+             for g, w, s in zip(gs, weights, scale_invs))
+    return dx, tuple(map(jnp.zeros_like, weights)), tuple(map(jnp.zeros_like, scale_invs))
 
 
-_fp8_linear_kernel.defvjp(_fp8_linear_kernel_fwd, _fp8_linear_kernel_bwd)
+_fp8_linears_kernel.defvjp(_fp8_linears_kernel_fwd, _fp8_linears_kernel_bwd)
 
 
 def top_k(kernels: Kernels, x, k: int):

@@ -25,6 +25,11 @@ hopper_mixed_type_matmul_mgpu.py``; Marlin, Frantar et al., 2024, for the weight
   empty wave follows. A range may end one row block and start the next: the program writes each
   row block's float32 partial [128, M] to its slot of [S, N, M'] (S: the most programs sharing a
   row block; M' the rows padded) and XLA adds the written slots, transposes and casts.
+* Several weights of one x (``gate_proj`` and ``up_proj``; q, k, v) run as one launch
+  (:func:`fp8_linears_pallas`): their row blocks are one sequence of work, the TMA warpgroup
+  picking each block's weight. At the 35B-A3B's widths a launch's fixed costs (the first bytes'
+  latency, the partials' write) and the pad and sum XLA adds around it are as long as a small
+  weight's bytes.
 * A pipeline step copies ``cols_per_step`` column blocks at once ([128, 128·c] FP8, 128·c-byte
   rows per TMA copy): fewer, larger steps issue fewer instructions per byte. A 4-block step's
   wgmmas share one accumulator scope (:data:`SCOPE_MIN_COLS`): block j + 1 is converted while
@@ -153,8 +158,8 @@ def check_supported(x_shape, w_shape, x_dtype, w_dtype, block_size) -> str | Non
     return None
 
 
-def _kernel(x_gmem, w_gmem, s_gmem, o_gmem, scoped, *, steps_per_program, steps_per_row,
-            total_steps, cols, num_stages, dtype, interpret):
+def _kernel(x_gmem, w_gmems, s_gmems, o_gmem, scoped, *, first_rows, steps_per_program,
+            steps_per_row, total_steps, cols, num_stages, dtype, interpret):
     wait_for_inputs(interpret)
     (w_smem, x_smem, o_smem2, w_tmp2), (w_barriers, x_barriers), consumed = scoped
     program, wg = lax.axis_index("p"), lax.axis_index("wg")
@@ -166,9 +171,20 @@ def _kernel(x_gmem, w_gmem, s_gmem, o_gmem, scoped, *, steps_per_program, steps_
         g = start + i
         return g // steps_per_row, (g % steps_per_row) * cols
 
+    def parts(row):  # (weight, scale, is row block ``row`` in it, its row block there) per weight
+        if len(w_gmems) == 1:
+            yield w_gmems[0], s_gmems[0], True, row
+            return
+        for w, s, first, last in zip(w_gmems, s_gmems, first_rows, first_rows[1:]):
+            yield w, s, (row >= first) & (row < last), jnp.clip(row - first, 0, last - first - 1)
+
     def scales(i):  # step i's block scales (past the last step: the last step's)
         row, col = where(jnp.minimum(i, steps - 1))
-        return tuple(s_gmem[row, col + j] for j in range(cols))
+        chosen = [0.0] * cols
+        for _, s, inside, local in parts(row):
+            chosen = [s[local, col + j] if inside is True else
+                      jnp.where(inside, s[local, col + j], chosen[j]) for j in range(cols)]
+        return tuple(chosen)
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
@@ -232,8 +248,11 @@ def _kernel(x_gmem, w_gmem, s_gmem, o_gmem, scoped, *, steps_per_program, steps_
         def fetch(i, slot):
             row, col = where(i)
             span = pl.ds(col * BLOCK, cols * BLOCK)
-            plgpu.copy_gmem_to_smem(w_gmem.at[pl.ds(row * BLOCK, BLOCK), span],
-                                    w_smem.at[slot], w_barriers.at[slot])
+            for w, _, inside, local in parts(row):  # the one weight row block ``row`` is in
+                copy = functools.partial(plgpu.copy_gmem_to_smem,
+                                         w.at[pl.ds(local * BLOCK, BLOCK), span],
+                                         w_smem.at[slot], w_barriers.at[slot])
+                copy() if inside is True else pl.when(inside)(copy)
             plgpu.copy_gmem_to_smem(x_gmem.at[:, span], x_smem.at[slot], x_barriers.at[slot])
 
         stream_blocks(fetch, steps, num_stages,
@@ -243,16 +262,33 @@ def _kernel(x_gmem, w_gmem, s_gmem, o_gmem, scoped, *, steps_per_program, steps_
 def fp8_linear_pallas(x, weight, scale_inv, block_size=DEFAULT_BLOCK, *,
                       config: Fp8LinearConfig | None = None, interpret: bool = False):
     """``x @ dequantize(weight, scale_inv).T`` as a Pallas Mosaic GPU kernel (Hopper); shapes as
-    the module docstring, [M, N] in x's dtype. ValueError for what :func:`check_supported`
-    refuses, for a scale of the wrong shape, and for a ``config`` whose buffers exceed
+    the module docstring, [M, N] in x's dtype. :func:`fp8_linears_pallas` of one weight."""
+    return fp8_linears_pallas(x, (weight,), (scale_inv,), block_size, config=config,
+                              interpret=interpret)[0]
+
+
+def fp8_linears_pallas(x, weights, scale_invs, block_size=DEFAULT_BLOCK, *,
+                       config: Fp8LinearConfig | None = None, interpret: bool = False):
+    """``x @ dequantize(w_i, s_i).T`` for each of several weights of x's K (e.g. ``gate_proj``
+    and ``up_proj``) in one launch: their row blocks are one range of work, as if the weights
+    were stacked (one launch's fixed costs, one pad of x, one sum of the partials). Returns a
+    tuple of [M, N_i] in x's dtype. ValueError for what :func:`check_supported` refuses, for a
+    scale of the wrong shape, and for a ``config`` whose buffers exceed
     :data:`SMEM_LIMIT_BYTES`. ``config``: None picks :func:`choose_config`; ``interpret``: the
-    Mosaic GPU interpreter (CPU). Not differentiable (``choice.fp8_linear`` adds the VJP)."""
-    if (why := check_supported(x.shape, weight.shape, x.dtype, weight.dtype, block_size)):
-        raise ValueError(f"fp8_linear_pallas does not take {why}")
+    Mosaic GPU interpreter (CPU). Not differentiable (``choice.fp8_linears`` adds the VJP)."""
+    weights, scale_invs = tuple(weights), tuple(scale_invs)
+    if not weights or len(weights) != len(scale_invs):
+        raise ValueError(f"{len(weights)} weights and {len(scale_invs)} scales (one per weight)")
+    for weight, scale_inv in zip(weights, scale_invs):
+        if (why := check_supported(x.shape, weight.shape, x.dtype, weight.dtype, block_size)):
+            raise ValueError(f"fp8_linears_pallas does not take {why}")
+        if scale_inv.shape != (weight.shape[0] // BLOCK, weight.shape[1] // BLOCK):
+            raise ValueError(f"{scale_inv.shape=} does not match {weight.shape=} in "
+                             f"{BLOCK}-blocks")
     m, k = x.shape
-    n = weight.shape[0]
-    if scale_inv.shape != (n // BLOCK, k // BLOCK):
-        raise ValueError(f"{scale_inv.shape=} does not match {weight.shape=} in {BLOCK}-blocks")
+    sizes = [w.shape[0] for w in weights]
+    n = sum(sizes)
+    first_rows = tuple(int(r) for r in np.cumsum([0] + sizes) // BLOCK)
     chosen = choose_config(n, k, m, cols_per_step=config and config.cols_per_step)
     stages = (config and config.num_stages) or chosen.num_stages
     cols = chosen.cols_per_step
@@ -271,18 +307,20 @@ def fp8_linear_pallas(x, weight, scale_inv, block_size=DEFAULT_BLOCK, *,
     mp = padded_rows(m)
     xp = jnp.pad(x, ((0, mp - m), (0, 0))) if mp != m else x
     dtype = x.dtype
+    count = len(weights)
 
-    body = functools.partial(_kernel, steps_per_program=per_program, steps_per_row=steps_per_row,
-                             total_steps=total_steps, cols=cols, num_stages=stages, dtype=dtype,
-                             interpret=interpret)
+    body = functools.partial(_kernel, first_rows=first_rows, steps_per_program=per_program,
+                             steps_per_row=steps_per_row, total_steps=total_steps, cols=cols,
+                             num_stages=stages, dtype=dtype, interpret=interpret)
 
-    def entry(x_gmem, w_gmem, s_gmem, o_gmem):
+    def entry(x_gmem, *refs):
+        w_gmems, s_gmems, o_gmem = refs[:count], refs[count:2 * count], refs[-1]
         smem = (_smem_tile((stages, BLOCK, cols * BLOCK), FP8),
                 _smem_tile((stages, mp, cols * BLOCK), dtype),
                 plgpu.SMEM((COMPUTE_WGS, ROWS_PER_WG, mp), jnp.float32),
                 _smem_tile((COMPUTE_WGS, ROWS_PER_WG, BLOCK), dtype) if interpret else None)
         pl.run_scoped(
-            lambda *scoped: body(x_gmem, w_gmem, s_gmem, o_gmem, scoped),
+            lambda *scoped: body(x_gmem, w_gmems, s_gmems, o_gmem, scoped),
             smem,
             (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)),
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
@@ -293,10 +331,11 @@ def fp8_linear_pallas(x, weight, scale_inv, block_size=DEFAULT_BLOCK, *,
         grid=(programs,), grid_names=("p",),
         num_threads=COMPUTE_WGS + 1, thread_name="wg",
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(xp, weight, scale_inv.astype(jnp.float32))
+    )(xp, *weights, *(s.astype(jnp.float32) for s in scale_invs))
     if not valid.all():  # slots no program wrote hold whatever the buffer held
         partial = jnp.where(np.repeat(valid, BLOCK, axis=1)[:, :, None], partial, 0.0)
-    return partial.sum(0).T[:m].astype(dtype)
+    out = partial.sum(0).T[:m].astype(dtype)
+    return tuple(out[:, a * BLOCK:b * BLOCK] for a, b in zip(first_rows, first_rows[1:]))
 
 
 def fp8_linear_reference(x, weight, scale_inv, block_size=DEFAULT_BLOCK):
