@@ -264,3 +264,27 @@ def test_weights_that_cannot_fit_are_refused_before_any_is_created(monkeypatch, 
                                          rf"devices needs {need} but the device .* has 0.5 MiB "
                                          r"free; use more 'model' devices \(or quantize='fp8'\)"):
         jd.load_checkpoint(path, "float32", mesh=sharding.make_mesh(1, 1))
+
+
+@pytest.mark.perf
+def test_a_moe_prefill_holds_one_layers_expert_outputs_at_a_time():
+    """The MoE rounds form's [P, H] output buffer (P = tokens x k pairs) is live for its own
+    layer only: XLA merged the layers' constant zero starts into one fusion at the program's
+    start, all layers' buffers live at once, so a prefill's temporaries grew by one [P, H] a
+    layer (the 35B-A3B FP8, 8 x 8k tokens: 88 GiB on an H200, over its free memory;
+    benchmarks/RESULTS.md, session 48). Compiled for the CPU: 4 layers against 8."""
+    rows, tokens, k, hidden = 2, 1024, 8, 256  # k x hidden: the [P, H] buffer dominates
+    temp = {}
+    for layers in (4, 8):
+        config = tiny(intermediate_size=0, num_experts=16, num_experts_per_tok=k,
+                      moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                      hidden_size=hidden, num_hidden_layers=layers,
+                      layer_types=TINY.layer_types * (layers // 4))
+        params = jax.eval_shape(lambda: jd.init_params(config, jax.random.key(0), "float32"))
+        state = jax.eval_shape(lambda: jd.init_state(config, rows, tokens + 64, "float32"))
+        run = step.jit_prefill(config, None, False, 512, jd.Kernels(), False)
+        compiled = run.lower(params, state, jax.ShapeDtypeStruct((rows, tokens), np.int32),
+                             jax.ShapeDtypeStruct((rows,), np.int32)).compile()
+        temp[layers] = compiled.memory_analysis().temp_size_in_bytes
+    pair_outputs = rows * tokens * k * hidden * 4  # one layer's [P, H] float32
+    assert (temp[8] - temp[4]) / 4 < pair_outputs / 2, (temp, pair_outputs)
