@@ -31,7 +31,7 @@ from jaxdecode.inputs import MIN_PROMPT_BUCKET, MIN_TOKEN_BUCKET, bucket, token_
 from jaxdecode.kernels.choice import Kernels, check_kernels, resolve_kernels
 from jaxdecode.kernels.decode_attention import MAX_LEN_ALIGN
 from jaxdecode.model import decode_step_fn, prefill_fn
-from jaxdecode.params import Params, check_params
+from jaxdecode.params import Params, check_not_traced, check_params
 from jaxdecode.sampling import Logprobs, SamplingFeatures, SamplingParams
 from jaxdecode.state import DecodeState, fork, init_state
 from jaxdecode.stopping import STOP_REASONS, STOP_RUNNING, stop_reason, token_ends
@@ -313,6 +313,8 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
           return_logprobs: bool = False, top_logprobs: int = 0,
           num_speculative_tokens: int = 0) -> _Plan:
     check_params(params)
+    check_not_traced(params, "jd.generate", "generation.generate_fn (padded arrays) or "
+                     "model.decode_step_fn in a lax.scan (README: 'Inside your own jit')")
     check_kernels(kernels)
     config = params.config
     vocab, limit = config.vocab_size, config.max_position_embeddings
@@ -633,7 +635,8 @@ _DOC_ARGS = """
         leaves; None = greedy. The repetition penalty's prompt (``penalize_prompt``) is the
         prompt of this call: with ``state=``, the new tokens (the state holds no ids).
       key: one PRNG key (row r uses ``fold_in(key, r)``) or one per output row; None = key(0).
-      eos_token_ids: ids that stop a row; None = ``params.config.eos_token_id``; () = none.
+      eos_token_ids: ids that stop a row; None = ``params.config.eos_token_id`` (from a
+        checkpoint: ``generation_config.json``'s, as HF ``generate``); () = none.
       stop_sequences: id sequences (``[[13, 198], [151645]]``): a row stops right after it
         generates one (only tokens it generated in this call match), kept in its output, reason
         "stop" (an EOS id ending it: "eos").

@@ -468,6 +468,15 @@ def check_params(params) -> None:
                          f"jd.init_params); got {type(params).__name__}")
 
 
+def check_not_traced(params: Params, entry: str, inside: str) -> None:
+    """Raises ValueError for traced params (``entry`` called inside ``jax.jit``, ``grad`` or
+    ``vmap``): it plans on the host (lists, buckets, memory) and runs its own jitted calls;
+    ``inside`` names what to use there instead."""
+    if isinstance(params.embed_tokens, Tracer):
+        raise ValueError(f"{entry} runs from the host and cannot be traced (jax.jit, grad, vmap); "
+                         f"inside your own jit use {inside}")
+
+
 def check_key(key) -> None:
     """Raises ValueError unless ``key`` is one PRNG key: ``jax.random.key(seed)``, or a legacy
     ``jax.random.PRNGKey(seed)`` (uint32 of the default implementation's key shape: [2] for

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.core import Tracer
 
 from jaxdecode import memory, sharding
 from jaxdecode.inputs import MIN_PROMPT_BUCKET, MIN_TOKEN_BUCKET, bucket, token_lists
@@ -58,7 +59,8 @@ def score_fn(params: Params, prompts: Array, prompt_lengths: Array, continuation
 
     prompts [B, T] and continuations [B, N] int32, right-padded (ids in the vocabulary);
     prompt_lengths, num_tokens [B] int32 (each >= 1, sum <= max_len; unchecked: a row that does
-    not fit gets NaN log-probabilities, not a truncation). Differentiable in "chunked" mode with
+    not fit gets NaN log-probabilities from its first token past ``max_len`` on, not a
+    truncation). Differentiable in "chunked" mode with
     ``kernels=Kernels()`` (XLA; the Pallas kernels have no VJP); ``remat`` recomputes each
     prefill chunk in the backward pass (``model.prefill_logprobs_fn``).
     """
@@ -101,7 +103,9 @@ def score(params: Params, prompts, continuations, *, mode: str = "chunked",
 
     Args:
       prompts, continuations: lists of token-id lists (ragged), one continuation per prompt,
-        each non-empty (repeat a prompt to score several continuations of it).
+        each non-empty (repeat a prompt to score several continuations of it); a 2-D array's
+        rows are taken whole, padding included (as ``jd.generate``'s: pass lists for ragged
+        rows).
       mode: "chunked" or "recurrent" (the module docstring).
       max_len: the state's capacity per row (None: the buckets, rounded up to a multiple of 64).
       return_state: also return the state holding prompt + continuation (``.state``).
@@ -110,7 +114,9 @@ def score(params: Params, prompts, continuations, *, mode: str = "chunked",
         "chunked" mode the continuation's); the [B, chunk, V] float32 logits of a chunk count.
 
     With params on a mesh it runs there, rows over "data" (whole on each data group where they
-    do not divide it), as ``jd.generate``.
+    do not divide it), as ``jd.generate``. With traced params (inside ``jax.jit`` or
+    ``jax.grad``: the prompts and continuations stay host lists) it is :func:`score_fn`, inlined;
+    gradients need ``kernels=jd.Kernels()`` (XLA's forms: the Pallas kernels have no VJP).
 
     Returns a :class:`ScoreOutput`. Raises ValueError before any device work: params that are
     not :class:`Params`, ``kernels`` of another mesh (``kernels.choice.for_mesh``), empty
@@ -161,8 +167,9 @@ def score(params: Params, prompts, continuations, *, mode: str = "chunked",
                         prefill_chunk_size=prefill_chunk_size,
                         activation_budget=activation_budget, kernels=kernels,
                         logits_per_token=mode == "chunked")
-    return _score_jit(params, prompts_np, p_len, conts_np, c_len, mode=mode,
-                      max_len=int(max_len), kernels=kernels,
-                      prefill_chunk_size=plan.prefill_chunk_size, query_block=plan.query_block,
-                      return_state=bool(return_state))
+    # traced params (inside the caller's jit or grad): the pure function, inlined
+    run = score_fn if isinstance(params.embed_tokens, Tracer) else _score_jit
+    return run(params, prompts_np, p_len, conts_np, c_len, mode=mode, max_len=int(max_len),
+               kernels=kernels, prefill_chunk_size=plan.prefill_chunk_size,
+               query_block=plan.query_block, return_state=bool(return_state))
 

@@ -146,6 +146,30 @@ def test_score_fn_gradient_remat_and_finite_differences(params):
     np.testing.assert_allclose(along, numeric, rtol=2e-2)
 
 
+def test_score_inside_jit_and_grad_is_score_fn_inlined(params):
+    """jd.score with traced params (the caller's jax.jit / jax.grad; lists stay on the host)
+    runs score_fn inline: the eager values, and the gradient of score_fn on the same padded
+    arrays; jd.generate there is a ValueError naming what to use instead."""
+    from jaxdecode.scoring import score_fn
+    conts = [[7, 8, 9], [1], [300, 301, 2, 3]]
+    eager = np.asarray(jd.score(params, PROMPTS, conts).logprobs)
+    traced = jax.jit(lambda p: jd.score(p, PROMPTS, conts, kernels=jd.Kernels()).logprobs)
+    np.testing.assert_allclose(np.asarray(traced(params)), eager, atol=1e-6)
+    grad = jax.grad(lambda p: jd.score(p, PROMPTS, conts, kernels=jd.Kernels())
+                    .logprobs.sum())(params)
+    prompts = np.zeros((3, 16), np.int32)
+    cont = np.zeros((3, 16), np.int32)
+    for r, (p, c) in enumerate(zip(PROMPTS, conts)):
+        prompts[r, :len(p)], cont[r, :len(c)] = p, c
+    want = jax.grad(lambda p: score_fn(
+        p, prompts, np.array([5, 2, 11], np.int32), cont, np.array([3, 1, 4], np.int32),
+        max_len=64, kernels=jd.Kernels()).logprobs.sum())(params)
+    for a, b in zip(jax.tree.leaves(grad), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match=r"jd.generate runs from the host.*generate_fn"):
+        jax.jit(lambda p: gen.generate(p, PROMPTS, 4).tokens)(params)
+
+
 @pytest.mark.slow
 def test_grpo_example_raises_the_reward():
     """examples/grpo.py: generate (G samples per prompt, raw log-probs), group-normalised
