@@ -66,6 +66,20 @@ device_description_str: "{d['name']}"
 """
 
 
+def deviceless_device(card: str):
+    """The one device of a ``card`` topology (compiles for it, runs nothing), with
+    ``choose_kernels`` answering as on Hopper (as tests/test_choice.py makes it: this process
+    has no GPU backend). Exits naming the plugin to install where there is no CUDA compiler."""
+    try:
+        topology = topologies.get_topology_desc(
+            platform="cuda", target_config=target_config(card), topology="1x1x1")
+    except Exception as e:  # noqa: BLE001 (the plugin's own message says what is missing)
+        sys.exit(f"no deviceless CUDA compiler ({e}); install the CUDA plugin: "
+                 "pip install -e '.[cuda12]'")
+    choice._compute_capability = lambda d: (9, 0)
+    return topology.devices[0]
+
+
 def launches(hlo_text: str) -> list[tuple[str, str, str]]:
     """(instruction, kind, op_name) of each kernel launch of the entry computation in order,
     control flow (while, conditional, call) walked into, fusion bodies not."""
@@ -155,15 +169,7 @@ def main():
     unknown = set(overrides) - {f.name for f in dataclasses.fields(jd.Kernels)}
     if unknown:
         ap.error(f"--kernels: {sorted(unknown)} are not jd.Kernels fields")
-    try:
-        topology = topologies.get_topology_desc(
-            platform="cuda", target_config=target_config(args.target), topology="1x1x1")
-    except Exception as e:  # noqa: BLE001 (the plugin's own message says what is missing)
-        sys.exit(f"no deviceless CUDA compiler ({e}); install the CUDA plugin: "
-                 "pip install -e '.[cuda12]'")
-    device = topology.devices[0]
-    # the choice on Hopper (as tests/test_choice.py makes it): this process has no GPU backend
-    choice._compute_capability = lambda d: (9, 0)
+    device = deviceless_device(args.target)
     print(f"# deviceless compile for {device.device_kind}; jax {jax.__version__}; "
           f"{'FP8' if args.fp8 else 'bf16'} weights; context {args.context}")
     rows = []
