@@ -223,20 +223,6 @@ def _features_if_concrete(params: SamplingParams) -> SamplingFeatures | None:
         return None
 
 
-def _checked_features(params: SamplingParams, token_counts, prompt_mask
-                      ) -> SamplingFeatures | None:
-    """:func:`_features_if_concrete`; ValueError where they ask for a penalty that neither
-    ``token_counts`` nor ``prompt_mask`` is there to apply to (it would silently apply none)."""
-    features = _features_if_concrete(params)
-    if (features is not None and features.penalties and token_counts is None
-            and prompt_mask is None):
-        raise ValueError("params ask for a repetition, presence or frequency penalty, but no "
-                         "token_counts or prompt_mask were passed to apply it to: pass the rows' "
-                         "[B, V] generated-token counts (and prompt_mask_of(...) for the "
-                         "prompt), or use jd.generate, which tracks them")
-    return features
-
-
 def _show(x) -> str:
     x = np.asarray(x).ravel()
     return repr(x[0].item()) if x.size == 1 else str(x.tolist())
@@ -378,7 +364,13 @@ def processed_logits(logits: Array, params: SamplingParams, token_counts: Array 
     logits = jnp.asarray(logits, jnp.float32)
     b = logits.shape[0]
     if features is None:  # before broadcast, which would trace closed-over device arrays
-        features = _checked_features(params, token_counts, prompt_mask)
+        features = _features_if_concrete(params)
+        if (features is not None and features.penalties and token_counts is None
+                and prompt_mask is None):
+            raise ValueError("params ask for a repetition, presence or frequency penalty, but "
+                             "sample got no token_counts or prompt_mask to apply it to: pass "
+                             "the rows' [B, V] generated-token counts (and prompt_mask_of(...) "
+                             "for the prompt), or use jd.generate, which tracks them")
     p = params.broadcast(b)
     if token_counts is not None or prompt_mask is not None:
         logits = _maybe(features, "penalties",
@@ -439,7 +431,13 @@ def sample(logits: Array, key: Array, params: SamplingParams,
         raise ValueError(f"logits must be [B, V], got {logits.shape=}")
     b = logits.shape[0]
     if features is None:  # before broadcast, which would trace closed-over device arrays
-        features = _checked_features(params, token_counts, prompt_mask)
+        features = _features_if_concrete(params)
+        if (features is not None and features.penalties and token_counts is None
+                and prompt_mask is None):
+            raise ValueError("params ask for a repetition, presence or frequency penalty, but "
+                             "sample got no token_counts or prompt_mask to apply it to: pass "
+                             "the rows' [B, V] generated-token counts (and prompt_mask_of(...) "
+                             "for the prompt), or use jd.generate, which tracks them")
     p = params.broadcast(b)
     key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
     typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
