@@ -365,12 +365,6 @@ def processed_logits(logits: Array, params: SamplingParams, token_counts: Array 
     b = logits.shape[0]
     if features is None:  # before broadcast, which would trace closed-over device arrays
         features = _features_if_concrete(params)
-        if (features is not None and features.penalties and token_counts is None
-                and prompt_mask is None):
-            raise ValueError("params ask for a repetition, presence or frequency penalty, but "
-                             "sample got no token_counts or prompt_mask to apply it to: pass "
-                             "the rows' [B, V] generated-token counts (and prompt_mask_of(...) "
-                             "for the prompt), or use jd.generate, which tracks them")
     p = params.broadcast(b)
     if token_counts is not None or prompt_mask is not None:
         logits = _maybe(features, "penalties",
@@ -411,8 +405,7 @@ def sample(logits: Array, key: Array, params: SamplingParams,
       token_counts: optional [B, V] int32 generated-token counts (penalties).
       prompt_mask: optional [B, V] bool, the ids in each row's prompt (:func:`prompt_mask_of`),
         which the repetition penalty counts in rows with ``penalize_prompt``. With neither, no
-        penalty can apply: concrete ``params`` asking for one then get a ValueError (traced
-        ones, or ``features`` given, are not checked).
+        penalty applies.
       features: :func:`features_of` ``(params)`` (static; a step it turns off is skipped for
         every row). None: derived from concrete values, else each step runs under a ``lax.cond``
         (a device wait on a GPU): under ``jit`` pass ``features_of(host_params)``.
@@ -432,12 +425,6 @@ def sample(logits: Array, key: Array, params: SamplingParams,
     b = logits.shape[0]
     if features is None:  # before broadcast, which would trace closed-over device arrays
         features = _features_if_concrete(params)
-        if (features is not None and features.penalties and token_counts is None
-                and prompt_mask is None):
-            raise ValueError("params ask for a repetition, presence or frequency penalty, but "
-                             "sample got no token_counts or prompt_mask to apply it to: pass "
-                             "the rows' [B, V] generated-token counts (and prompt_mask_of(...) "
-                             "for the prompt), or use jd.generate, which tracks them")
     p = params.broadcast(b)
     key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
     typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)

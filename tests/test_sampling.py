@@ -326,17 +326,6 @@ def test_a_temperature_below_min_temperature_is_greedy():
     np.testing.assert_allclose(np.asarray(processed), np.asarray(x) / np.float32(1e-5), rtol=1e-6)
 
 
-def test_penalties_without_counts_are_an_error_not_ignored():
-    """A penalty asked for with nothing to count (no token_counts, no prompt_mask) would apply
-    to nothing: concrete params get a ValueError; with counts it applies."""
-    x = _random_logits(2, 20, seed=8)
-    sp = SamplingParams.create(2, repetition_penalty=1.5)
-    with pytest.raises(ValueError, match="no token_counts or prompt_mask"):
-        sampling.sample(x, jax.random.key(0), sp)
-    sampling.sample(x, jax.random.key(0), sp, np.zeros((2, 20), np.int32))
-    sampling.sample(x, jax.random.key(0), SamplingParams.create(2, temperature=0.5))
-
-
 def test_greedy_with_penalties_is_argmax_of_penalised_logits():
     x = _random_logits(2, 20, seed=7)
     counts = np.zeros((2, 20), np.int32)
