@@ -313,8 +313,9 @@ def _plan(params: Params, prompts, max_new_tokens, sampling, key, eos_token_ids,
           return_logprobs: bool = False, top_logprobs: int = 0,
           num_speculative_tokens: int = 0) -> _Plan:
     check_params(params)
-    check_not_traced(params, "jd.generate", "generation.generate_fn (padded arrays) or "
-                     "model.decode_step_fn in a lax.scan (README: 'Inside your own jit')")
+    check_not_traced("jd.generate (and generate_stream, precompile)",
+                     "generation.generate_fn (padded arrays) or model.decode_step_fn in a "
+                     "lax.scan (README: 'Inside your own jit')", params, key, state, sampling)
     check_kernels(kernels)
     config = params.config
     vocab, limit = config.vocab_size, config.max_position_embeddings

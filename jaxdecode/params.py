@@ -468,11 +468,17 @@ def check_params(params) -> None:
                          f"jd.init_params); got {type(params).__name__}")
 
 
-def check_not_traced(params: Params, entry: str, inside: str) -> None:
-    """Raises ValueError for traced params (``entry`` called inside ``jax.jit``, ``grad`` or
-    ``vmap``): it plans on the host (lists, buckets, memory) and runs its own jitted calls;
-    ``inside`` names what to use there instead."""
-    if isinstance(params.embed_tokens, Tracer):
+def traced(*trees) -> bool:
+    """Whether any leaf of ``trees`` (params, a state, keys, sampling parameters) is a JAX tracer:
+    the call is being traced by ``jax.jit``, ``grad`` or ``vmap``."""
+    return any(isinstance(leaf, Tracer) for leaf in jax.tree.leaves(trees))
+
+
+def check_not_traced(entry: str, inside: str, *trees) -> None:
+    """Raises ValueError where a leaf of ``trees`` is traced (:func:`traced`): ``entry`` plans on
+    the host (lists, buckets, memory) and runs its own jitted calls; ``inside`` names what to use
+    inside a ``jit`` instead."""
+    if traced(*trees):
         raise ValueError(f"{entry} runs from the host and cannot be traced (jax.jit, grad, vmap); "
                          f"inside your own jit use {inside}")
 

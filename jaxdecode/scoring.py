@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
-from jax.core import Tracer
 
 from jaxdecode import memory, sharding
 from jaxdecode.inputs import MIN_PROMPT_BUCKET, MIN_TOKEN_BUCKET, bucket, token_lists
@@ -28,7 +27,7 @@ from jaxdecode.kernels.choice import Kernels, check_kernels, resolve_kernels
 from jaxdecode.kernels.decode_attention import MAX_LEN_ALIGN
 from jaxdecode.model import (decode_logprobs_fn, prefill_fn, prefill_logprobs_fn,
                              target_logprobs)
-from jaxdecode.params import Params, check_params
+from jaxdecode.params import Params, check_params, traced
 from jaxdecode.state import DecodeState, init_state
 from jaxdecode.step import COMPILER_OPTIONS, plan_prefill
 
@@ -89,10 +88,11 @@ def score_fn(params: Params, prompts: Array, prompt_lengths: Array, continuation
                        state=state if return_state else None)
 
 
-_score_jit = jax.jit(score_fn, static_argnames=("mode", "max_len", "kernels",
-                                                "prefill_chunk_size", "query_block",
-                                                "return_state", "remat"),
-                     compiler_options=COMPILER_OPTIONS)
+_STATIC = ("mode", "max_len", "kernels", "prefill_chunk_size", "query_block", "return_state",
+           "remat")
+_score_jit = jax.jit(score_fn, static_argnames=_STATIC, compiler_options=COMPILER_OPTIONS)
+# inside the caller's jit or grad: JAX takes compiler options at the top-level jit only
+_score_traced = jax.jit(score_fn, static_argnames=_STATIC)
 
 
 def score(params: Params, prompts, continuations, *, mode: str = "chunked",
@@ -114,9 +114,13 @@ def score(params: Params, prompts, continuations, *, mode: str = "chunked",
         "chunked" mode the continuation's); the [B, chunk, V] float32 logits of a chunk count.
 
     With params on a mesh it runs there, rows over "data" (whole on each data group where they
-    do not divide it), as ``jd.generate``. With traced params (inside ``jax.jit`` or
-    ``jax.grad``: the prompts and continuations stay host lists) it is :func:`score_fn`, inlined;
-    gradients need ``kernels=jd.Kernels()`` (XLA's forms: the Pallas kernels have no VJP).
+    do not divide it), as ``jd.generate``. With traced params (a leaf traced by the caller's
+    ``jax.jit``, ``grad`` or ``vmap``; the prompts and continuations stay host lists) it runs
+    :func:`score_fn` as a nested jit; gradients need ``kernels=jd.Kernels()`` (XLA's forms: the
+    Pallas kernels have no VJP), and on a mesh ``kernels`` for it (``choose_kernels(...,
+    mesh=mesh)``: traced params carry no placement). Concrete params closed over inside the
+    caller's jit are a JAX error (a jit with compiler options inside another): pass them as an
+    argument.
 
     Returns a :class:`ScoreOutput`. Raises ValueError before any device work: params that are
     not :class:`Params`, ``kernels`` of another mesh (``kernels.choice.for_mesh``), empty
@@ -156,7 +160,11 @@ def score(params: Params, prompts, continuations, *, mode: str = "chunked",
     conts_np = np.zeros((batch, n_bucket), np.int32)
     for i, (p, c) in enumerate(zip(prompt_list, cont_list)):
         prompts_np[i, :len(p)], conts_np[i, :len(c)] = p, c
-    mesh = sharding.mesh_of(params)
+    inside = traced(params)  # in the caller's jit or grad: no placement to read
+    if inside:
+        mesh = None if kernels is None else kernels.mesh
+    else:
+        mesh = sharding.mesh_of(params)
     kernels = resolve_kernels(kernels, config, batch, params.dtype, mesh)
     memory.check_fits(f"score's state ({batch} rows x {max_len} positions)",
                       memory.state_bytes(config, batch, int(max_len), params.dtype)
@@ -167,8 +175,7 @@ def score(params: Params, prompts, continuations, *, mode: str = "chunked",
                         prefill_chunk_size=prefill_chunk_size,
                         activation_budget=activation_budget, kernels=kernels,
                         logits_per_token=mode == "chunked")
-    # traced params (inside the caller's jit or grad): the pure function, inlined
-    run = score_fn if isinstance(params.embed_tokens, Tracer) else _score_jit
+    run = _score_traced if inside else _score_jit
     return run(params, prompts_np, p_len, conts_np, c_len, mode=mode, max_len=int(max_len),
                kernels=kernels, prefill_chunk_size=plan.prefill_chunk_size,
                query_block=plan.query_block, return_state=bool(return_state))

@@ -8,6 +8,7 @@ import pytest
 
 import jaxdecode as jd
 from jaxdecode import generation as gen
+from jaxdecode.scoring import score_fn
 
 from conftest import FULL, LIN, ROOT, tiny
 
@@ -118,7 +119,6 @@ def test_score_fn_gradient_remat_and_finite_differences(params):
     """jax.grad through scoring.score_fn (the pure score, chunked, XLA kernels): with remat ==
     without, over a 100-token prompt in 64-token chunks, and the directional derivative along a
     random direction == a central finite difference (float32, eps 3e-4)."""
-    from jaxdecode.scoring import score_fn
     rng = np.random.default_rng(3)
     prompts = np.zeros((2, 128), np.int32)
     prompts[0, :100], prompts[1, :7] = rng.integers(0, VOCAB, 100), rng.integers(0, VOCAB, 7)
@@ -146,28 +146,34 @@ def test_score_fn_gradient_remat_and_finite_differences(params):
     np.testing.assert_allclose(along, numeric, rtol=2e-2)
 
 
-def test_score_inside_jit_and_grad_is_score_fn_inlined(params):
+def test_score_inside_jit_and_grad_runs_score_fn(params):
     """jd.score with traced params (the caller's jax.jit / jax.grad; lists stay on the host)
-    runs score_fn inline: the eager values, and the gradient of score_fn on the same padded
-    arrays; jd.generate there is a ValueError naming what to use instead."""
-    from jaxdecode.scoring import score_fn
+    runs score_fn as a nested jit: the eager values, and the gradient score_fn gives on the same
+    padded arrays, also with only some leaves traced (the final norm's gradient, the rest
+    closed over); jd.generate there is a ValueError naming what to use instead, for a traced
+    key as for traced params."""
     conts = [[7, 8, 9], [1], [300, 301, 2, 3]]
     eager = np.asarray(jd.score(params, PROMPTS, conts).logprobs)
     traced = jax.jit(lambda p: jd.score(p, PROMPTS, conts, kernels=jd.Kernels()).logprobs)
-    np.testing.assert_allclose(np.asarray(traced(params)), eager, atol=1e-6)
-    grad = jax.grad(lambda p: jd.score(p, PROMPTS, conts, kernels=jd.Kernels())
-                    .logprobs.sum())(params)
-    prompts = np.zeros((3, 16), np.int32)
-    cont = np.zeros((3, 16), np.int32)
+    np.testing.assert_allclose(np.asarray(traced(params)), eager, atol=1e-5)
+
+    def loss(norm, fn):
+        return fn(params.replace(norm=norm)).logprobs.sum()
+
+    got = jax.grad(loss)(params.norm, lambda p: jd.score(p, PROMPTS, conts,
+                                                          kernels=jd.Kernels()))
+    prompts, cont = np.zeros((3, 16), np.int32), np.zeros((3, 16), np.int32)
     for r, (p, c) in enumerate(zip(PROMPTS, conts)):
         prompts[r, :len(p)], cont[r, :len(c)] = p, c
-    want = jax.grad(lambda p: score_fn(
+    want = jax.grad(loss)(params.norm, lambda p: score_fn(
         p, prompts, np.array([5, 2, 11], np.int32), cont, np.array([3, 1, 4], np.int32),
-        max_len=64, kernels=jd.Kernels()).logprobs.sum())(params)
-    for a, b in zip(jax.tree.leaves(grad), jax.tree.leaves(want)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
-    with pytest.raises(ValueError, match=r"jd.generate runs from the host.*generate_fn"):
+        max_len=64, kernels=jd.Kernels()))
+    assert np.abs(np.asarray(want)).max() > 0
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match=r"jd.generate.*runs from the host.*generate_fn"):
         jax.jit(lambda p: gen.generate(p, PROMPTS, 4).tokens)(params)
+    with pytest.raises(ValueError, match=r"jd.generate.*runs from the host"):
+        jax.jit(lambda k: gen.generate(params, PROMPTS, 4, key=k).tokens)(jax.random.key(0))
 
 
 @pytest.mark.slow
