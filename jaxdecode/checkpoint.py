@@ -267,12 +267,20 @@ def _open(path: str):
 
 
 def _with_generation_eos(config: Config, directory: str) -> Config:
-    """``config`` with ``generation_config.json``'s ``eos_token_id`` (duplicates dropped) where
-    the directory has that file and it names one: HF ``generate`` stops at those
-    (``GenerationConfig`` over the model config; Qwen's chat releases add ``<|im_end|>`` there).
-    ValueError naming the file for ids that are not non-negative ints."""
+    """``config`` with ``generation_config.json``'s ``eos_token_id`` (an int or a list;
+    duplicates dropped; [] = none) where the directory has that file and it names one: HF
+    ``generate`` stops at those (``GenerationConfig.from_pretrained`` over the model config;
+    Qwen's chat releases add ``<|im_end|>`` there). Where the file names none, config.json's
+    are kept (HF would stop at none: a file written for other settings should not silently
+    disable EOS). ValueError naming the file for one that is not a JSON object or ids that are
+    not non-negative ints."""
     path = os.path.join(directory, "generation_config.json")
-    eos = read_json(path).get("eos_token_id") if os.path.exists(path) else None
+    if not os.path.exists(path):
+        return config
+    generation = read_json(path)
+    if not isinstance(generation, dict):
+        raise ValueError(f"{path!r} is not a JSON object (an HF GenerationConfig)")
+    eos = generation.get("eos_token_id")
     if eos is None:
         return config
     try:
@@ -333,8 +341,9 @@ def load_checkpoint(directory: str | os.PathLike, dtype="bfloat16", *,
         file (named); an unsupported ``quantization_config`` or ``quantize``; an FP8 weight without
         its scales, or scales whose shape does not fit the weight (both shapes named); a tensor
         with NaN or inf values (named, with the file); an unsupported or malformed config
-        (``Config.from_hf_config``), ``generation_config.json`` or index file; one message listing every missing, unexpected,
-        misshapen (both shapes), duplicated or non-float tensor, by its name in the checkpoint
+        (``Config.from_hf_config``), ``generation_config.json`` or index file; one message
+        listing every missing, unexpected, misshapen (both shapes), duplicated or non-float
+        tensor, by its name in the checkpoint
         (``params.checkpoint_specs``); a config that cannot be split over ``mesh``
         (``sharding.check_mesh``); both ``place`` and ``mesh``; ``mtp`` with a config.json whose
         ``mtp_num_hidden_layers`` is more than 1; weights larger than the default device's free

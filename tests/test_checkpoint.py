@@ -107,23 +107,31 @@ def test_checkpoint_malformed_files(tmp_path, params):
         load_checkpoint(path)
 
 
-def test_eos_ids_from_generation_config_as_hf_generate(tmp_path, params):
-    # HF generate stops at GenerationConfig's eos_token_id, which from_pretrained reads from
-    # generation_config.json over config.json (Qwen's chat releases add <|im_end|> there)
+def test_eos_ids_from_generation_config(tmp_path, params):
+    """HF generate stops at GenerationConfig's eos_token_id, which from_pretrained reads from
+    generation_config.json over config.json (Qwen's chat releases add <|im_end|> there):
+    load_checkpoint takes them (an int, a list, [] for none), keeps config.json's where the file
+    names none (a deliberate difference: HF would then stop at none), and jd.generate's default
+    stops there."""
     path = write_checkpoint(tmp_path / "ck", params)
     cfg = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**cfg, "eos_token_id": 5}))
-    assert load_checkpoint(path, dtype="float32").config.eos_token_id == (5,)
-    (path / "generation_config.json").write_text(json.dumps({"temperature": 0.7}))
-    assert load_checkpoint(path, dtype="float32").config.eos_token_id == (5,)
-    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [299, 5, 299]}))
+    gen_config = path / "generation_config.json"
     loaded = load_checkpoint(path, dtype="float32")
-    assert loaded.config.eos_token_id == (299, 5)
-    out = jd.generate(loaded, [[1, 2, 3]], max_new_tokens=2)  # the default stop ids: accepted
-    assert len(out.token_lists()[0]) <= 2
-    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1.5]}))
-    with pytest.raises(ValueError, match=r"generation_config.json'.*eos_token_id=\[1.5\]"):
-        load_checkpoint(path)
+    assert loaded.config.eos_token_id == (5,)
+    first = jd.generate(loaded, [[1, 2, 3]], max_new_tokens=3, eos_token_ids=()).token_lists()[0]
+    for text, want in (({"temperature": 0.7}, (5,)), ({"eos_token_id": None}, (5,)),
+                       ({"eos_token_id": 7}, (7,)), ({"eos_token_id": []}, ()),
+                       ({"eos_token_id": [299, first[0], 299]}, (299, first[0]))):
+        gen_config.write_text(json.dumps(text))
+        assert load_checkpoint(path, dtype="float32").config.eos_token_id == want, text
+    out = jd.generate(load_checkpoint(path, dtype="float32"), [[1, 2, 3]], max_new_tokens=3)
+    assert out.token_lists()[0] == first[:1] and out.stop_reasons()[0] == "eos"
+    for text, match in (([1.5], r"generation_config.json'.*eos_token_id=\[1.5\]"),
+                        ([7], "not a JSON object")):
+        gen_config.write_text(json.dumps({"eos_token_id": text} if text == [1.5] else text))
+        with pytest.raises(ValueError, match=match):
+            load_checkpoint(path)
 
 
 def test_checkpoint_missing_files(tmp_path):

