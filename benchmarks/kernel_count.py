@@ -13,9 +13,11 @@ periods of the layer pattern (up to the first attention layer: 3 Gated DeltaNet 
 each with its MLP or MoE block, at full width), so the table gives the launches of a period and
 of the whole model by extrapolation, without compiling every layer.
 
-Without a device XLA does not autotune: a GEMM may get another backend (Triton instead of
-cuBLAS) and the times are unknown, but the launches match the GPU's. Calibration against CUPTI on
-an H100 (benchmarks/RESULTS.md, session 48): 35B-A3B and 9B at 20 layers, batch 1, bf16, equal.
+Static counts: a loop's body counts once (the MoE rounds form's trip count depends on the
+routing), every branch of a conditional counts. Without a device XLA does not autotune: a GEMM
+may get another backend (Triton instead of cuBLAS) and the times are unknown. Calibration against
+CUPTI on an H100 (benchmarks/RESULTS.md, session 48; CUPTI's counts from sessions 40-41, the
+same step): 35B-A3B and 9B at 20 layers, batch 1, bf16, within one launch.
 """
 
 from __future__ import annotations
@@ -82,7 +84,8 @@ def deviceless_device(card: str):
 
 def launches(hlo_text: str) -> list[tuple[str, str, str]]:
     """(instruction, kind, op_name) of each kernel launch of the entry computation in order,
-    control flow (while, conditional, call) walked into, fusion bodies not."""
+    control flow walked into (a while's body and condition once, every branch of a conditional,
+    called computations), fusion bodies not."""
     computations, current, entry = {}, None, None
     for line in hlo_text.splitlines():
         head = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{$", line)
@@ -169,6 +172,8 @@ def main():
     unknown = set(overrides) - {f.name for f in dataclasses.fields(jd.Kernels)}
     if unknown:
         ap.error(f"--kernels: {sorted(unknown)} are not jd.Kernels fields")
+    overrides = {name: {"true": True, "false": False}.get(value.lower(), value)
+                 for name, value in overrides.items()}  # batch_invariant=false: a bool
     device = deviceless_device(args.target)
     print(f"# deviceless compile for {device.device_kind}; jax {jax.__version__}; "
           f"{'FP8' if args.fp8 else 'bf16'} weights; context {args.context}")
@@ -178,6 +183,10 @@ def main():
         full = jd.Config.from_preset(name if name == "tiny" or name.startswith("qwen")
                                      else f"qwen3.5-{name}")
         period = full.full_attention_layers[0] + 1  # the layer pattern repeats after it
+        if full.num_hidden_layers % period or full.layer_types != full.layer_types[:period] * (
+                full.num_hidden_layers // period):
+            sys.exit(f"{name}: its layers do not repeat a {period}-layer pattern; the count "
+                     "extrapolates from one")
         counts = []
         for layers in (period, 2 * period):
             config = dataclasses.replace(full, num_hidden_layers=layers,
@@ -194,7 +203,10 @@ def main():
         per_period = len(two) - len(one)
         fixed = len(one) - per_period
         whole = fixed + per_period * full.num_hidden_layers // period
-        start = next(i for i, (_, _, op) in enumerate(two) if f"layer{period}_" in op)
+        start = next((i for i, (_, _, op) in enumerate(two) if f"layer{period}_" in op), None)
+        if start is None:
+            sys.exit(f"{name}: no launch is named for layer {period} (op_name scopes): the "
+                     "second period cannot be found")
         while start and "layer" not in two[start - 1][2]:  # its norm (no layer scope)
             start -= 1
         second = two[start:start + per_period]

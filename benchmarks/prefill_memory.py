@@ -2,11 +2,12 @@
 
     pip install -e ".[cuda12]"   # the CUDA plugin compiles for the GPU; no GPU or driver needed
     python benchmarks/prefill_memory.py [--cells 9b:64:8192,35b-a3b:8:8192] [--fp8]
-        [--target h200|h100]
+        [--target h200|h100] [--memory-fraction 0.75]
 
-Per cell (model:rows:tokens, the state's max_len 256 more): the prefill ``jd.prefill`` plans
-(``step.plan_prefill``; its budget basis the card's memory, 0.9 x its size, less the weights and
-the state, as a fresh process would have free), compiled for the card (deviceless, as
+Per cell (model:rows:tokens, the state's max_len 256 more): the prefill plan
+(``memory.plan_prefill``, as ``jd.prefill`` makes it; its budget basis the memory JAX's allocator
+may use, ``--memory-fraction`` of the card (JAX's default ``XLA_PYTHON_CLIENT_MEM_FRACTION``
+0.75), less the weights and the state), compiled for the card (deviceless, as
 ``benchmarks/kernel_count.py``) at the planned chunk, and XLA's temporary bytes
 (``memory_analysis().temp_size_in_bytes``) against the plan's estimate, which carries
 ``memory.SAFETY_FACTOR``: a ratio above 1 is a prefill the plan lets run out of memory. Without
@@ -41,12 +42,15 @@ def main():
                     help="model:rows:tokens,... (presets without the 'qwen3.5-' prefix)")
     ap.add_argument("--fp8", action="store_true", help="block-FP8 Linears (jd.quantize_fp8)")
     ap.add_argument("--target", default="h200", choices=sorted(_DEVICE_INFO))
+    ap.add_argument("--memory-fraction", type=float, default=0.75,
+                    help="of the card's memory the allocator may use (JAX's default 0.75)")
     args = ap.parse_args()
     device = deviceless_device(args.target)
     placed = jax.sharding.SingleDeviceSharding(device)
     card = _DEVICE_INFO[args.target]["device_memory_size"]
     print(f"# deviceless compile for {device.device_kind}; jax {jax.__version__}; "
-          f"{'FP8' if args.fp8 else 'bf16'} weights")
+          f"{'FP8' if args.fp8 else 'bf16'} weights; free = {args.memory_fraction} x "
+          f"{card / GiB:.1f} GiB - weights - state")
     print("| model | rows x tokens | weights GiB | state GiB | chunk | estimate GiB | "
           "XLA temporaries GiB | / estimate | compile s |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -65,7 +69,7 @@ def main():
                                                      dtype="bfloat16"))
         weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
         held = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
-        free = int(0.9 * card) - weights - held
+        free = int(args.memory_fraction * card) - weights - held
         kernels = choice.choose_kernels(config, rows, dtype="bfloat16")
         plan = memory.plan_prefill(config, rows, tokens, tokens + 256, jnp.bfloat16,
                                    budget=int(memory.BUDGET_FRACTION * free),
