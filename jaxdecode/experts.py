@@ -149,7 +149,7 @@ def _rounds_fwd(k, x, pair_weights, order, starts, group_sizes, gate_up_proj, do
     # Zeros (the rows no round writes: pairs of another device's experts) made from this
     # layer's routing (min(count, 0) = 0): XLA merges constant starts of all layers into one
     # fusion at the program's start, every layer's [P, H] buffer then live at once (a prefill's
-    # memory grew with the depth: benchmarks/RESULTS.md, session 48).
+    # memory grew with the depth: benchmarks/RESULTS.md, "MoE fixed").
     start = jnp.broadcast_to(jnp.minimum(group_sizes[0], 0).astype(x.dtype), (p, h))
     out = lax.fori_loop(0, _num_rounds(group_sizes, cap), body, start)
     return out, (x, pair_weights, order, starts, group_sizes, gate_up_proj, down_proj)
