@@ -132,8 +132,10 @@ def launches(hlo_text: str) -> list[tuple[str, str, str]]:
     return out
 
 
-def compile_step(config, batch, context, device, fp8, overrides):
-    """Optimised HLO text of the decode step for ``device`` (a topology device)."""
+def abstract_inputs(config, batch, max_len, device, fp8):
+    """(params, state): ``ShapeDtypeStruct`` trees of bf16 random-weight params (``fp8``: block
+    FP8, ``jd.quantize_fp8``) and a [batch, max_len] state, placed on ``device``; nothing is
+    allocated."""
     placed = jax.sharding.SingleDeviceSharding(device)
 
     def make_params():
@@ -144,10 +146,16 @@ def compile_step(config, batch, context, device, fp8, overrides):
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed),
                             tree)
 
-    params = abstract(jax.eval_shape(make_params))
-    state = abstract(jax.eval_shape(lambda: jd.init_state(config, batch, context,
-                                                          dtype="bfloat16")))
-    tokens = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=placed)
+    return (abstract(jax.eval_shape(make_params)),
+            abstract(jax.eval_shape(lambda: jd.init_state(config, batch, max_len,
+                                                          dtype="bfloat16"))))
+
+
+def compile_step(config, batch, context, device, fp8, overrides):
+    """Optimised HLO text of the decode step for ``device`` (a topology device)."""
+    params, state = abstract_inputs(config, batch, context, device, fp8)
+    tokens = jax.ShapeDtypeStruct((batch,), jnp.int32,
+                                  sharding=jax.sharding.SingleDeviceSharding(device))
     kernels = dataclasses.replace(choice.choose_kernels(config, batch, dtype="bfloat16"),
                                   **overrides)
     lowered = step.jit_decode_step(config, kernels).lower(params, state, tokens, None)

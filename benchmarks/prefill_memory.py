@@ -24,7 +24,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kernel_count import _DEVICE_INFO, deviceless_device  # noqa: E402  (sets jax_platforms)
+from kernel_count import _DEVICE_INFO, abstract_inputs, deviceless_device  # noqa: E402  (sets jax_platforms)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -59,14 +59,7 @@ def main():
         rows, tokens = int(rows), int(tokens)
         config = jd.Config.from_preset(name if name == "tiny" or name.startswith("qwen")
                                        else f"qwen3.5-{name}")
-
-        def make_params(config=config):
-            params = jd.init_params(config, jax.random.key(0), "bfloat16")
-            return jd.quantize_fp8(params) if args.fp8 else params
-
-        shapes = jax.eval_shape(make_params)
-        state = jax.eval_shape(lambda: jd.init_state(config, rows, tokens + 256,
-                                                     dtype="bfloat16"))
+        shapes, state = abstract_inputs(config, rows, tokens + 256, device, args.fp8)
         weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
         held = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
         free = int(args.memory_fraction * card) - weights - held
@@ -76,11 +69,9 @@ def main():
                                    flash=kernels.prefill_attention == "pallas",
                                    weight_copy_bytes=step.dequantized_copy_bytes(shapes))
         chunk = plan.prefill_chunk_size or tokens
-        abstract = lambda tree: jax.tree.map(  # noqa: E731
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed), tree)
         run = step.jit_prefill(config, None, False, plan.query_block, kernels, False)
         t0 = time.perf_counter()
-        compiled = run.lower(abstract(shapes), abstract(state),
+        compiled = run.lower(shapes, state,
                              jax.ShapeDtypeStruct((rows, chunk), jnp.int32, sharding=placed),
                              jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=placed)).compile()
         temp = compiled.memory_analysis().temp_size_in_bytes
