@@ -135,14 +135,6 @@ def _num_rounds(group_sizes, cap):
     return lax.div(jnp.max(group_sizes) + cap - 1, cap)
 
 
-def _routed_zeros(group_sizes, shape, dtype):
-    """Zeros of ``shape`` made from the layer's routing (``min(count, 0) = 0``) as a rounds
-    loop's start: XLA merges constant starts of all layers into one fusion at the program's
-    start, every layer's buffer then live at once (a prefill's memory grew with the depth:
-    benchmarks/RESULTS.md, "MoE fixed")."""
-    return jnp.broadcast_to(jnp.minimum(group_sizes[0], 0).astype(dtype), shape)
-
-
 def _rounds_fwd(k, x, pair_weights, order, starts, group_sizes, gate_up_proj, down_proj):
     e, p, h = gate_up_proj.shape[0], pair_weights.shape[0], x.shape[1]
     cap = capacity(p, e)
@@ -154,9 +146,12 @@ def _rounds_fwd(k, x, pair_weights, order, starts, group_sizes, gate_up_proj, do
         # each pair sits in exactly one (round, slot): a set, no adds; empty slots dropped
         return out.at[jnp.where(valid, pair, p)].set(y, mode="drop")
 
-    # the rows no round writes (pairs of another device's experts) stay 0
-    out = lax.fori_loop(0, _num_rounds(group_sizes, cap), body,
-                        _routed_zeros(group_sizes, (p, h), x.dtype))
+    # Zeros (the rows no round writes: pairs of another device's experts) made from this
+    # layer's routing (min(count, 0) = 0): XLA merges constant starts of all layers into one
+    # fusion at the program's start, every layer's [P, H] buffer then live at once (a prefill's
+    # memory grew with the depth: benchmarks/RESULTS.md, "MoE fixed").
+    start = jnp.broadcast_to(jnp.minimum(group_sizes[0], 0).astype(x.dtype), (p, h))
+    out = lax.fori_loop(0, _num_rounds(group_sizes, cap), body, start)
     return out, (x, pair_weights, order, starts, group_sizes, gate_up_proj, down_proj)
 
 
@@ -182,7 +177,8 @@ def _rounds_bwd(k, res, g):
         grads = vjp(jnp.where(valid[..., None], g[pair], 0))
         return tuple(a + d.astype(f32) for a, d in zip(acc, grads))
 
-    zeros = tuple(_routed_zeros(group_sizes, a.shape, f32) for a in inputs)
+    zero = jnp.minimum(group_sizes[0], 0).astype(f32)  # from the routing, as in _rounds_fwd
+    zeros = tuple(jnp.broadcast_to(zero, a.shape) for a in inputs)
     grads = iter(lax.fori_loop(0, _num_rounds(group_sizes, cap), body, zeros))
     out = [next(grads).astype(a.dtype) if not isinstance(a, Fp8Linear) else None
            for a in (x, pair_weights, gate_up_proj, down_proj)]
